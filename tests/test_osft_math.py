@@ -1,0 +1,179 @@
+"""OSFT math on single modules: rank split, reconstruction, projection, orthogonality under AdamW."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from osft.trainer.osft.decomposition import OSFTLinear, choose_forward_form, rank_split
+from osft.trainer.osft.orthogonality import check_orthogonality, module_deviation_deg
+from osft.trainer.osft.projection import project_gradients, project_parameters
+
+
+def pretrained_like(n, m, seed=0):
+    """A weight with a decaying spectrum like a trained layer's (random spectrum would be flat)."""
+    g = torch.Generator().manual_seed(seed)
+    r = min(n, m)
+    u, _ = torch.linalg.qr(torch.randn(n, r, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(m, r, generator=g))
+    s = torch.logspace(0, -2, r)
+    return (u * s) @ v.t()
+
+
+def frozen_bases(weight, urr):
+    u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
+    kh = rank_split(*weight.shape, urr).k_high
+    return u[:, :kh].float(), vh[:kh].float()
+
+
+@pytest.mark.parametrize(
+    "n,m,urr,k_high",
+    [(576, 576, 0.25, 432), (192, 576, 0.25, 144), (10, 7, 1.0, 0), (10, 7, 0.5, 3), (8, 8, 0.01, 7), (1, 5, 0.3, 0)],
+)
+def test_rank_split(n, m, urr, k_high):
+    split = rank_split(n, m, urr)
+    assert split.k_high == k_high
+    assert split.k_low == min(n, m) - k_high
+    assert split.k_low >= 1
+
+
+@pytest.mark.parametrize("urr", [0.0, -0.1, 1.0001, 2, float("nan"), float("inf")])
+def test_rank_split_rejects_urr_outside_range(urr):
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        rank_split(8, 8, urr)
+
+
+@pytest.mark.parametrize("shape", [(48, 48), (96, 32), (32, 96)])
+@pytest.mark.parametrize("urr", [0.1, 0.25, 0.5, 1.0])
+def test_reconstruction_fp32(shape, urr):
+    w = pretrained_like(*shape)
+    mod = OSFTLinear.from_weight(w, None, urr=urr, tokens_per_micro_batch=64)
+    torch.testing.assert_close(mod.dense_weight(), w, rtol=0, atol=2e-6)
+    assert mod.k_low == rank_split(*shape, urr).k_low
+
+
+def test_keep_mode_chosen_only_when_cheaper_and_complete():
+    square = OSFTLinear.from_weight(pretrained_like(40, 40), None, urr=0.25, tokens_per_micro_batch=8)
+    assert square.u_keep and square.v_keep and square.U_basis.shape == (40, 10)
+    tall = OSFTLinear.from_weight(pretrained_like(80, 40), None, urr=0.25, tokens_per_micro_batch=8)
+    assert not tall.u_keep and tall.v_keep  # U side lacks the null-space columns: U_high is used
+    half = OSFTLinear.from_weight(pretrained_like(40, 40), None, urr=0.5, tokens_per_micro_batch=8)
+    assert not half.u_keep and not half.v_keep
+
+
+@pytest.mark.parametrize("form", ["dense", "split"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_forward_and_gradients_match_dense_linear(form, transposed):
+    w = pretrained_like(24, 40)
+    bias = torch.randn(24)
+    stored = w.t().contiguous() if transposed else w
+    mod = OSFTLinear.from_weight(stored, bias, urr=0.5, tokens_per_micro_batch=8, forward_form=form, transposed=transposed)
+    x = torch.randn(3, 5, 40)
+    torch.testing.assert_close(mod(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # Gradients of the factors follow the chain rule through W = W_high + U_low diag(S_low) V_low.
+    x.requires_grad_(True)
+    mod(x).square().sum().backward()
+    w_eff = w.clone().requires_grad_(True)
+    F.linear(x.detach(), w_eff, bias).square().sum().backward()
+    dw = w_eff.grad
+    torch.testing.assert_close(mod.U_low.grad, dw @ mod.V_low.detach().t() * mod.S_low.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mod.V_low.grad, mod.S_low.detach()[:, None] * (mod.U_low.detach().t() @ dw), rtol=1e-4, atol=1e-4)
+    assert mod.W_high.grad is None and mod.U_basis.grad is None
+
+
+def test_forward_form_choice_by_flops():
+    # Square q/o projections with many tokens: rebuilding W is cheaper than the low-rank path.
+    assert choose_forward_form(576, 576, 144, 4096) == "dense"
+    # MLP shapes and k/v projections: the split form is never more expensive than full FT there.
+    assert choose_forward_form(1536, 576, 144, 1024) == "split"
+    assert choose_forward_form(192, 576, 48, 1024) == "split"
+    # Few tokens per micro-batch: the per-micro-batch rebuild dominates.
+    assert choose_forward_form(576, 576, 144, 128) == "split"
+
+
+@pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80)])
+@pytest.mark.parametrize("urr", [0.25, 0.6])
+@pytest.mark.parametrize("v_form", ["factored", "gram"])
+def test_projected_gradients_are_orthogonal_to_frozen_subspaces(shape, urr, v_form):
+    w = pretrained_like(*shape)
+    mod = OSFTLinear.from_weight(w, None, urr=urr, tokens_per_micro_batch=8)
+    u_high, v_high = frozen_bases(w, urr)
+    mod.U_low.grad = torch.randn_like(mod.U_low)
+    mod.V_low.grad = torch.randn_like(mod.V_low)
+    before_u = (u_high.t() @ mod.U_low.grad).abs().max()
+    project_gradients([mod], v_form)
+    assert before_u > 0.1
+    assert (u_high.t() @ mod.U_low.grad).abs().max() < 1e-5
+    assert (mod.V_low.grad @ v_high.t()).abs().max() < 1e-5
+    # The projection is idempotent and leaves the trainable component untouched.
+    g_u, g_v = mod.U_low.grad.clone(), mod.V_low.grad.clone()
+    project_gradients([mod], v_form)
+    torch.testing.assert_close(mod.U_low.grad, g_u, atol=1e-5, rtol=0)
+    torch.testing.assert_close(mod.V_low.grad, g_v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80)])
+def test_factored_equals_gram(shape):
+    w = pretrained_like(*shape)
+    a = OSFTLinear.from_weight(w, None, urr=0.3, tokens_per_micro_batch=8)
+    b = OSFTLinear.from_weight(w, None, urr=0.3, tokens_per_micro_batch=8)
+    g = torch.Generator().manual_seed(3)
+    u, v = torch.randn(a.U_low.shape, generator=g), torch.randn(a.V_low.shape, generator=g)
+    for mod in (a, b):
+        mod.U_low.data, mod.V_low.data = u.clone(), v.clone()
+    project_parameters([a], "factored")
+    project_parameters([b], "gram")
+    torch.testing.assert_close(a.V_low, b.V_low, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.U_low, b.U_low, rtol=1e-5, atol=1e-5)
+
+
+def test_deviation_measure_is_the_angle_to_the_frozen_subspace():
+    w = pretrained_like(30, 30)
+    mod = OSFTLinear.from_weight(w, None, urr=0.5, tokens_per_micro_batch=8)
+    u_high, _ = frozen_bases(w, 0.5)
+    assert module_deviation_deg(mod) < 1e-3
+    # Tilt one trainable column by exactly 3 degrees towards a frozen direction.
+    with torch.no_grad():
+        col = mod.U_low[:, 0].clone()
+        mod.U_low[:, 0] = col * math.cos(math.radians(3)) + u_high[:, 0] * col.norm() * math.sin(math.radians(3))
+    assert module_deviation_deg(mod) == pytest.approx(3.0, abs=1e-3)
+    report = check_orthogonality([("m", mod)], margin_deg=1.0)
+    assert report.violations == 1 and report.violating == ["m"]
+    assert check_orthogonality([("m", mod)], margin_deg=5.0).violations == 0
+
+
+def _adamw_stress(reproject: bool, steps: int = 200):
+    torch.manual_seed(0)
+    shapes = [(48, 48), (96, 48), (48, 96)]
+    mods = [OSFTLinear.from_weight(pretrained_like(n, m, seed=i), None, urr=0.25, tokens_per_micro_batch=16) for i, (n, m) in enumerate(shapes)]
+    targets = [torch.randn(n, m) for n, m in shapes]
+    params = [p for mod in mods for p in mod.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    named = [(f"m{i}", mod) for i, mod in enumerate(mods)]
+    violations, worst = 0, 0.0
+    for _ in range(steps):
+        x = torch.randn(16, 96)
+        loss = sum(F.mse_loss(mod(x[:, : mod.in_features]), x[:, : mod.in_features] @ t.t()) for mod, t in zip(mods, targets))
+        opt.zero_grad()
+        loss.backward()
+        project_gradients(mods)
+        opt.step()
+        if reproject:
+            project_parameters(mods)
+        report = check_orthogonality(named, margin_deg=1.0)
+        violations += report.violations
+        worst = max(worst, report.max_dev_deg)
+    return violations, worst, loss.item()
+
+
+def test_adamw_stress_has_no_violations_with_reprojection():
+    violations, worst, _ = _adamw_stress(reproject=True)
+    assert violations == 0
+    assert worst < 1e-2  # degrees; fp32 projection leaves only rounding error
+
+
+def test_violations_appear_without_post_step_reprojection():
+    violations, worst, _ = _adamw_stress(reproject=False)
+    assert violations > 0
+    assert worst > 1.0

@@ -1,0 +1,116 @@
+"""``osft-train``: the command line.
+
+``osft-train [flags]`` trains; ``osft-train fetch-demo [--dir DIR]`` prepares the demo model and
+data; ``osft-train demo [flags]`` prepares them and trains on them with demo-sized defaults.
+
+Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, data, model path),
+reported on one line (data problems: one line per problem) before any training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from rich.console import Console
+
+from .config import build_parser, check_config, config_from_args
+
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+#: Demo run: SmolLM2-135M-Instruct on chit-chat, sized for a few minutes on two CPU cores.
+DEMO_DEFAULTS = dict(
+    output_dir="runs/demo",
+    max_steps=30,
+    batch_size=8,
+    max_seq_len=512,
+    max_tokens_per_gpu=1024,
+    learning_rate=5e-5,
+    lr_scheduler="cosine",
+    warmup_steps=3,
+)
+
+
+def _fetch_demo(argv: list[str], console: Console):
+    from .demo_assets import fetch_demo
+
+    parser = argparse.ArgumentParser(prog="osft-train fetch-demo", description="Prepare the offline demo model and data.")
+    parser.add_argument("--dir", type=Path, default=None, help="target directory (default: user cache dir, or $OSFT_DEMO_DIR)")
+    args = parser.parse_args(argv)
+    return fetch_demo(args.dir, console)
+
+
+class InputError(Exception):
+    """Bad flags, data or model path, found before training starts (exit code 2)."""
+
+
+def _train(cfg, console: Console) -> int:
+    from .data.validate import DataValidationError
+    from .loop import Trainer
+    from .rundir import RunDir
+
+    run_dir = RunDir(cfg.output_dir)
+    run_dir.create()
+    job_id = os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
+    run_dir.update_run_json(
+        argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), torchrun_pids=[],
+        nnodes=1, nproc_per_node=1, start_time=time.time(), state="starting", exit_code=None,
+    )
+    try:
+        trainer = Trainer(cfg, console, job_id)
+        trainer.prepare()
+    except (DataValidationError, ValueError, FileNotFoundError) as exc:
+        run_dir.update_run_json(state="failed", exit_code=EXIT_BAD_INPUT)
+        raise InputError(str(exc)) from exc
+    run_dir.update_run_json(state="running")
+    try:
+        result = trainer.run()
+    except BaseException:
+        run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
+        raise
+    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=result.export_dir)
+    console.print(
+        f"[green]done[/green]: {result.steps} steps, last loss {result.last_loss:.4f}, "
+        f"orthogonality violations {result.violations_total}, export {result.export_dir}"
+    )
+    return EXIT_COMPLETED
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``osft-train``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console(stderr=True)
+    try:
+        if argv[:1] == ["fetch-demo"]:
+            _fetch_demo(argv[1:], console)
+            return EXIT_COMPLETED
+        if argv[:1] == ["demo"]:
+            parser = build_parser("osft-train demo", require_paths=False)
+            demo_dir = None
+            if "--dir" in argv:
+                at = argv.index("--dir")
+                demo_dir, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
+            assets = _fetch_demo(["--dir", demo_dir] if demo_dir else [], console)
+            parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path), **DEMO_DEFAULTS)
+            args = parser.parse_args(argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
+        cfg = config_from_args(args)
+        try:
+            check_config(cfg)
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+        return _train(cfg, console)
+    except InputError as exc:
+        console.print(f"[red]osft-train: error:[/red] {exc}", highlight=False, markup=True)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

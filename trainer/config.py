@@ -1,0 +1,189 @@
+"""Every ``osft-train`` flag: the :class:`TrainConfig` dataclass and its argparse parser.
+
+Flag names follow the older mini_trainer where one exists (``--model-name-or-path``,
+``--data-path``, ``--output-dir``, ``--max-tokens-per-gpu``, ``--osft-unfreeze-rank-ratio``, ...),
+so its users can switch. Bad values are rejected by the parser with one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TrainConfig:
+    """Resolved training configuration (units: tokens, steps, samples, degrees)."""
+
+    model_name_or_path: str
+    data_path: str
+    output_dir: str
+    # data
+    max_seq_len: int = 2048
+    overlong: str = "drop"
+    train_on_all: bool = False
+    # batching
+    batch_size: int = 16
+    max_tokens_per_gpu: int = 4096
+    # optimisation
+    learning_rate: float = 2e-5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    num_epochs: int = 1
+    max_steps: int | None = None
+    seed: int = 42
+    # OSFT
+    osft: bool = True
+    osft_unfreeze_rank_ratio: float = 0.25
+    osft_target_patterns: list[str] | None = None
+    osft_v_projection: str = "factored"
+    osft_forward: str = "auto"
+    ortho_margin_deg: float = 1.0
+    ortho_check_every: int = 1
+    # precision and device
+    device: str = "auto"
+    dtype: str = "auto"
+    save_dtype: str = "bfloat16"
+    # outputs
+    hf_export_every_steps: int = 0
+    logging_steps: int = 1
+
+    def to_json(self) -> dict:
+        """Plain-data view for ``run.json``."""
+        return dataclasses.asdict(self)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
+    lo_b, hi_b = "(" if lo_open else "[", ")" if hi_open else "]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be in {lo_b}{lo:g}, {hi:g}{hi_b}, got {text!r}")
+        return value
+
+    return parse
+
+
+INF = float("inf")
+
+
+def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argparse.ArgumentParser:
+    """The ``osft-train`` training parser, flags grouped as in ``--help``.
+
+    ``require_paths=False`` makes model, data and output dir optional (``osft-train demo`` fills them).
+    """
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Fine-tune a Hugging Face causal LM on chat data (messages jsonl) with Orthogonal "
+        "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = TrainConfig("", "", "")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model-name-or-path", required=require_paths, help="HF model directory or a .gguf file")
+    g.add_argument("--data-path", required=require_paths, help="training data: jsonl, one {\"messages\": [...]} per line")
+    g.add_argument("--output-dir", required=require_paths, help="run directory (metrics, exports, checkpoints)")
+    g.add_argument("--max-seq-len", type=_positive_int, default=d.max_seq_len, help="longest sample, tokens")
+    g.add_argument("--overlong", choices=["drop", "error", "truncate"], default=d.overlong,
+                   help="what to do with samples longer than --max-seq-len (always reported)")
+    g.add_argument("--train-on-all", action="store_true", help="train on every token, not only assistant turns")
+
+    g = p.add_argument_group("batching")
+    g.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="global batch size, samples per optimizer step")
+    g.add_argument("--max-tokens-per-gpu", type=_positive_int, default=d.max_tokens_per_gpu,
+                   help="token budget of one packed micro-batch; the step accumulates as many as needed")
+
+    g = p.add_argument_group("optimisation (AdamW)")
+    g.add_argument("--learning-rate", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.learning_rate)
+    g.add_argument("--beta1", type=_float_in(0, 1, hi_open=True), default=d.beta1)
+    g.add_argument("--beta2", type=_float_in(0, 1, hi_open=True), default=d.beta2)
+    g.add_argument("--eps", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.eps)
+    g.add_argument("--weight-decay", type=_float_in(0, INF, hi_open=True), default=d.weight_decay,
+                   help="decoupled weight decay on every trainable parameter")
+    g.add_argument("--lr-scheduler", choices=["constant", "linear", "cosine"], default=d.lr_scheduler)
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps)
+    g.add_argument("--max-grad-norm", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.max_grad_norm)
+    g.add_argument("--num-epochs", type=_positive_int, default=d.num_epochs)
+    g.add_argument("--max-steps", type=_positive_int, default=d.max_steps, help="stop after this many optimizer steps")
+    g.add_argument("--seed", type=int, default=d.seed)
+
+    g = p.add_argument_group("OSFT")
+    g.add_argument("--no-osft", dest="osft", action="store_false", help="plain full fine-tuning (the baseline)")
+    g.add_argument("--osft-unfreeze-rank-ratio", type=_float_in(0, 1, lo_open=True), default=d.osft_unfreeze_rank_ratio,
+                   help="URR: share of each target's rank that trains; k_high = floor(rank*(1-URR))")
+    g.add_argument("--osft-target-patterns", nargs="+", metavar="REGEX", default=None,
+                   help="regular expressions selecting target modules (default: per architecture)")
+    g.add_argument("--osft-v-projection", choices=["factored", "gram"], default=d.osft_v_projection,
+                   help="V-side projection: factored (dV V_high^T) V_high, or the M x M Gram form")
+    g.add_argument("--osft-forward", choices=["auto", "dense", "split"], default=d.osft_forward,
+                   help="forward formulation per module; auto picks the one with fewer FLOPs")
+    g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
+                   help="a deviation from 90 degrees above this is an orthogonality violation")
+    g.add_argument("--ortho-check-every", type=_positive_int, default=d.ortho_check_every, help="steps between checks")
+
+    g = p.add_argument_group("precision, device and outputs")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
+                   help="training dtype; auto = float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=d.save_dtype,
+                   help="dtype of the HF export")
+    g.add_argument("--hf-export-every-steps", type=_non_negative_int, default=d.hf_export_every_steps,
+                   help="also export hf_format/step_N every N steps (0: only at the end)")
+    g.add_argument("--logging-steps", type=_positive_int, default=d.logging_steps, help="console update interval, steps")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Build a :class:`TrainConfig` from parsed arguments."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Cross-flag checks the parser cannot do alone.
+
+    Raises:
+        ValueError: a sample could not fit into one micro-batch, or an input path is missing.
+    """
+    if cfg.max_seq_len > cfg.max_tokens_per_gpu:
+        raise ValueError(
+            f"--max-seq-len {cfg.max_seq_len} exceeds --max-tokens-per-gpu {cfg.max_tokens_per_gpu}: "
+            "a sample must fit into one micro-batch"
+        )
+    if not Path(cfg.data_path).is_file():
+        raise ValueError(f"--data-path {cfg.data_path}: no such file")
+    if not Path(cfg.model_name_or_path).exists():
+        raise ValueError(f"--model-name-or-path {cfg.model_name_or_path}: no such file or directory (models load from disk only)")

@@ -1,0 +1,265 @@
+"""The training loop of one rank: data, model, OSFT, AdamW, metrics and the final HF export.
+
+Rank and world size come from the environment (:class:`.distributed.DistEnv`), so the same loop
+runs in-process and under torchrun. Loss = sum of token losses / number of loss tokens in the global
+batch (all micro-batches of all ranks), so it does not depend on how samples were packed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from transformers import get_scheduler
+
+from .checkpoint.hf_export import save_hf_model
+from .config import TrainConfig
+from .data.collate import collate_packed
+from .data.packing import plan_micro_batches
+from .data.sampler import GlobalBatchSampler
+from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
+from .distributed import DistEnv
+from .metrics import MetricsLogger
+from .model_loading import load_model, load_tokenizer
+from .osft.orthogonality import check_orthogonality
+from .osft.projection import project_gradients, project_parameters
+from .osft.surgery import OSFTModel, apply_osft, dense_state_dict
+from .progress import TrainProgress
+from .rundir import RunDir, write_json_atomic
+
+
+@dataclass
+class TrainResult:
+    """Outcome of :func:`train`: steps done, the last loss, the total orthogonality violations and
+    the path of the final HF export."""
+
+    steps: int
+    last_loss: float
+    violations_total: int
+    export_dir: str
+
+
+def resolve_device_dtype(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
+    """``--device auto`` = CUDA when available, else CPU; ``--dtype auto`` = bf16 on GPU, fp32 on CPU.
+
+    Raises:
+        ValueError: ``--device cuda`` without a CUDA device.
+    """
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if use_cuda else torch.float32
+    else:
+        dtype = getattr(torch, cfg.dtype)
+    return device, dtype
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and CUDA) generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
+    """Per sample, the tokens that carry loss after the next-token shift: trained labels at
+    positions 1..L-1 (the first token has no prediction). int64 array [num_samples]."""
+    return np.fromiter((sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels), dtype=np.int64, count=len(labels))
+
+
+class Trainer:
+    """One rank's training run. Build with a config, then call :meth:`run`."""
+
+    def __init__(self, cfg: TrainConfig, console: Console | None = None, job_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.dist = DistEnv.from_env()
+        if self.dist.world_size != 1:
+            raise RuntimeError("multi-rank training needs the distributed launcher; run with one process")
+        self.console = console or Console(stderr=True)
+        self.run_dir = RunDir(cfg.output_dir)
+        self.run_dir.create()
+        self.job_id = job_id or os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
+        self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id)
+        self.device, self.dtype = resolve_device_dtype(cfg)
+
+    def _say(self, message: str) -> None:
+        if self.dist.is_local_main:
+            self.console.print(message)
+
+    def _warn(self, message: str) -> None:
+        self.metrics.log("warning", message=message)
+        self.console.print(f"[yellow]warning:[/yellow] {message}")
+
+    def prepare(self) -> None:
+        """Tokenize the data (all validation problems raised before the model loads), load the
+        model and decompose its targets, build AdamW and the LR schedule."""
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json())
+        self.tokenizer = load_tokenizer(cfg.model_name_or_path)
+        self.data = tokenize_chat_file(cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+        write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
+        for line in self.data.report.summary_lines():
+            self._say(f"data: {line}")
+        dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
+        if dropped:
+            self._warn(f"{dropped} sample(s) of {cfg.data_path} dropped; see {self.run_dir.data_report}")
+        self.lengths = self.data.lengths
+        self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
+
+        self.model = load_model(cfg.model_name_or_path, self.dtype, self.device)
+        self.model.train()
+        self.osft: OSFTModel | None = None
+        if cfg.osft:
+            self.osft = apply_osft(
+                self.model,
+                self.model.config.model_type,
+                cfg.osft_unfreeze_rank_ratio,
+                tokens_per_micro_batch=cfg.max_tokens_per_gpu,
+                patterns=cfg.osft_target_patterns,
+                forward_form=cfg.osft_forward,
+            )
+            forms = [m.forward_form for m in self.osft.osft_modules]
+            self._say(
+                f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
+                f"(URR {cfg.osft_unfreeze_rank_ratio}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
+            )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        self.sampler = GlobalBatchSampler(len(self.data), cfg.batch_size, cfg.seed)
+        total = cfg.num_epochs * self.sampler.steps_per_epoch
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.scheduler = get_scheduler(
+            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
+        )
+
+    def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
+        """Summed token loss of one packed micro-batch (float32 scalar, on the device)."""
+        out = self.model(
+            input_ids=batch["input_ids"].to(self.device),
+            position_ids=batch["position_ids"].to(self.device),
+            use_cache=False,
+        )
+        logits = out.logits
+        return F.cross_entropy(
+            logits.view(-1, logits.shape[-1]).float(),
+            batch["labels"].to(self.device).view(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+    def train_step(self, step: int, indices: list[int]) -> dict:
+        """Forward/backward every micro-batch of this rank, project, clip, step, re-project.
+
+        Returns the numbers of the ``step`` metrics record.
+
+        Raises:
+            RuntimeError: the batch has no loss token, or the loss is not finite.
+        """
+        cfg = self.cfg
+        start = time.perf_counter()
+        idx = np.asarray(indices, dtype=np.int64)
+        total_loss_tokens = int(self.loss_tokens[idx].sum())
+        if total_loss_tokens == 0:
+            raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self._lines(idx)})")
+        plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        num_tokens = 0
+        for micro in plan:
+            if not micro:
+                continue
+            batch = collate_packed([self.data[int(idx[i])] for i in micro])
+            mb_loss = self._micro_batch_loss(batch)
+            (mb_loss / total_loss_tokens).backward()
+            loss_sum += mb_loss.detach().double().cpu()
+            num_tokens += int(batch["num_tokens"])
+        loss = float(loss_sum) / total_loss_tokens
+        if not np.isfinite(loss):
+            raise RuntimeError(f"step {step}: loss is {loss} (lines {self._lines(idx)})")
+        modules = self.osft.osft_modules if self.osft else []
+        if modules:
+            project_gradients(modules, cfg.osft_v_projection)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm
+        ))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if modules:
+            project_parameters(modules, cfg.osft_v_projection)
+        violations, max_dev = 0, None
+        if self.osft and step % cfg.ortho_check_every == 0:
+            report = check_orthogonality(self.osft.modules, cfg.ortho_margin_deg)
+            violations, max_dev = report.violations, report.max_dev_deg
+            if report.violating:
+                self._warn(f"step {step}: orthogonality violations in {report.violating}")
+        elapsed = time.perf_counter() - start
+        return dict(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=num_tokens,
+            num_loss_tokens=total_loss_tokens,
+            num_samples=len(indices),
+            step_time_s=elapsed,
+            tokens_per_s=num_tokens / elapsed,
+            node_tokens_per_s=num_tokens / elapsed,
+            samples_per_s=len(indices) / elapsed,
+            ortho_violations=violations,
+            ortho_max_dev_deg=max_dev,
+        )
+
+    def _lines(self, idx: np.ndarray) -> list[int]:
+        return [int(self.data[int(i)]["line"]) for i in idx[:20]]
+
+    def export(self, step: int) -> str:
+        """Write the dense HF export ``hf_format/step_<step>`` and return its path."""
+        out = self.run_dir.hf_export(step)
+        self.model.eval()
+        save_hf_model(
+            self.model.config, dense_state_dict(self.model), self.tokenizer, out,
+            getattr(torch, self.cfg.save_dtype), overwrite=True,
+        )
+        self.model.train()
+        return str(out)
+
+    def run(self) -> TrainResult:
+        """Train ``total_steps`` optimizer steps, log every step, export at the end."""
+        cfg = self.cfg
+        violations_total, step, last_loss = 0, 0, float("nan")
+        process = psutil.Process()
+        with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
+            while step < self.total_steps:
+                epoch, index = divmod(step, self.sampler.steps_per_epoch)
+                step += 1
+                record = self.train_step(step, self.sampler.batch(epoch, index))
+                violations_total += record["ortho_violations"]
+                last_loss = record["loss"]
+                self.metrics.log(
+                    "step", step=step, epoch=epoch, ortho_violations_total=violations_total,
+                    rss_bytes=process.memory_info().rss,
+                    gpu_mem_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+                    **record,
+                )
+                if step % cfg.logging_steps == 0 or step == self.total_steps:
+                    progress.update(step, record["loss"], record["lr"], record["tokens_per_s"], violations_total)
+                if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
+                    progress.print(f"exported {self.export(step)}")
+        export_dir = self.export(step)
+        self._say(f"export: {export_dir}")
+        self.metrics.log("run_finished", reason="completed", exit_code=0, step=step, export_dir=export_dir)
+        self.metrics.close()
+        return TrainResult(steps=step, last_loss=last_loss, violations_total=violations_total, export_dir=export_dir)

@@ -1,0 +1,70 @@
+"""Structured metrics: one JSON object per line, appended and flushed per record (DESIGN.md section 4).
+
+Each node's LOCAL_RANK 0 writes ``metrics/node<N>.jsonl``; any other rank writes only its warnings
+and errors, to ``metrics/rank<R>.jsonl``, so no two processes share a file and nothing a non-zero
+local rank reports is swallowed by the gate (field cases B05, B22).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from .distributed import DistEnv
+
+#: Events every rank records, whatever its local rank.
+ALWAYS_RECORDED = frozenset({"warning", "error", "run_started"})
+
+
+def _clean(value: Any) -> Any:
+    """Non-finite floats become null (JSON has no NaN); everything else passes through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    """Appends metrics records for one process.
+
+    Args:
+        metrics_dir: ``<output_dir>/metrics``.
+        dist: this process's place in the job.
+        job_id: identifier shared by every rank of the job.
+    """
+
+    def __init__(self, metrics_dir: Path, dist: DistEnv, job_id: str) -> None:
+        self.dist = dist
+        self.job_id = job_id
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+        name = f"node{dist.node_rank}.jsonl" if dist.is_local_main else f"rank{dist.rank}.jsonl"
+        self.path = metrics_dir / name
+        self._file: IO[str] | None = None
+
+    def log(self, event: str, **fields: Any) -> None:
+        """Append one record; on a non-zero local rank only :data:`ALWAYS_RECORDED` events are kept."""
+        if not self.dist.is_local_main and event not in ALWAYS_RECORDED:
+            return
+        record = {
+            "ts": time.time(),
+            "event": event,
+            "node_rank": self.dist.node_rank,
+            "rank": self.dist.rank,
+            "local_rank": self.dist.local_rank,
+            "world_size": self.dist.world_size,
+            "hostname": self.dist.hostname,
+            "job_id": self.job_id,
+        }
+        record.update({k: _clean(v) for k, v in fields.items()})
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

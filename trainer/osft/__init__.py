@@ -1,0 +1,13 @@
+"""Orthogonal Subspace Fine-Tuning (OSFT).
+
+Nayak et al. 2025, "Sculpting Subspaces: Constrained Full Fine-Tuning in LLMs for Continual
+Learning" (arXiv 2504.07097). Each targeted weight W (N×M) is split by SVD into a frozen high-rank
+part (the directions of the k_high largest singular values: the model's prior knowledge) and a
+trainable low-rank part; the trainable factors are kept orthogonal to the frozen subspaces.
+
+Modules:
+- :mod:`.targets`: which weights are decomposed (per-architecture name patterns).
+- :mod:`.decomposition`: SVD, rank split and the :class:`OSFTLinear` module that replaces a target.
+- :mod:`.projection`: gradient projection before and parameter re-projection after the optimizer step.
+- :mod:`.orthogonality`: the violation measure (worst deviation from 90°).
+"""

@@ -1,0 +1,203 @@
+"""SVD rank split and the :class:`OSFTLinear` module that replaces each targeted linear layer.
+
+Notation (Nayak et al. 2025, section 3): W = U diag(S) Vᵀ with W of shape N×M (out×in) and rank
+r = min(N, M). The k_high largest singular directions (U_high: N×k_high, S_high, V_high: k_high×M)
+are frozen; the remaining k_low = r − k_high directions (U_low: N×k_low, S_low: k_low,
+V_low: k_low×M) are trainable. k_high = floor(r · (1 − URR)), URR = unfreeze rank ratio in (0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ForwardForm = Literal["dense", "split"]
+
+
+@dataclass(frozen=True)
+class RankSplit:
+    """Rank split of one N×M weight: ``rank = k_high + k_low``."""
+
+    rank: int
+    k_high: int
+    k_low: int
+
+
+def rank_split(n: int, m: int, urr: float) -> RankSplit:
+    """Split rank min(n, m) by the unfreeze rank ratio: k_high = floor(min(n, m)·(1 − URR)).
+
+    URR = 1.0 makes every direction trainable (k_high = 0). k_low ≥ 1 for every URR > 0.
+
+    Raises:
+        ValueError: URR outside (0, 1] or not a finite number.
+    """
+    if not (isinstance(urr, (int, float)) and math.isfinite(urr) and 0.0 < urr <= 1.0):
+        raise ValueError(f"unfreeze rank ratio (URR) must be in (0, 1], got {urr!r}")
+    rank = min(n, m)
+    # The small epsilon keeps e.g. 576 * (1 - 0.25) = 432.0 from flooring to 431 through rounding.
+    k_high = min(rank - 1, int(math.floor(rank * (1.0 - urr) + 1e-9))) if rank > 0 else 0
+    return RankSplit(rank=rank, k_high=max(k_high, 0), k_low=rank - max(k_high, 0))
+
+
+def svd_fp32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD of a 2-D weight computed in float32 whatever its dtype.
+
+    CUDA has no half-precision SVD kernels (field case B21), and fp32 keeps the split exact enough
+    for the reconstruction tolerance tested in ``tests/test_osft_math.py``.
+
+    Args:
+        weight: N×M tensor of any floating dtype.
+
+    Returns:
+        ``(U, S, Vh)`` in float32: N×r, r (descending), r×M, with r = min(N, M)
+        (``torch.linalg.svd(full_matrices=False)``).
+    """
+    return torch.linalg.svd(weight.detach().float(), full_matrices=False)
+
+
+def choose_forward_form(n: int, m: int, k_low: int, tokens_per_micro_batch: int) -> ForwardForm:
+    """Pick the cheaper forward/backward formulation for one OSFT module, by counted FLOPs.
+
+    Both keep the frozen part as one dense N×M matrix W_high = U_high·diag(S_high)·V_high:
+
+    - ``dense``: rebuild W = W_high + U_low·diag(S_low)·V_low once per micro-batch, then one dense
+      linear. FLOPs ≈ 6·T·N·M (like full fine-tuning) + 6·N·M·k_low (rebuild, and the two products
+      that turn dW into dU_low and dV_low), so its overhead shrinks as tokens T grow.
+    - ``split``: y = x·W_highᵀ + ((x·V_lowᵀ)·S_low)·U_lowᵀ. W_high needs no weight gradient, which
+      saves 2·T·N·M; the low-rank path costs 6·T·k_low·(N + M). Wins for non-square shapes and
+      small k_low, independently of T.
+
+    Args:
+        n, m: weight shape (out, in). k_low: trainable rank. tokens_per_micro_batch: T.
+
+    Returns:
+        ``"dense"`` or ``"split"`` (ties go to ``split``, which needs no N×M temporary).
+    """
+    t = max(int(tokens_per_micro_batch), 1)
+    dense = 6 * t * n * m + 6 * n * m * k_low
+    split = 4 * t * n * m + 6 * t * k_low * (n + m)
+    return "dense" if dense < split else "split"
+
+
+class OSFTLinear(nn.Module):
+    """A linear layer y = x·Wᵀ + b whose weight is W = W_high + U_low·diag(S_low)·V_low.
+
+    Parameters (trainable): ``U_low`` (N×k_low), ``S_low`` (k_low), ``V_low`` (k_low×M) and the
+    original ``bias`` (N, if any). Frozen (``requires_grad=False`` parameters, so that FSDP2 shards
+    them like every other parameter): ``W_high`` (N×M), ``U_basis`` and ``V_basis``.
+
+    ``U_basis``/``V_basis`` hold, per side, whichever basis makes the projection cheaper:
+
+    - *remove* mode: the frozen basis itself, U_high (N×k_high) or V_high (k_high×M); projection
+      removes its component: dU −= U_high(U_highᵀ dU), dV −= (dV V_highᵀ) V_high.
+    - *keep* mode (only when that side's dimension equals the rank, so the thin SVD spans the whole
+      space, and k_low < k_high): the orthogonal complement of the frozen basis, which is the initial
+      U_low (N×k_low) or V_low (k_low×M); projection keeps only its component: dU = U_c(U_cᵀ dU).
+      Identical result since [U_high, U_c] is an orthonormal basis of the whole space, at
+      k_low/k_high of the cost (one third at URR 0.25).
+
+    ``u_keep``/``v_keep`` record the mode. ``transposed`` is True for GPT-2 ``Conv1D`` targets, whose
+    stored weight is Wᵀ (M×N); the export writes that layout back.
+    """
+
+    def __init__(
+        self,
+        W_high: torch.Tensor,
+        U_low: torch.Tensor,
+        S_low: torch.Tensor,
+        V_low: torch.Tensor,
+        U_basis: torch.Tensor,
+        V_basis: torch.Tensor,
+        u_keep: bool,
+        v_keep: bool,
+        bias: torch.Tensor | None,
+        forward_form: ForwardForm,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.W_high = nn.Parameter(W_high, requires_grad=False)
+        self.U_basis = nn.Parameter(U_basis, requires_grad=False)
+        self.V_basis = nn.Parameter(V_basis, requires_grad=False)
+        self.U_low = nn.Parameter(U_low)
+        self.S_low = nn.Parameter(S_low)
+        self.V_low = nn.Parameter(V_low)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.u_keep = u_keep
+        self.v_keep = v_keep
+        self.forward_form: ForwardForm = forward_form
+        self.transposed = transposed
+        self.out_features, self.in_features = W_high.shape
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        urr: float,
+        tokens_per_micro_batch: int,
+        forward_form: ForwardForm | Literal["auto"] = "auto",
+        transposed: bool = False,
+    ) -> "OSFTLinear":
+        """Decompose a dense weight (N×M, or M×N when ``transposed``) into an OSFT module.
+
+        The SVD runs in float32 (:func:`svd_fp32`); every factor is cast back to the weight's dtype
+        and device. ``forward_form="auto"`` uses :func:`choose_forward_form`.
+
+        Raises:
+            ValueError: URR outside (0, 1], or a weight that is not 2-D.
+        """
+        if weight.dim() != 2:
+            raise ValueError(f"OSFT needs a 2-D weight, got shape {tuple(weight.shape)}")
+        w = weight.detach().t() if transposed else weight.detach()
+        n, m = w.shape
+        split = rank_split(n, m, urr)
+        U, S, Vh = svd_fp32(w)
+        kh = split.k_high
+        W_high = (U[:, :kh] * S[:kh]) @ Vh[:kh]
+        u_keep = n == split.rank and split.k_low < kh
+        v_keep = m == split.rank and split.k_low < kh
+        U_basis = U[:, kh:] if u_keep else U[:, :kh]
+        V_basis = Vh[kh:] if v_keep else Vh[:kh]
+        form = choose_forward_form(n, m, split.k_low, tokens_per_micro_batch) if forward_form == "auto" else forward_form
+        cast = dict(dtype=weight.dtype, device=weight.device)
+        return cls(
+            W_high=W_high.to(**cast).contiguous(),
+            U_low=U[:, kh:].to(**cast).contiguous(),
+            S_low=S[kh:].to(**cast).contiguous(),
+            V_low=Vh[kh:].to(**cast).contiguous(),
+            U_basis=U_basis.to(**cast).contiguous(),
+            V_basis=V_basis.to(**cast).contiguous(),
+            u_keep=u_keep,
+            v_keep=v_keep,
+            bias=None if bias is None else bias.detach().clone(),
+            forward_form=form,
+            transposed=transposed,
+        )
+
+    @property
+    def k_low(self) -> int:
+        """Trainable rank."""
+        return self.S_low.shape[0]
+
+    def dense_weight(self) -> torch.Tensor:
+        """W = W_high + U_low·diag(S_low)·V_low, shape N×M (out×in), in the parameters' dtype."""
+        return torch.addmm(self.W_high, self.U_low * self.S_low, self.V_low)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., M) → (..., N)."""
+        if self.forward_form == "dense":
+            return F.linear(x, self.dense_weight(), self.bias)
+        low = F.linear(F.linear(x, self.V_low) * self.S_low, self.U_low)
+        return F.linear(x, self.W_high, self.bias) + low
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, k_low={self.k_low}, "
+            f"forward={self.forward_form}, u_basis={'complement' if self.u_keep else 'U_high'}, "
+            f"v_basis={'complement' if self.v_keep else 'V_high'}"
+        )

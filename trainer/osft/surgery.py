@@ -1,0 +1,87 @@
+"""Module surgery: replace targeted linear layers by :class:`OSFTLinear`, and back to dense weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .decomposition import ForwardForm, OSFTLinear
+from .targets import find_target_modules
+
+
+@dataclass
+class OSFTModel:
+    """The OSFT modules of a model after :func:`apply_osft`, by full module name, and the time the
+    decomposition took (``svd_seconds``, s)."""
+
+    modules: list[tuple[str, OSFTLinear]]
+    svd_seconds: float
+
+    @property
+    def osft_modules(self) -> list[OSFTLinear]:
+        """The modules without their names."""
+        return [m for _, m in self.modules]
+
+
+def apply_osft(
+    model: nn.Module,
+    model_type: str,
+    urr: float,
+    tokens_per_micro_batch: int,
+    patterns: Sequence[str] | None = None,
+    forward_form: ForwardForm | Literal["auto"] = "auto",
+) -> OSFTModel:
+    """Decompose every target of ``model`` in place (see :func:`.targets.find_target_modules`).
+
+    Every other parameter keeps training normally. Returns the replaced modules.
+
+    Raises:
+        ValueError: from target matching or an URR outside (0, 1].
+    """
+    names = find_target_modules(model, model_type, patterns)
+    start = time.perf_counter()
+    replaced = []
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        new = OSFTLinear.from_weight(
+            old.weight,
+            old.bias,
+            urr=urr,
+            tokens_per_micro_batch=tokens_per_micro_batch,
+            forward_form=forward_form,
+            transposed=isinstance(old, Conv1D),
+        )
+        setattr(parent, child, new)
+        replaced.append((name, new))
+    return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
+
+
+@torch.no_grad()
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of ``model`` under the original (pre-OSFT) parameter names with dense weights.
+
+    Each OSFT module ``X`` contributes ``X.weight`` = W_high + U_low·diag(S_low)·V_low (N×M, or
+    its transpose for GPT-2 ``Conv1D``) and ``X.bias``; every other entry is passed through. Tied
+    parameters appear under each of their names, as in ``model.state_dict()``.
+    """
+    osft = {name: m for name, m in model.named_modules() if isinstance(m, OSFTLinear)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        module = osft.get(owner)
+        if module is None:
+            out[key] = value
+        elif leaf == "bias":
+            out[key] = value
+        elif leaf == "W_high":
+            dense = module.dense_weight()
+            out[f"{owner}.weight"] = (dense.t() if module.transposed else dense).contiguous()
+    return out

@@ -1,0 +1,80 @@
+"""Which weights OSFT decomposes: per-architecture module-name patterns.
+
+Targets are the 2-D projection weights of attention and MLP blocks. Embeddings, norms and the
+LM head are never targets unless the user's own patterns name them; they train normally.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+_LLAMA_STYLE = r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+
+#: model_type (``config.model_type``) -> regular expression searched in each module's full name.
+ARCHITECTURE_TARGET_PATTERNS: dict[str, str] = {
+    "llama": _LLAMA_STYLE,
+    "mistral": _LLAMA_STYLE,
+    "mixtral": r"\.(q_proj|k_proj|v_proj|o_proj|w1|w2|w3)$",
+    "qwen2": _LLAMA_STYLE,
+    "qwen3": _LLAMA_STYLE,
+    "gemma": _LLAMA_STYLE,
+    "gemma2": _LLAMA_STYLE,
+    "gemma3_text": _LLAMA_STYLE,
+    "granite": _LLAMA_STYLE,
+    "olmo2": _LLAMA_STYLE,
+    "phi3": r"\.(qkv_proj|o_proj|gate_up_proj|down_proj)$",
+    "gpt2": r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)$",
+    "opt": r"\.(q_proj|k_proj|v_proj|out_proj|fc1|fc2)$",
+}
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """True for ``nn.Linear`` and GPT-2's ``Conv1D`` (a linear layer with a transposed weight)."""
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def find_target_modules(
+    model: nn.Module, model_type: str, patterns: Sequence[str] | None = None
+) -> list[str]:
+    """Return the names of the linear modules OSFT decomposes, in ``named_modules`` order.
+
+    Args:
+        model: the causal LM.
+        model_type: ``config.model_type``; selects the built-in pattern when ``patterns`` is None.
+        patterns: regular expressions (``re.search`` on the full module name) overriding the
+            built-in ones (``--osft-target-patterns``).
+
+    Raises:
+        ValueError: no built-in patterns for ``model_type`` and none given; an invalid regular
+            expression; or no linear module matches (the message lists some module names).
+    """
+    if patterns is None:
+        if model_type not in ARCHITECTURE_TARGET_PATTERNS:
+            known = ", ".join(sorted(ARCHITECTURE_TARGET_PATTERNS))
+            raise ValueError(
+                f"OSFT has no built-in target patterns for model_type {model_type!r} (known: {known}); "
+                "pass --osft-target-patterns REGEX [REGEX ...]"
+            )
+        patterns = [ARCHITECTURE_TARGET_PATTERNS[model_type]]
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as exc:
+            raise ValueError(f"--osft-target-patterns: invalid regular expression {pattern!r}: {exc}") from exc
+    names = [
+        name
+        for name, module in model.named_modules()
+        if is_linear_like(module) and any(rx.search(name) for rx in compiled)
+    ]
+    if not names:
+        linear_names = [n for n, m in model.named_modules() if is_linear_like(m)][:8]
+        raise ValueError(
+            f"OSFT target patterns {list(patterns)} matched no linear module; "
+            f"some linear modules of this model: {linear_names}"
+        )
+    return names

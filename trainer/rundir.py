@@ -1,0 +1,56 @@
+"""The run directory (``--output-dir``): the only interface between a job and its watchers.
+
+Layout and ``run.json`` fields: DESIGN.md section 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` through a temporary sibling and ``os.replace``, so readers never see
+    a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Paths inside a run directory, created on demand."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    def hf_export(self, step: int) -> Path:
+        """``hf_format/step_<N>``: dense Hugging Face export after optimizer step N."""
+        return self.root / "hf_format" / f"step_{step}"
+
+    @property
+    def data_report(self) -> Path:
+        """``data_report.json``: validation and overlong-policy counts of the training data."""
+        return self.root / "data_report.json"
+
+    def create(self) -> None:
+        """Create the root and ``metrics/``."""
+        self.metrics.mkdir(parents=True, exist_ok=True)
+
+    def update_run_json(self, **fields: Any) -> dict:
+        """Merge ``fields`` into ``run.json`` (atomically) and return the new content."""
+        data = json.loads(self.run_json.read_text()) if self.run_json.exists() else {}
+        data.update(fields)
+        data["updated_at"] = time.time()
+        write_json_atomic(self.run_json, data)
+        return data
