@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from .config import build_parser, check_config, config_from_args
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(str(exc)) from exc
         return _train(cfg, console)
     except InputError as exc:
-        console.print(f"[red]osft-train: error:[/red] {exc}", highlight=False, markup=True)
+        console.print("[bold red]osft-train: error:[/bold red]", escape(str(exc)), highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT
 
 

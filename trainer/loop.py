@@ -18,6 +18,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from rich.markup import escape
 from transformers import get_scheduler
 
 from .checkpoint.hf_export import save_hf_model
@@ -94,11 +95,11 @@ class Trainer:
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
-            self.console.print(message)
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def _warn(self, message: str) -> None:
         self.metrics.log("warning", message=message)
-        self.console.print(f"[yellow]warning:[/yellow] {message}")
+        self.console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
 
     def prepare(self) -> None:
         """Tokenize the data (all validation problems raised before the model loads), load the

@@ -1,0 +1,26 @@
+# Set-up and the two commands README.md opens with. Everything installs into ./.venv.
+PYTHON ?= python3
+# torch is installed first and pinned: a CPU build where the package index has one ready, and it
+# keeps pip from pulling the newest (multi-GB CUDA) build as a dependency. Override for GPU machines,
+# e.g. `make demo TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`.
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test
+
+$(BIN)/osft-train: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/osft-train
+
+## The main job: fetch the demo model and data, fine-tune SmolLM2-135M-Instruct with OSFT on CPU.
+demo: setup
+	$(BIN)/osft-train demo --output-dir runs/demo
+
+## The test suite (CI runs exactly this through .ci/run).
+test: setup
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,138 @@
+"""Shared test helpers: a tiny chat tokenizer and a tiny random Llama, both built in code.
+
+Nothing here touches the network or the model hub, so every test runs offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# ChatML without a default system message: `<|im_start|>role\ncontent<|im_end|>\n` per message,
+# and `<|im_start|>assistant\n` as the generation prompt.
+PLAIN_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The same in the style of SmolLM2-Instruct: a default system message when the conversation has none.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Prepended to a template, refuses conversations whose roles do not alternate user/assistant
+# after an optional leading system message (as Llama-2 and Mistral templates do).
+ALTERNATION_CHECK = (
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set offset = 1 %}{% else %}{% set offset = 0 %}{% endif %}"
+    "{% for message in messages[offset:] %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+_CORPUS = [
+    "You are a helpful assistant.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Tell me a joke about numbers. Why was six afraid of seven? Because seven ate nine.",
+    "Explain gradient descent in one sentence: it walks downhill on the loss surface.",
+    "system user assistant hello world thanks sure here is the answer",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}<>-_/\\",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+    "<|im_start|>assistant\nhello world<|im_end|>\n",
+]
+
+
+def tiny_chat_tokenizer(require_alternation: bool = False, default_system: bool = True,
+                        chat_template: str | None = None, vocab_size: int = 400):
+    """Build a small byte-level BPE fast tokenizer (about 400 tokens) with a ChatML chat template.
+
+    Special tokens: ``<|endoftext|>`` (id 0, also pad), ``<|im_start|>`` (1), ``<|im_end|>`` (2,
+    the eos and end-of-turn token). Any text can be encoded (byte-level), and decoding a run of
+    tokens gives back its exact text; "system", "user", "assistant" are single tokens.
+    The template is SmolLM2-like (``CHATML_TEMPLATE``, with a default system message), or
+    ``PLAIN_CHATML_TEMPLATE`` without ``default_system``; with ``require_alternation`` it raises a
+    Jinja TemplateError when roles do not alternate user/assistant. ``chat_template`` overrides all.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=chat_template or _template(require_alternation, default_system),
+    )
+
+
+def _template(require_alternation: bool, default_system: bool) -> str:
+    base = CHATML_TEMPLATE if default_system else PLAIN_CHATML_TEMPLATE
+    return ALTERNATION_CHECK + base if require_alternation else base
+
+
+def tiny_llama(vocab_size: int, attn_implementation: str = "sdpa", seed: int = 0, **overrides):
+    """Build a tiny randomly initialised ``LlamaForCausalLM`` (fp32, eval mode, seeded by ``seed``).
+
+    Defaults: hidden 32, 2 layers, 4 heads (2 KV heads), intermediate 64, 512 positions, untied
+    embeddings; ``attn_implementation`` "sdpa" or "eager". ``overrides`` go to ``LlamaConfig``.
+    For packed rows call the model with ``use_cache=False`` (see trainer/data/collate.py).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=vocab_size,
+        attn_implementation=attn_implementation,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    cfg.update(overrides)
+    config = LlamaConfig(**cfg)
+    with torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG state
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.eval()
+    return model
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    """Write ``rows`` to ``path``: dicts/lists are JSON-encoded, strings are written verbatim."""
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return Path(path)
+
+
+def chat(*turns, system: str | None = None) -> dict:
+    """Build a row ``{"messages": [...]}`` from alternating user/assistant contents."""
+    msgs = [{"role": "system", "content": system}] if system is not None else []
+    for i, content in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    return {"messages": msgs}

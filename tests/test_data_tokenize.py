@@ -1,0 +1,231 @@
+"""Tokenization, label masks and the overlong policies (field cases B15, B19)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import ALTERNATION_CHECK, PLAIN_CHATML_TEMPLATE, chat, tiny_chat_tokenizer, write_jsonl
+
+from osft.trainer.data import DataReport, DataValidationError, OverlongSampleError, tokenize_chat_file
+from osft.trainer.data.tokenize import IGNORE_INDEX, SpanFinder, assistant_char_spans
+
+END = "<|im_end|>"
+
+
+def trained_runs(sample) -> list[list[int]]:
+    """Maximal runs of consecutive trained token ids."""
+    runs, cur = [], []
+    for tok_id, label in zip(sample["input_ids"], sample["labels"]):
+        if label != IGNORE_INDEX:
+            assert label == tok_id  # labels are not shifted here
+            cur.append(tok_id)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+CONVERSATIONS = [
+    chat("What is the capital of France?", "The capital of France is Paris."),
+    chat("hi", "Hello! How can I help?", "Tell me a joke", "Why was six afraid of seven?", system="Be brief."),
+    chat("one", "two", "three", "four", "five"),  # ends with an untrained user turn
+    chat("  spaced  ", "  answer with spaces\n\n", "x", " y"),
+    chat("unicode: é ü 東京", "答え: 東京 ✓"),
+]
+
+
+@pytest.mark.parametrize("alternating", [False, True])
+def test_label_mask_is_assistant_content_plus_end_token(tmp_path, alternating):
+    tok = tiny_chat_tokenizer(require_alternation=alternating)
+    path = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS)
+    data = tokenize_chat_file(path, tok, max_seq_len=512)
+    assert len(data) == len(CONVERSATIONS)
+    for k, row in enumerate(CONVERSATIONS):
+        sample = data[k]
+        expected = [m["content"] + END for m in row["messages"] if m["role"] == "assistant"]
+        assert [tok.decode(run) for run in trained_runs(sample)] == expected
+        assert sample["num_loss_tokens"] == sum(len(r) for r in trained_runs(sample))
+        assert sample["length"] == len(sample["input_ids"]) == len(sample["labels"])
+        assert sample["line"] == k + 1
+        full = tok.apply_chat_template(row["messages"], tokenize=False)
+        assert tok.decode(sample["input_ids"]) == full
+    assert data.lengths.dtype == np.int64 and data.lengths.tolist() == [data[k]["length"] for k in range(len(data))]
+
+
+def test_train_on_all(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:2])
+    data = tokenize_chat_file(path, tok, 512, train_on_all=True)
+    for k in range(2):
+        assert data[k]["labels"] == data[k]["input_ids"]
+        assert data[k]["num_loss_tokens"] == data[k]["length"]
+    assert data.report.train_on_all
+
+
+@pytest.mark.parametrize("template", [
+    PLAIN_CHATML_TEMPLATE,
+    ALTERNATION_CHECK + PLAIN_CHATML_TEMPLATE,
+    # Llama-2-like layout: no generation prompt text, end token right after the content
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'system' %}{{ '<<SYS>>' + m['content'] + '<</SYS>>' }}"
+    "{% else %}{{ ' ' + m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}",
+    # a template that trims contents (the marker fast path must fall back where that matters)
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+])
+def test_fast_span_finder_matches_reference(template):
+    tok = tiny_chat_tokenizer(chat_template=template)
+    finder = SpanFinder(tok, verify_rows=0)
+    assert finder.suffixes is not None
+    rows = CONVERSATIONS + [chat("a", "b\ue000c")]  # a marker character in the data: reference path
+    for row in rows:
+        msgs = row["messages"]
+        rendered = tok.apply_chat_template(msgs, tokenize=False)
+        assert finder.spans(msgs, rendered) == assistant_char_spans(tok, msgs, rendered)
+
+
+def test_fast_path_renders_once_per_row(tmp_path, monkeypatch):
+    tok = tiny_chat_tokenizer()
+    calls = []
+    original = type(tok).apply_chat_template
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+    rows = [chat(*[f"turn {i} {j}" for j in range(8)]) for i in range(200)]
+    data = tokenize_chat_file(write_jsonl(tmp_path / "many.jsonl", rows), tok, 512)
+    assert len(data) == 200
+    # validation render + marked render per row, the reference on the first 16 rows (8 renders
+    # each), plus a handful of probes
+    assert len(calls) <= 2 * 200 + 16 * 8 + 20
+
+
+def test_inconsistent_prefix_template_is_refused(tmp_path):
+    # renders an assistant content only when it is the last message (like templates that drop
+    # the reasoning of earlier turns): prefixes do not match the whole conversation
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+                "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
+                "{{ '<|im_end|>\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    tok = tiny_chat_tokenizer(chat_template=template)
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b", "c", "d")])
+    with pytest.raises(DataValidationError, match="does not render prefixes consistently") as info:
+        tokenize_chat_file(path, tok, 512)
+    (p,) = info.value.problems
+    assert (p.line, p.rule) == (1, "template_prefix_mismatch")
+    assert "messages[1]" in p.message
+    # training on every token needs no spans
+    assert len(tokenize_chat_file(path, tok, 512, train_on_all=True)) == 1
+
+
+B15_ROWS = [
+    chat("hi", "ok"),
+    chat("tell me " + "a" * 40, "sure"),
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+]
+
+
+def test_b15_empty_assistant_content_stops_before_tokenization(tmp_path):
+    path = write_jsonl(tmp_path / "b15.jsonl", B15_ROWS)
+    with pytest.raises(DataValidationError) as info:
+        tokenize_chat_file(path, tiny_chat_tokenizer(default_system=False), 16, overlong="truncate")
+    (p,) = info.value.problems
+    assert (p.line, p.rule) == (3, "empty_assistant_content")
+    assert str(p) == f"{path}:3: empty assistant content in messages[1].content"
+
+
+def test_b15_no_trainable_tokens_after_truncation(tmp_path):
+    tok = tiny_chat_tokenizer(default_system=False)
+    path = write_jsonl(tmp_path / "b15.jsonl", B15_ROWS[:2])
+
+    data = tokenize_chat_file(path, tok, 16, overlong="truncate")
+    rep = data.report
+    assert (rep.rows, rep.kept, rep.dropped_no_trainable, rep.truncated) == (2, 1, [2], [])
+    assert data[0]["line"] == 1 and data[0]["num_loss_tokens"] > 0
+    assert any("0 trainable tokens after truncation to 16" in s and "line 2" in s for s in rep.summary_lines())
+
+    data = tokenize_chat_file(path, tok, 16, overlong="drop")
+    rep = data.report
+    assert rep.kept == 1 and [line for line, _ in rep.dropped_overlong] == [2]
+    assert rep.dropped_overlong[0][1] > 16
+    assert all(n > 0 for n in data.dataset["num_loss_tokens"])
+
+
+def _b19_file(tmp_path, tok, max_len):
+    """3 rows; row 3 tokenizes to exactly 3 * max_len tokens, with the answer at the end."""
+    rows = [chat("hi", "ok"), chat("What is the capital of France?", "Paris.")]
+    base = tok.apply_chat_template(chat("", "The answer is Paris.")["messages"], tokenize=False)
+    pad = 3 * max_len - len(tok(base, add_special_tokens=False)["input_ids"])
+    rows.append(chat("0" * pad, "The answer is Paris."))  # each "0" is one token
+    path = write_jsonl(tmp_path / "b19.jsonl", rows)
+    text = tok.apply_chat_template(rows[2]["messages"], tokenize=False)
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) == 3 * max_len
+    return path
+
+
+def test_b19_drop_policy_reports_line_and_length(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = _b19_file(tmp_path, tok, 32)
+    data = tokenize_chat_file(path, tok, 32)  # drop is the default
+    rep = data.report
+    assert (rep.rows, rep.kept, rep.dropped_overlong) == (3, 2, [(3, 96)])
+    assert data.dataset["line"] == [1, 2]
+    summary = "\n".join(rep.summary_lines())
+    assert "dropped 1 overlong (> 32 tokens): line 3 (96 tokens)" in summary
+    assert rep.total_tokens == sum(data.lengths.tolist())
+    assert rep.total_loss_tokens == sum(data.dataset["num_loss_tokens"])
+
+
+def test_b19_error_policy_names_line_and_length(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = _b19_file(tmp_path, tok, 32)
+    with pytest.raises(OverlongSampleError) as info:
+        tokenize_chat_file(path, tok, 32, overlong="error")
+    (p,) = info.value.problems
+    assert str(p) == f"{path}:3: sample has 96 tokens, more than max_seq_len 32 (overlong policy: error)"
+    assert str(info.value).startswith("1 sample(s) longer than max_seq_len 32 (overlong policy: error):")
+    assert info.value.report.dropped_overlong == [(3, 96)]
+
+
+def test_b19_truncate_never_silently_removes_every_answer_token(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = _b19_file(tmp_path, tok, 32)
+    rep = tokenize_chat_file(path, tok, 32, overlong="truncate").report
+    assert (rep.kept, rep.dropped_no_trainable, rep.truncated) == (2, [3], [])
+    assert "0 trainable tokens after truncation to 32" in "\n".join(rep.summary_lines())
+
+
+def test_truncate_keeps_the_first_tokens_and_counts_kept_loss(tmp_path):
+    tok = tiny_chat_tokenizer(default_system=False)
+    row = chat("hi", "The capital of France is Paris. " * 4)
+    path = write_jsonl(tmp_path / "t.jsonl", [row])
+    full = tokenize_chat_file(path, tok, 512)[0]
+    data = tokenize_chat_file(path, tok, 20, overlong="truncate")
+    sample = data[0]
+    assert sample["input_ids"] == full["input_ids"][:20] and sample["labels"] == full["labels"][:20]
+    kept_loss = sum(lab != IGNORE_INDEX for lab in full["labels"][:20])
+    assert data.report.truncated == [(1, full["length"], kept_loss)]
+    assert sample["num_loss_tokens"] == kept_loss and sample["length"] == 20
+
+
+def test_report_json_round_trip(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = _b19_file(tmp_path, tok, 32)
+    rep = tokenize_chat_file(path, tok, 32).report
+    loaded = json.loads(rep.to_json())
+    assert loaded == rep.to_dict()
+    assert loaded["dropped_overlong"] == [[3, 96]] and loaded["overlong"] == "drop"
+    assert DataReport(**{**loaded, "dropped_overlong": [tuple(x) for x in loaded["dropped_overlong"]]}) == rep
+
+
+def test_bad_arguments(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:1])
+    with pytest.raises(ValueError, match="overlong must be one of"):
+        tokenize_chat_file(path, tok, 32, overlong="clip")
+    with pytest.raises(ValueError, match="max_seq_len must be >= 1"):
+        tokenize_chat_file(path, tok, 0)

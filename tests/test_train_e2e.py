@@ -1,0 +1,129 @@
+"""End-to-end `osft-train` runs on a tiny random Llama saved to disk (real loading, real data files)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
+from osft.trainer.cli import main
+
+STEP_FIELDS = {
+    "ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id", "step", "epoch", "lr",
+    "loss", "grad_norm", "num_tokens", "num_loss_tokens", "num_samples", "step_time_s", "tokens_per_s",
+    "node_tokens_per_s", "samples_per_s", "ortho_violations", "ortho_violations_total", "ortho_max_dev_deg",
+    "rss_bytes", "gpu_mem_bytes",
+}
+
+QA = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Tell me a joke about numbers.", "Why was six afraid of seven? Because seven ate nine."),
+    ("hello", "hello world thanks"),
+    ("Explain gradient descent in one sentence.", "It walks downhill on the loss surface."),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def chat_file(tmp_path):
+    rows = [chat(q, a) for q, a in QA] * 6
+    return write_jsonl(tmp_path / "train.jsonl", rows)
+
+
+def read_records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics" / "node0.jsonl").read_text().splitlines()]
+
+
+def test_tiny_osft_run_learns_without_violations_and_exports(tiny_model_dir, chat_file, tmp_path):
+    out = tmp_path / "run"
+    code = main([
+        "--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(out),
+        "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--learning-rate", "5e-3",
+        "--max-steps", "24", "--num-epochs", "5", "--osft-unfreeze-rank-ratio", "0.5", "--weight-decay", "0.1",
+    ])
+    assert code == 0
+    records = read_records(out)
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    assert all(STEP_FIELDS <= set(r) for r in steps)
+    assert all(r["world_size"] == 1 and r["node_rank"] == 0 and r["rank"] == 0 for r in steps)
+    first, last = sum(r["loss"] for r in steps[:4]) / 4, sum(r["loss"] for r in steps[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+    assert steps[-1]["ortho_violations_total"] == 0
+    assert max(r["ortho_max_dev_deg"] for r in steps) < 0.01
+    assert all(r["num_samples"] == 4 and r["num_loss_tokens"] > 0 for r in steps)
+    assert [r["event"] for r in records][-1] == "run_finished"
+
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == "completed" and run["exit_code"] == 0
+    export = out / "hf_format" / "step_24"
+    assert run["export_dir"] == str(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert tokenizer.chat_template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    assert {k for k in model.state_dict()} == {k for k in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()}
+
+
+def test_no_osft_is_plain_full_fine_tuning(tiny_model_dir, chat_file, tmp_path):
+    out = tmp_path / "run"
+    code = main([
+        "--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(out),
+        "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "3", "--no-osft",
+    ])
+    assert code == 0
+    steps = [r for r in read_records(out) if r["event"] == "step"]
+    assert len(steps) == 3
+    assert all(r["ortho_violations"] == 0 and r["ortho_max_dev_deg"] is None for r in steps)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--osft-unfreeze-rank-ratio", "1.5"], "argument --osft-unfreeze-rank-ratio: must be in (0, 1], got '1.5'"),
+        (["--osft-unfreeze-rank-ratio", "0"], "argument --osft-unfreeze-rank-ratio: must be in (0, 1], got '0'"),
+        (["--batch-size", "-3"], "argument --batch-size: expected a positive integer, got '-3'"),
+        (["--lr-scheduler", "exp"], "argument --lr-scheduler: invalid choice: 'exp'"),
+    ],
+)
+def test_bad_flag_values_give_one_clear_line(tiny_model_dir, chat_file, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(tmp_path / "r"), *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_cross_flag_and_path_errors_before_training(tiny_model_dir, chat_file, tmp_path, capsys):
+    base = ["--data-path", str(chat_file), "--output-dir", str(tmp_path / "r")]
+    assert main(["--model-name-or-path", str(tmp_path / "nope"), *base]) == 2
+    assert "--model-name-or-path" in capsys.readouterr().err
+    assert main(["--model-name-or-path", str(tiny_model_dir), *base, "--max-seq-len", "512", "--max-tokens-per-gpu", "256"]) == 2
+    assert "--max-seq-len 512 exceeds --max-tokens-per-gpu 256" in capsys.readouterr().err
+
+
+def test_invalid_data_is_reported_before_the_model_loads(tiny_model_dir, tmp_path, capsys):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [chat("hi", "there"), '{"messages": [', "[1, 2]"])
+    out = tmp_path / "r"
+    code = main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(bad), "--output-dir", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2" in err and f"{bad}:3" in err
+    assert "row must be an object with a messages list" in err
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"
+    assert not any(r["event"] == "step" for r in read_records(out))

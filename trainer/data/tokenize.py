@@ -1,0 +1,402 @@
+"""Chat JSONL -> token ids and loss labels, with a visible policy for overlong samples.
+
+Pipeline: validate the whole file (every problem raised at once, before any tokenization), render
+each conversation with the tokenizer's chat template, locate the assistant turns as character
+spans, tokenize with offsets (HF ``datasets`` map, one process) and mark the tokens whose start lies
+in an assistant span as trained. Then apply the overlong policy and account for every sample in a
+``DataReport``.
+
+Assistant spans: for assistant message ``i``, the span starts after
+``render(messages[:i], add_generation_prompt=True)`` (so the role header is not trained) and ends at
+the end of ``render(messages[:i+1])`` minus trailing whitespace (so the content and its end-of-turn
+token, e.g. ``<|im_end|>``, are trained, the newline after it is not). Both renderings must be
+prefixes of the full rendering; a template that renders prefixes differently (e.g. one that drops
+the reasoning of earlier turns) is refused with a clear error, as locating the spans would be guesswork.
+That reference method costs 2 renders per assistant turn; ``SpanFinder`` gets the same spans with one
+render per conversation (content markers), checked against the reference.
+
+Labels are NOT shifted here (``labels[j]`` is ``input_ids[j]`` or -100); ``collate.py`` shifts them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from operator import itemgetter
+from pathlib import Path
+
+import numpy as np
+
+from .validate import DataValidationError, Problem, scan_chat_file
+
+IGNORE_INDEX = -100
+OVERLONG_POLICIES = ("drop", "error", "truncate")
+_MAX_LISTED = 10
+
+
+@dataclass
+class DataReport:
+    """What happened to every row of a data file; written to ``<output_dir>/data_report.json``.
+
+    ``rows``: valid rows read; ``kept``: samples in the dataset; ``dropped_overlong``:
+    ``(line, tokens)`` of samples over ``max_seq_len`` dropped by the drop policy (or refused by the
+    error policy); ``truncated``: ``(line, tokens before truncation, loss tokens kept)`` of kept
+    truncated samples; ``dropped_no_trainable``: lines dropped because no trained token was left
+    (after truncation to ``max_seq_len``); ``total_tokens``/``total_loss_tokens``: sums over kept
+    samples (loss tokens unshifted).
+    """
+
+    path: str
+    max_seq_len: int
+    overlong: str
+    train_on_all: bool = False
+    rows: int = 0
+    kept: int = 0
+    dropped_overlong: list[tuple[int, int]] = field(default_factory=list)
+    truncated: list[tuple[int, int, int]] = field(default_factory=list)
+    dropped_no_trainable: list[int] = field(default_factory=list)
+    total_tokens: int = 0
+    total_loss_tokens: int = 0
+
+    def summary_lines(self) -> list[str]:
+        """Human-readable summary for the console (one string per line)."""
+        def listed(items, fmt):
+            shown = ", ".join(fmt(x) for x in items[:_MAX_LISTED])
+            more = len(items) - _MAX_LISTED
+            return shown + (f" and {more} more" if more > 0 else "")
+
+        out = [f"data {self.path}: {self.rows} rows, {self.kept} kept, "
+               f"{self.total_tokens} tokens ({self.total_loss_tokens} trained), "
+               f"max_seq_len {self.max_seq_len}, overlong policy {self.overlong}"]
+        if self.dropped_overlong:
+            verb = "refused" if self.overlong == "error" else "dropped"
+            out.append(f"  {verb} {len(self.dropped_overlong)} overlong (> {self.max_seq_len} tokens): "
+                       + listed(self.dropped_overlong, lambda x: f"line {x[0]} ({x[1]} tokens)"))
+        if self.truncated:
+            out.append(f"  truncated {len(self.truncated)} to {self.max_seq_len} tokens: "
+                       + listed(self.truncated,
+                                lambda x: f"line {x[0]} ({x[1]} tokens, {x[2]} trained tokens kept)"))
+        if self.dropped_no_trainable:
+            why = no_trainable_message(self.max_seq_len, self.overlong == "truncate")
+            out.append(f"  dropped {len(self.dropped_no_trainable)} with {why}: "
+                       + listed(self.dropped_no_trainable, lambda x: f"line {x}"))
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain-data form (tuples become lists)."""
+        return json.loads(json.dumps(asdict(self)))
+
+    def to_json(self) -> str:
+        """JSON text of ``to_dict()`` (indented), for the run directory."""
+        return json.dumps(asdict(self), indent=2)
+
+
+def no_trainable_message(max_seq_len: int, truncated: bool = True) -> str:
+    """The fixed message for a sample left without trained tokens."""
+    return f"0 trainable tokens after truncation to {max_seq_len}" if truncated else "0 trainable tokens"
+
+
+class OverlongSampleError(DataValidationError):
+    """Raised by the ``error`` policy; ``problems`` name each overlong line and its token length,
+    ``report`` is the DataReport of the file."""
+
+    def __init__(self, problems: list[Problem], report: DataReport):
+        self.report = report
+        super().__init__(problems, header=f"{len(problems)} sample(s) longer than max_seq_len "
+                                          f"{report.max_seq_len} (overlong policy: error)")
+
+
+@dataclass
+class TokenizedChat:
+    """Tokenized samples and their report.
+
+    ``dataset`` (a ``datasets.Dataset``) has one row per kept sample with columns ``input_ids``
+    (list[int32], length ``length`` <= max_seq_len), ``labels`` (same length, -100 = not trained,
+    not shifted), ``length``, ``num_loss_tokens`` and ``line`` (physical line in the file).
+    """
+
+    dataset: object
+    report: DataReport
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.dataset[int(i)]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Token length of each sample, int64 array of shape [len(self)] (for the packer)."""
+        return np.asarray(self.dataset["length"], dtype=np.int64)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
+    """Character spans ``[start, end)`` of the trained part of each assistant turn in ``rendered``.
+
+    The reference (prefix-rendering) method: 2 renders per assistant turn. Returns the spans, or a
+    string saying why the template does not render prefixes consistently (the caller turns it into
+    a located problem).
+    """
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        try:
+            before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        except Exception as e:  # noqa: BLE001 - reported with the row's line
+            return f"rendering the conversation up to messages[{i}] failed: {type(e).__name__}: {e}"
+        if not (rendered.startswith(before) and rendered.startswith(upto) and len(before) <= len(upto)):
+            return (f"the chat template does not render the conversation prefix up to messages[{i}] "
+                    "as a prefix of the whole conversation, so the assistant tokens cannot be located")
+        spans.append((len(before), _rstrip_end(rendered, len(before), len(upto))))
+    return spans
+
+
+def _rstrip_end(text: str, start: int, end: int) -> int:
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # Unicode private-use characters, used as content markers
+_MARKERS = re.compile("([\ue000\ue001])")
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+          {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Bye."}]
+
+
+class SpanFinder:
+    """Finds assistant spans with one extra render per conversation, falling back to the reference.
+
+    Fast path: render the conversation once with each assistant content wrapped in private-use
+    marker characters; the markers give the content positions (the rendering without them must
+    equal the plain one). The end-of-turn text after the content (e.g. ``<|im_end|>``), and any
+    text the template puts between the generation prompt and the content, are learned once from
+    a probe conversation with the reference method, and checked on every row. The fast path is
+    used only if, on the probe and on the first ``verify_rows`` conversations, it gives exactly
+    the reference spans; any row it cannot handle takes the reference path.
+    """
+
+    def __init__(self, tokenizer, verify_rows: int = 16):
+        self.tokenizer = tokenizer
+        self.verify_left = verify_rows
+        self.suffixes = self._learn_suffixes()
+
+    def _learn_suffixes(self) -> tuple[str, str, str] | None:
+        """(text between generation prompt and content, end-of-turn text mid-conversation, at the end)."""
+        try:
+            rendered = self.tokenizer.apply_chat_template(_PROBE, tokenize=False)
+        except Exception:  # noqa: BLE001
+            return None
+        ref = assistant_char_spans(self.tokenizer, _PROBE, rendered)
+        content = self._content_spans(_PROBE, rendered)
+        if isinstance(ref, str) or content is None:
+            return None
+        gaps = {rendered[r[0]:c[0]] if r[0] <= c[0] else None for r, c in zip(ref, content)}
+        if len(gaps) != 1 or None in gaps:
+            return None  # the generation prompt does not end where the rendered header does
+        mid, last = (rendered[c[1]:r[1]] for r, c in zip(ref, content))
+        return gaps.pop(), mid, last
+
+    def _content_spans(self, messages, rendered) -> list[tuple[int, int]] | None:
+        """Positions of the assistant contents in ``rendered``, or None if markers do not work."""
+        marked = []
+        for m in messages:
+            if _OPEN in m["content"] or _CLOSE in m["content"]:
+                return None
+            marked.append(dict(m, content=_OPEN + m["content"] + _CLOSE) if m["role"] == "assistant" else m)
+        try:
+            text = self.tokenizer.apply_chat_template(marked, tokenize=False)
+        except Exception:  # noqa: BLE001
+            return None
+        spans, pos, start, plain = [], 0, None, []
+        for piece in _MARKERS.split(text):
+            if piece == _OPEN:
+                if start is not None:
+                    return None
+                start = pos
+            elif piece == _CLOSE:
+                if start is None:
+                    return None
+                spans.append((start, pos))
+                start = None
+            else:
+                plain.append(piece)
+                pos += len(piece)
+        n_assistant = sum(m["role"] == "assistant" for m in messages)
+        if start is not None or len(spans) != n_assistant or "".join(plain) != rendered:
+            return None
+        return spans
+
+    def _fast(self, messages, rendered) -> list[tuple[int, int]] | None:
+        content = self._content_spans(messages, rendered)
+        if content is None:
+            return None
+        gap, mid, last = self.suffixes
+        is_last = [i == len(messages) - 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        spans = []
+        for (start, end), final in zip(content, is_last):
+            suffix = last if final else mid
+            start -= len(gap)
+            if start < 0 or not rendered.startswith(gap, start) or not rendered.startswith(suffix, end):
+                return None
+            spans.append((start, _rstrip_end(rendered, start, end + len(suffix))))
+        return spans
+
+    def spans(self, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
+        """Like ``assistant_char_spans`` (same result), usually with one render instead of 2 per turn."""
+        fast = self._fast(messages, rendered) if self.suffixes is not None else None
+        if fast is None or self.verify_left > 0:
+            ref = assistant_char_spans(self.tokenizer, messages, rendered)
+            if fast is not None:
+                self.verify_left -= 1
+                if fast != ref:
+                    self.suffixes = None  # never trust the fast path for this template again
+            return ref
+        return fast
+
+
+def _encode_with_offsets(tokenizer, texts: list[str]):
+    """Token ids and character offsets of each text, without adding special tokens.
+
+    Uses the Rust backend directly when it has no truncation/padding configured (saves building a
+    BatchEncoding), otherwise the tokenizer's own call.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encs = backend.encode_batch(texts, add_special_tokens=False)
+        return [e.ids for e in encs], [e.offsets for e in encs]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], enc["offset_mapping"]
+
+
+def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_all: bool):
+    """datasets.map function (batched): tokenize with offsets, mask, optionally truncate."""
+    ids_list, offsets_list = _encode_with_offsets(tokenizer, batch["text"])
+    out = {k: [] for k in ("input_ids", "labels", "length", "num_loss_tokens", "full_length", "line")}
+    for ids, offsets, spans, line in zip(ids_list, offsets_list, batch["spans"], batch["line"]):
+        ids = np.array(ids, dtype=np.int32)
+        if train_on_all:
+            trained = np.ones(len(ids), dtype=bool)
+        else:
+            # a token is trained when it starts inside a span (a token straddling the start of a
+            # span, e.g. a header newline merged with the content's leading spaces, is not)
+            starts = np.fromiter(map(itemgetter(0), offsets), dtype=np.int64, count=len(ids))
+            trained = np.zeros(len(ids), dtype=bool)
+            for a, b in spans:
+                trained |= (starts >= a) & (starts < b)
+        labels = np.where(trained, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+        out["full_length"].append(len(ids))
+        if truncate and len(ids) > max_seq_len:
+            ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids))
+        out["num_loss_tokens"].append(int((labels != IGNORE_INDEX).sum()))
+        out["line"].append(line)
+    return out
+
+
+def _render_all(path, records, rendered, tokenizer, train_on_all):
+    """Spans of every record; raises DataValidationError if the template renders prefixes inconsistently."""
+    spans, problems = [], []
+    finder = None if train_on_all else SpanFinder(tokenizer)
+    for (line, messages), text in zip(records, rendered):
+        found = [] if train_on_all else finder.spans(messages, text)
+        if isinstance(found, str):
+            problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found))
+            continue
+        spans.append([list(s) for s in found])
+    if problems:
+        raise DataValidationError(problems, header=(
+            f"{len(problems)} row(s) where the chat template does not render prefixes consistently; "
+            "use a template that does, or train_on_all=True"))
+    return spans
+
+
+def _apply_policy(ds, report: DataReport) -> np.ndarray:
+    """Fill the report's per-sample lists and totals; returns the boolean keep mask over ``ds``."""
+    lines = np.asarray(ds["line"], dtype=np.int64)
+    full = np.asarray(ds["full_length"], dtype=np.int64)
+    loss = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
+    length = np.asarray(ds["length"], dtype=np.int64)
+    over = full > report.max_seq_len
+    if report.overlong == "truncate":  # overlong rows were cut to max_seq_len by the map
+        keep = loss > 0
+        cut = over & keep
+        report.truncated = [(int(a), int(b), int(c)) for a, b, c in zip(lines[cut], full[cut], loss[cut])]
+        no_trainable = ~keep
+    else:
+        keep = ~over & (loss > 0)
+        report.dropped_overlong = [(int(a), int(b)) for a, b in zip(lines[over], full[over])]
+        no_trainable = ~over & (loss == 0)
+    report.dropped_no_trainable = [int(a) for a in lines[no_trainable]]
+    report.kept = int(keep.sum())
+    report.total_tokens = int(length[keep].sum())
+    report.total_loss_tokens = int(loss[keep].sum())
+    return keep
+
+
+def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop",
+                       train_on_all: bool = False) -> TokenizedChat:
+    """Validate, render, tokenize and label a chat JSONL file.
+
+    Args:
+        path: the ``.jsonl`` file (rows ``{"messages": [...]}``, see validate.py).
+        tokenizer: a fast HF tokenizer with a ``chat_template`` (offsets are needed).
+        max_seq_len: token limit per sample (>= 1).
+        overlong: policy for samples longer than ``max_seq_len`` tokens: ``"drop"`` (default,
+            dropped and listed in the report), ``"error"`` (raise OverlongSampleError naming every
+            such line and its token length) or ``"truncate"`` (keep the first ``max_seq_len``
+            tokens; a sample left with 0 trained tokens is dropped and listed).
+        train_on_all: train on every token instead of only the assistant turns.
+
+    Returns:
+        TokenizedChat (dataset + DataReport).
+
+    Raises:
+        DataValidationError: any validation problem in the file (all of them, before tokenizing),
+            or a template that does not render prefixes consistently.
+        OverlongSampleError: overlong samples under the ``error`` policy.
+        ValueError: bad arguments, a file without any row, or a tokenizer without a chat template
+            or offset support.
+    """
+    from datasets import Dataset, Features, List, Value
+
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+    if int(max_seq_len) < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("a fast tokenizer (with offset mapping) is required")
+    max_seq_len = int(max_seq_len)
+    records, problems, rendered = scan_chat_file(path, tokenizer)
+    if problems:
+        raise DataValidationError(problems)
+    if not records:
+        raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
+    spans = _render_all(path, records, rendered, tokenizer, train_on_all)
+    report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong,
+                        train_on_all=train_on_all, rows=len(records))
+
+    raw = Dataset.from_dict({"line": [line for line, _ in records], "text": rendered, "spans": spans},
+                            features=Features({"line": Value("int64"), "text": Value("string"),
+                                               "spans": List(List(Value("int64")))}))
+    features = Features({"input_ids": List(Value("int32")), "labels": List(Value("int32")),
+                         "length": Value("int64"), "num_loss_tokens": Value("int64"),
+                         "full_length": Value("int64"), "line": Value("int64")})
+    ds = raw.map(_label_batch, batched=True, batch_size=512, remove_columns=raw.column_names,
+                 features=features, num_proc=None, desc=f"tokenizing {Path(path).name}",
+                 new_fingerprint=f"osft-tokenize-{id(raw)}",
+                 fn_kwargs=dict(tokenizer=tokenizer, max_seq_len=max_seq_len,
+                                truncate=overlong == "truncate", train_on_all=train_on_all))
+
+    keep = _apply_policy(ds, report)
+    if overlong == "error" and report.dropped_overlong:
+        raise OverlongSampleError(
+            [Problem(str(path), line, None, "messages", "overlong",
+                     f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)")
+             for line, n in report.dropped_overlong], report)
+    ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length"]).flatten_indices()
+    return TokenizedChat(dataset=ds, report=report)
