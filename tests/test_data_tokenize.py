@@ -129,13 +129,16 @@ B15_ROWS = [
 ]
 
 
-def test_b15_empty_assistant_content_stops_before_tokenization(tmp_path):
+def test_b15_both_lines_reported_in_one_pass(tmp_path):
     path = write_jsonl(tmp_path / "b15.jsonl", B15_ROWS)
     with pytest.raises(DataValidationError) as info:
         tokenize_chat_file(path, tiny_chat_tokenizer(default_system=False), 16, overlong="truncate")
-    (p,) = info.value.problems
-    assert (p.line, p.rule) == (3, "empty_assistant_content")
-    assert str(p) == f"{path}:3: empty assistant content in messages[1].content"
+    line2, line3 = info.value.problems
+    assert (line2.line, line2.rule) == (2, "no_trainable_tokens")
+    assert str(line2) == f"{path}:2: 0 trainable tokens after truncation to 16"
+    assert (line3.line, line3.rule) == (3, "empty_assistant_content")
+    assert str(line3) == f"{path}:3: empty assistant content in messages[1].content"
+    assert f"{path}:2: 0 trainable tokens after truncation to 16" in str(info.value)
 
 
 def test_b15_no_trainable_tokens_after_truncation(tmp_path):

@@ -29,7 +29,7 @@ EXIT_BAD_INPUT = 2
 DEMO_DEFAULTS = dict(
     output_dir="runs/demo",
     max_steps=30,
-    batch_size=8,
+    batch_size=4,
     max_seq_len=512,
     max_tokens_per_gpu=1024,
     learning_rate=5e-5,
@@ -51,7 +51,24 @@ class InputError(Exception):
     """Bad flags, data or model path, found before training starts (exit code 2)."""
 
 
-def _train(cfg, console: Console) -> int:
+DEMO_PROMPT = "Hi! What do you like to do on the weekend?"
+
+
+def _demo_reply(export_dir: str, console: Console) -> None:
+    """Reload the demo's HF export as a user would and print its answer to :data:`DEMO_PROMPT`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    model = AutoModelForCausalLM.from_pretrained(export_dir)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": DEMO_PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+    reply = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    console.print(f"[bold]user:[/bold] {escape(DEMO_PROMPT)}\n[bold]fine-tuned model:[/bold] {escape(reply)}")
+
+
+def _train(cfg, console: Console) -> str:
     from .data.validate import DataValidationError
     from .loop import Trainer
     from .rundir import RunDir
@@ -78,9 +95,10 @@ def _train(cfg, console: Console) -> int:
     run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=result.export_dir)
     console.print(
         f"[green]done[/green]: {result.steps} steps, last loss {result.last_loss:.4f}, "
-        f"orthogonality violations {result.violations_total}, export {result.export_dir}"
+        f"orthogonality violations {result.violations_total}, export {result.export_dir}",
+        soft_wrap=True,
     )
-    return EXIT_COMPLETED
+    return result.export_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["fetch-demo"]:
             _fetch_demo(argv[1:], console)
             return EXIT_COMPLETED
-        if argv[:1] == ["demo"]:
+        demo = argv[:1] == ["demo"]
+        if demo:
             parser = build_parser("osft-train demo", require_paths=False)
             demo_dir = None
             if "--dir" in argv:
@@ -107,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             check_config(cfg)
         except ValueError as exc:
             raise InputError(str(exc)) from exc
-        return _train(cfg, console)
+        export_dir = _train(cfg, console)
+        if demo:
+            _demo_reply(export_dir, console)
+        return EXIT_COMPLETED
     except InputError as exc:
         console.print("[bold red]osft-train: error:[/bold red]", escape(str(exc)), highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT

@@ -356,8 +356,9 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         TokenizedChat (dataset + DataReport).
 
     Raises:
-        DataValidationError: any validation problem in the file (all of them, before tokenizing),
-            or a template that does not render prefixes consistently.
+        DataValidationError: any validation problem in the file, listed together with the valid
+            rows that the policy would drop for lack of trained tokens (and, under the ``error``
+            policy, the overlong ones); or a template that does not render prefixes consistently.
         OverlongSampleError: overlong samples under the ``error`` policy.
         ValueError: bad arguments, a file without any row, or a tokenizer without a chat template
             or offset support.
@@ -372,10 +373,10 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise ValueError("a fast tokenizer (with offset mapping) is required")
     max_seq_len = int(max_seq_len)
     records, problems, rendered = scan_chat_file(path, tokenizer)
-    if problems:
-        raise DataValidationError(problems)
-    if not records:
+    if not records and not problems:
         raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
+    if not records:
+        raise DataValidationError(problems)
     spans = _render_all(path, records, rendered, tokenizer, train_on_all)
     report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong,
                         train_on_all=train_on_all, rows=len(records))
@@ -393,10 +394,18 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
                                 truncate=overlong == "truncate", train_on_all=train_on_all))
 
     keep = _apply_policy(ds, report)
-    if overlong == "error" and report.dropped_overlong:
-        raise OverlongSampleError(
-            [Problem(str(path), line, None, "messages", "overlong",
-                     f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)")
-             for line, n in report.dropped_overlong], report)
+    overlong_problems = [
+        Problem(str(path), line, None, "messages", "overlong",
+                f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)")
+        for line, n in report.dropped_overlong] if overlong == "error" else []
+    if problems:
+        # Invalid rows stop the run; the rows that would be dropped for lack of trained tokens are
+        # listed in the same pass (field case B15), so one run of the validator shows everything.
+        untrainable = [Problem(str(path), line, None, "messages", "no_trainable_tokens",
+                               no_trainable_message(max_seq_len, truncated=overlong == "truncate"))
+                       for line in report.dropped_no_trainable]
+        raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
+    if overlong_problems:
+        raise OverlongSampleError(overlong_problems, report)
     ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length"]).flatten_indices()
     return TokenizedChat(dataset=ds, report=report)

@@ -1,0 +1,551 @@
+"""Per-step cost of OSFT against full fine-tuning and Hugging Face PEFT's OSF, on CPU.
+
+Three methods train the same model on the same fixed batch of packed samples:
+
+- ``osft``: our trainer (``Trainer.prepare()`` then ``Trainer.train_step``), OSFT on.
+- ``full_ft``: the same trainer with ``osft=False`` (``--no-osft``): plain full fine-tuning.
+- ``peft_osf``: ``peft.OSFConfig`` + ``get_peft_model`` on the same target modules with the same
+  rank split, driven by a step written here with our packing, collate and loss.
+
+Every method runs in its own worker subprocess (so its peak RSS is its own). The workers start one
+after the other (each: load, decompose, one warm-up step), then the timed steps run interleaved in
+rounds, A B C A B C ..., so that noise on a shared machine hits all three alike. Ratios are taken
+against ``full_ft`` from medians of the same run.
+
+Usage::
+
+    python benchmarks/bench_step.py                       # tiny + smollm2, results/bench_step.json
+    python benchmarks/bench_step.py --models smollm2 --rounds 4 --steps 2
+    python benchmarks/bench_step.py --quick --out /tmp/b.json   # pipeline check, tiny only
+
+Internally ``--worker METHOD --spec FILE`` runs one worker; it talks JSON lines on its stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_step.json"
+METHODS = ("osft", "full_ft", "peft_osf")
+METHOD_LABELS = {"osft": "our OSFT", "full_ft": "our full FT (--no-osft)", "peft_osf": "PEFT OSF"}
+TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODELS = ("tiny", "smollm2")
+
+#: Goals reported (never asserted): OSFT step time at most this multiple of our full fine-tuning.
+GOAL_STEP_RATIO = 1.10
+#: Goal for the decomposition of every SmolLM2-135M target, seconds.
+GOAL_SMOLLM2_SVD_S = 10.0
+
+#: Tiny model: a random Llama built from this config (and the tiny test tokenizer's vocabulary).
+TINY_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024)
+
+
+# ------------------------------------------------------------------------------------------ worker
+
+def _pick_batch(lengths, batch_size: int) -> list[int]:
+    """Indices of the ``batch_size`` longest samples (ties: lower index first), sorted.
+
+    Every method tokenizes the same file the same way, so each picks the same samples; the longest
+    ones make the batch close to ``batch_size × max_seq_len`` tokens.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    return sorted(order[:batch_size])
+
+
+class _TrainerRunner:
+    """Our trainer, OSFT on or off: ``prepare()`` once, then the real ``train_step``."""
+
+    def __init__(self, spec: dict, osft: bool) -> None:
+        from rich.console import Console
+
+        from osft.trainer.config import TrainConfig
+        from osft.trainer.loop import Trainer
+
+        cfg = TrainConfig(**_train_config_kwargs(spec), osft=osft)
+        self.trainer = Trainer(cfg, console=Console(stderr=True), job_id=f"bench-{spec['method']}")
+        self.trainer.prepare()
+        self.lengths = self.trainer.lengths
+        self.svd_s = self.trainer.osft.svd_seconds if self.trainer.osft else None
+        self.model = self.trainer.model
+        self.extra = {}
+        if self.trainer.osft:
+            self.extra["osft_modules"] = len(self.trainer.osft.modules)
+            forms = [m.forward_form for m in self.trainer.osft.osft_modules]
+            self.extra["forward_forms"] = {f: forms.count(f) for f in sorted(set(forms))}
+
+    def step(self, step: int, indices: list[int]) -> dict:
+        """One optimizer step (s measured by the caller); returns loss and token count."""
+        record = self.trainer.train_step(step, indices)
+        return {"loss": record["loss"], "num_tokens": record["num_tokens"]}
+
+
+class _PeftRunner:
+    """PEFT's OSF on the same model, data, batch, loss and AdamW settings as our trainer."""
+
+    def __init__(self, spec: dict) -> None:
+        import torch
+        from peft import OSFConfig, get_peft_model
+        from transformers import get_scheduler
+
+        from osft.trainer.config import TrainConfig
+        from osft.trainer.data.tokenize import tokenize_chat_file
+        from osft.trainer.loop import seed_everything, shifted_loss_tokens
+        from osft.trainer.model_loading import load_model, load_tokenizer
+        from osft.trainer.osft.decomposition import rank_split
+
+        cfg = TrainConfig(**_train_config_kwargs(spec), osft=False)
+        self.cfg = cfg
+        seed_everything(cfg.seed)
+        tokenizer = load_tokenizer(cfg.model_name_or_path)
+        self.data = tokenize_chat_file(cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+        self.lengths = self.data.lengths
+        self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
+        model = load_model(cfg.model_name_or_path, torch.float32, "cpu")
+        model.train()
+
+        # Rank split: PEFT's effective_rank is the *preserved* (frozen) rank. A float in (0, 1] is a
+        # fraction of min(out, in), resolved per module as int(min_dim * value); an int is absolute.
+        # Ours freezes k_high = floor(rank * (1 - URR)), so the fraction is 1 - URR; modules where
+        # the two roundings could differ get an exact integer through rank_pattern.
+        fraction = 1.0 - cfg.osft_unfreeze_rank_ratio
+        targets = {name: mod for name, mod in model.named_modules()
+                   if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGET_NAMES}
+        want = {name: rank_split(*mod.weight.shape, cfg.osft_unfreeze_rank_ratio).k_high
+                for name, mod in targets.items()}
+        overrides = {f"^{name.replace('.', '[.]')}$": k for name, k in want.items()
+                     if int(min(targets[name].weight.shape) * fraction) != k}
+        start = time.perf_counter()
+        self.model = get_peft_model(model, OSFConfig(effective_rank=fraction, target_modules=list(TARGET_NAMES),
+                                                     rank_pattern=overrides or None))
+        self.svd_s = time.perf_counter() - start
+        from peft.tuners.osf.layer import OSFLayer
+
+        layers = {name.removeprefix("base_model.model."): mod for name, mod in self.model.named_modules()
+                  if isinstance(mod, OSFLayer)}
+        got = {name: layers[name].effective_rank["default"] for name in layers}
+        if got != want:
+            raise RuntimeError(f"PEFT rank split differs from ours: {len(got)} vs {len(want)} modules, "
+                               f"e.g. {sorted(set(got.items()) ^ set(want.items()))[:4]}")
+        if spec["peft_trainable"] == "matched":
+            # Train what our trainer trains: the OSF factors and every non-target parameter
+            # (embeddings, norms, head); only the targets' dense base weights stay frozen.
+            for name, p in self.model.named_parameters():
+                p.requires_grad_("osf_svd_params" in name or ".base_layer." not in name)
+        self.extra = {"peft_effective_rank": fraction, "peft_rank_pattern_overrides": len(overrides),
+                      "osft_modules": len(layers), "peft_trainable": spec["peft_trainable"]}
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.scheduler = get_scheduler(cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps,
+                                       num_training_steps=10**6)
+
+    def step(self, step: int, indices: list[int]) -> dict:
+        """Forward/backward every packed micro-batch (PEFT's hooks project the gradients during
+        backward), clip, AdamW step. Same loss as our trainer: summed CE / loss tokens of the batch."""
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+
+        from osft.trainer.data.collate import collate_packed
+        from osft.trainer.data.packing import plan_micro_batches
+        from osft.trainer.data.tokenize import IGNORE_INDEX
+
+        idx = np.asarray(indices, dtype=np.int64)
+        total_loss_tokens = int(self.loss_tokens[idx].sum())
+        plan = plan_micro_batches(self.lengths[idx], self.cfg.max_tokens_per_gpu, 1)[0]
+        loss_sum, num_tokens = 0.0, 0
+        for micro in plan:
+            batch = collate_packed([self.data[int(idx[i])] for i in micro])
+            logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                use_cache=False).logits
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch["labels"].view(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            (loss / total_loss_tokens).backward()
+            loss_sum += float(loss.detach())
+            num_tokens += int(batch["num_tokens"])
+        torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum / total_loss_tokens, "num_tokens": num_tokens}
+
+
+def _train_config_kwargs(spec: dict) -> dict:
+    """TrainConfig fields shared by every method (all optimiser settings stay at their defaults)."""
+    return dict(model_name_or_path=spec["model_dir"], data_path=spec["data_path"], output_dir=spec["run_dir"],
+                max_seq_len=spec["max_seq_len"], batch_size=spec["batch_size"],
+                max_tokens_per_gpu=spec["max_tokens_per_gpu"], osft_unfreeze_rank_ratio=spec["urr"],
+                device="cpu", dtype="float32", seed=spec["seed"])
+
+
+def worker_main(method: str, spec_path: str) -> int:
+    """Run one method: prepare, one warm-up step, then timed steps on request; reports on stdout.
+
+    Protocol (one JSON object per line): after the warm-up it writes ``ready`` (``first_step_s``:
+    s from process start to the end of the warm-up step; ``svd_s``; ``prepare_s``; the batch).
+    Then it reads commands on stdin: ``{"cmd": "steps", "n": N}`` answers the N step times (s);
+    ``{"cmd": "quit"}`` answers ``peak_rss_bytes`` (``ru_maxrss``) and exits.
+    """
+    import resource
+
+    import psutil
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything printed by libraries goes to stderr, never into the protocol
+    started = psutil.Process().create_time()
+
+    def send(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
+    spec = json.loads(Path(spec_path).read_text())
+    spec["method"] = method
+    import torch
+
+    t0 = time.perf_counter()
+    runner = _PeftRunner(spec) if method == "peft_osf" else _TrainerRunner(spec, osft=method == "osft")
+    prepare_s = time.perf_counter() - t0
+    indices = _pick_batch(runner.lengths, spec["batch_size"])
+    t1 = time.perf_counter()
+    first = runner.step(1, indices)
+    warmup_s = time.perf_counter() - t1
+    first_step_s = time.time() - started
+    params = list(runner.model.parameters())
+    send(dict(event="ready", first_step_s=first_step_s, prepare_s=prepare_s, warmup_step_s=warmup_s,
+              svd_s=runner.svd_s, indices=indices, num_tokens=first["num_tokens"], first_loss=first["loss"],
+              lengths=[int(runner.lengths[i]) for i in indices],
+              trainable_params=sum(p.numel() for p in params if p.requires_grad),
+              total_params=sum(p.numel() for p in params), torch_threads=torch.get_num_threads(),
+              **runner.extra))
+    step = 1
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "steps":
+            times, losses = [], []
+            for _ in range(int(cmd["n"])):
+                step += 1
+                t = time.perf_counter()
+                out = runner.step(step, indices)
+                times.append(time.perf_counter() - t)
+                losses.append(out["loss"])
+            send(dict(event="steps", times=times, losses=losses))
+        elif cmd["cmd"] == "quit":
+            send(dict(event="bye", peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      rss_bytes=psutil.Process().memory_info().rss))
+            return 0
+    return 1
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+@dataclass
+class _Worker:
+    """A running worker process and what it reported."""
+
+    method: str
+    proc: subprocess.Popen
+    log_path: Path
+    ready: dict = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    bye: dict = field(default_factory=dict)
+
+    def request(self, cmd: dict | None) -> dict:
+        """Send ``cmd`` (if any) and wait for the worker's next line."""
+        if cmd is not None:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+            raise RuntimeError(f"worker {self.method} exited with code {self.proc.returncode}; "
+                               f"log {self.log_path}:\n{tail}")
+        return json.loads(line)
+
+
+def _start_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool) -> _Worker:
+    """Start one worker and wait until it has done its warm-up step."""
+    log_path = log_dir / f"{method}.log"
+    stderr = None if verbose else open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--spec", str(spec_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=str(REPO),
+    )
+    if stderr is not None:
+        stderr.close()
+    worker = _Worker(method, proc, log_path)
+    worker.ready = worker.request(None)
+    return worker
+
+
+def _synthetic_chats(n: int, seed: int) -> list[dict]:
+    """``n`` random multi-turn conversations of plain words (for the tiny model)."""
+    words = ("the capital of france is paris hello world thanks sure here answer what why because seven "
+             "ate nine explain gradient descent walks downhill loss surface tell me a joke about numbers "
+             "assistant user system one sentence").split()
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        msgs = []
+        for turn in range(2 * rng.randint(1, 5)):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))
+            msgs.append({"role": "user" if turn % 2 == 0 else "assistant", "content": text})
+        rows.append({"messages": msgs})
+    return rows
+
+
+def _prepare_tiny(root: Path, seed: int) -> tuple[Path, Path, dict]:
+    """Save the tiny random Llama (+ tiny tokenizer) and a synthetic chat jsonl under ``root``."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import tiny_chat_tokenizer, tiny_llama  # the project's own offline test helpers
+
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=seed, **TINY_CONFIG)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model_dir = root / "tiny-llama"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = root / "tiny-chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _synthetic_chats(96, seed)))
+    return model_dir, data, dict(TINY_CONFIG, vocab_size=len(tokenizer), weights="random")
+
+
+def _prepare_smollm2(root: Path, demo_dir: str | None, data_lines: int) -> tuple[Path, Path, dict]:
+    """The demo SmolLM2-135M-Instruct dir and the first ``data_lines`` chit-chat conversations."""
+    from osft.trainer.demo_assets import fetch_demo
+
+    if demo_dir is None and not os.environ.get("OSFT_DEMO_DIR"):
+        cached = REPO / ".pytest_cache" / "d" / "osft-demo"  # where the test suite keeps them
+        demo_dir = str(cached) if (cached / ".complete").exists() else None
+    assets = fetch_demo(Path(demo_dir) if demo_dir else None)
+    data = root / "chitchat-subset.jsonl"
+    with open(assets.train_path, encoding="utf-8") as src:
+        lines = [line for _, line in zip(range(data_lines), src)]
+    data.write_text("".join(lines))
+    cfg = json.loads((assets.model_dir / "config.json").read_text())
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings")
+    return assets.model_dir, data, {k: cfg.get(k) for k in keys} | {"weights": "SmolLM2-135M-Instruct"}
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict:
+    """Run the three methods on one model; return its JSON section."""
+    root = tmp / name
+    root.mkdir()
+    if name == "tiny":
+        model_dir, data_path, model_info = _prepare_tiny(root, args.seed)
+    else:
+        model_dir, data_path, model_info = _prepare_smollm2(root, args.demo_dir, args.data_lines)
+    workers: dict[str, _Worker] = {}
+    try:
+        for method in METHODS:
+            spec = dict(model_dir=str(model_dir), data_path=str(data_path), run_dir=str(root / f"run-{method}"),
+                        max_seq_len=args.max_seq_len, batch_size=args.batch_size,
+                        max_tokens_per_gpu=args.max_tokens_per_gpu, urr=args.urr, seed=args.seed,
+                        peft_trainable=args.peft_trainable)
+            spec_path = root / f"spec-{method}.json"
+            spec_path.write_text(json.dumps(spec))
+            console.print(f"[{name}] starting {METHOD_LABELS[method]} ...")
+            workers[method] = _start_worker(method, spec_path, root, args.verbose)
+            r = workers[method].ready
+            svd = f", SVD {r['svd_s']:.2f} s" if r["svd_s"] is not None else ""
+            console.print(f"[{name}] {METHOD_LABELS[method]}: first step done {r['first_step_s']:.1f} s after "
+                          f"process start{svd}; batch {len(r['indices'])} samples, {r['num_tokens']} tokens")
+        batches = {(tuple(w.ready["indices"]), w.ready["num_tokens"]) for w in workers.values()}
+        if len(batches) != 1:
+            raise RuntimeError(f"[{name}] the methods picked different batches: {batches}")
+        for rnd in range(args.rounds):
+            for method in METHODS:
+                w = workers[method]
+                out = w.request({"cmd": "steps", "n": args.steps})
+                w.times += out["times"]
+                w.losses += out["losses"]
+                w.round_medians.append(_median(out["times"]))
+            console.print(f"[{name}] round {rnd + 1}/{args.rounds}: " + ", ".join(
+                f"{m} {workers[m].round_medians[-1]:.3f} s" for m in METHODS))
+        for w in workers.values():
+            w.bye = w.request({"cmd": "quit"})
+            w.proc.wait(timeout=120)
+    finally:
+        for w in workers.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+
+    ready = workers["full_ft"].ready
+    section = dict(model=model_info, batch=dict(num_samples=len(ready["indices"]), num_tokens=ready["num_tokens"],
+                                                sample_lengths=ready["lengths"], indices=ready["indices"]),
+                   methods={}, ratios_vs_full_ft={})
+    for method, w in workers.items():
+        r = w.ready
+        med = _median(w.times)
+        section["methods"][method] = dict(
+            label=METHOD_LABELS[method], step_time_s=med, step_time_samples_s=w.times,
+            tokens_per_s=r["num_tokens"] / med, peak_rss_bytes=w.bye["peak_rss_bytes"],
+            rss_end_bytes=w.bye["rss_bytes"], first_step_s=r["first_step_s"], svd_s=r["svd_s"],
+            prepare_s=r["prepare_s"], warmup_step_s=r["warmup_step_s"], trainable_params=r["trainable_params"],
+            total_params=r["total_params"], torch_threads=r["torch_threads"], first_loss=r["first_loss"],
+            last_loss=w.losses[-1] if w.losses else None,
+            **{k: r[k] for k in ("osft_modules", "forward_forms", "peft_effective_rank",
+                                 "peft_rank_pattern_overrides", "peft_trainable") if k in r},
+        )
+    base = section["methods"]["full_ft"]
+    for method in METHODS:
+        m = section["methods"][method]
+        paired = [a / b for a, b in zip(workers[method].round_medians, workers["full_ft"].round_medians)]
+        section["ratios_vs_full_ft"][method] = dict(
+            step_time=m["step_time_s"] / base["step_time_s"],
+            step_time_paired_rounds_median=_median(paired),
+            tokens_per_s=m["tokens_per_s"] / base["tokens_per_s"],
+            peak_rss=m["peak_rss_bytes"] / base["peak_rss_bytes"],
+            first_step=m["first_step_s"] / base["first_step_s"],
+        )
+    ours, peft = section["methods"]["osft"], section["methods"]["peft_osf"]
+    goals = {
+        f"osft_step_time_le_{GOAL_STEP_RATIO:.2f}x_full_ft": dict(
+            value=section["ratios_vs_full_ft"]["osft"]["step_time"], target=GOAL_STEP_RATIO,
+            met=section["ratios_vs_full_ft"]["osft"]["step_time"] <= GOAL_STEP_RATIO),
+        "osft_step_faster_than_peft_osf": dict(
+            value=ours["step_time_s"] / peft["step_time_s"], target=1.0,
+            met=ours["step_time_s"] < peft["step_time_s"]),
+    }
+    if name == "smollm2":
+        goals[f"osft_svd_le_{GOAL_SMOLLM2_SVD_S:g}s"] = dict(value=ours["svd_s"], target=GOAL_SMOLLM2_SVD_S,
+                                                           met=ours["svd_s"] <= GOAL_SMOLLM2_SVD_S)
+    section["goals"] = goals
+    return section
+
+
+def machine_info() -> dict:
+    """CPU count, platform and library versions; torch threads as the workers saw them."""
+    import peft
+    import psutil
+    import torch
+    import transformers
+
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return dict(cpu_count=os.cpu_count(), cpu_count_physical=psutil.cpu_count(logical=False), cpu_model=cpu_model,
+                memory_bytes=psutil.virtual_memory().total, platform=platform.platform(),
+                python=platform.python_version(), torch_version=torch.__version__,
+                torch_threads=torch.get_num_threads(), transformers_version=transformers.__version__,
+                peft_version=peft.__version__)
+
+
+def print_report(result: dict, console) -> None:
+    """A rich table per model and the goal verdicts."""
+    from rich.table import Table
+
+    for name, sec in result["models"].items():
+        b = sec["batch"]
+        table = Table(title=f"{name}: {b['num_samples']} samples, {b['num_tokens']} tokens/step, "
+                            f"URR {result['settings']['urr']}, "
+                            f"{len(sec['methods']['full_ft']['step_time_samples_s'])} timed steps/method")
+        for col in ("method", "step s (median)", "x full FT", "tokens/s", "peak RSS MiB", "x full FT RSS",
+                    "first step s", "SVD s", "trainable params"):
+            table.add_column(col, justify="left" if col == "method" else "right")
+        for method, m in sec["methods"].items():
+            r = sec["ratios_vs_full_ft"][method]
+            table.add_row(m["label"], f"{m['step_time_s']:.3f}", f"{r['step_time']:.3f}", f"{m['tokens_per_s']:.0f}",
+                          f"{m['peak_rss_bytes'] / 2**20:.0f}", f"{r['peak_rss']:.2f}", f"{m['first_step_s']:.1f}",
+                          "-" if m["svd_s"] is None else f"{m['svd_s']:.2f}", f"{m['trainable_params']:,}")
+        console.print(table)
+        for goal, g in sec["goals"].items():
+            verdict = "[green]met[/green]" if g["met"] else "[red]NOT met[/red]"
+            console.print(f"  goal {goal}: {g['value']:.3f} (target {g['target']:g}) {verdict}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", default="tiny,smollm2", help=f"comma-separated, from {','.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per method per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of A B C interleaving")
+    p.add_argument("--urr", type=float, default=0.25, help="unfreeze rank ratio, in (0, 1)")
+    p.add_argument("--batch-size", type=int, default=4, help="samples per step")
+    p.add_argument("--max-seq-len", type=int, default=256, help="tokens per sample (longer ones are dropped)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=1024, help="token budget of one packed micro-batch")
+    p.add_argument("--data-lines", type=int, default=400, help="chit-chat conversations tokenized (smollm2)")
+    p.add_argument("--peft-trainable", choices=["matched", "adapter-only"], default="matched",
+                   help="matched: PEFT also trains every non-target parameter, as our trainer does; "
+                        "adapter-only: PEFT's default (only the OSF factors train)")
+    p.add_argument("--demo-dir", default=None, help="demo assets dir (default: $OSFT_DEMO_DIR, the pytest cache, "
+                                                    "else fetch_demo's default)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--quick", action="store_true",
+                   help="pipeline check for CI: tiny model only, 2 timed steps, max-seq-len 64, 128-token micro-batches")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    p.add_argument("--verbose", action="store_true", help="show the workers' logs")
+    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (or, with ``--worker``, one worker). Returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.spec)
+    from rich.console import Console
+
+    console = Console()
+    if args.quick:  # a pipeline check: small batch, 2 timed steps per method (one per round)
+        args.models, args.rounds, args.steps = "tiny", 2, 1
+        args.max_seq_len, args.max_tokens_per_gpu = 64, 128
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad or not models:
+        raise SystemExit(f"--models: unknown {bad}; choose from {MODELS}")
+    if not 0.0 < args.urr < 1.0:
+        raise SystemExit("--urr must be in (0, 1): PEFT's OSF needs at least one frozen direction")
+    if min(args.steps, args.rounds) < 1:
+        raise SystemExit("--steps and --rounds must be >= 1")
+    started = time.time()
+    result = dict(benchmark="bench_step", created_unix=started, machine=machine_info(), load_avg_start=os.getloadavg(),
+                  settings=dict(models=models, steps_per_round=args.steps, rounds=args.rounds, urr=args.urr,
+                                batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+                                max_tokens_per_gpu=args.max_tokens_per_gpu, dtype="float32", device="cpu",
+                                peft_trainable=args.peft_trainable, quick=args.quick, seed=args.seed,
+                                data_lines=args.data_lines, optimizer="AdamW, TrainConfig defaults",
+                                warmup_steps_untimed=1, order="interleaved rounds: " + " ".join(METHODS)),
+                  models={})
+    with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
+        for name in models:
+            result["models"][name] = bench_model(name, args, Path(tmp), console)
+    result["wall_s"] = time.time() - started
+    result["load_avg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_report(result, console)
+    console.print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

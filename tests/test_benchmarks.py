@@ -1,0 +1,38 @@
+"""The step benchmark's pipeline (``benchmarks/bench_step.py --quick``): it runs and writes its JSON.
+
+Speed is never asserted here; the numbers on a shared CI machine mean nothing.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("peft")
+
+
+def test_bench_step_quick_writes_all_three_methods(tmp_path):
+    out = tmp_path / "bench_step.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_step.py"), "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["machine"]["cpu_count"] >= 1 and result["machine"]["torch_version"]
+    section = result["models"]["tiny"]
+    assert set(section["methods"]) == {"osft", "full_ft", "peft_osf"}
+    for name, m in section["methods"].items():
+        assert len(m["step_time_samples_s"]) == 2, name
+        assert all(t > 0 for t in m["step_time_samples_s"]), name
+        for key in ("step_time_s", "tokens_per_s", "peak_rss_bytes", "first_step_s"):
+            assert m[key] > 0, (name, key)
+        assert (m["svd_s"] is None) == (name == "full_ft"), name
+        assert name == "full_ft" or m["svd_s"] > 0
+        assert section["ratios_vs_full_ft"][name]["step_time"] > 0
+    assert section["ratios_vs_full_ft"]["full_ft"]["step_time"] == 1.0
+    assert section["batch"]["num_tokens"] > 0
