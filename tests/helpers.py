@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 # ChatML without a default system message: `<|im_start|>role\ncontent<|im_end|>\n` per message,
 # and `<|im_start|>assistant\n` as the generation prompt.
 PLAIN_CHATML_TEMPLATE = (
@@ -136,3 +138,68 @@ def chat(*turns, system: str | None = None) -> dict:
     for i, content in enumerate(turns):
         msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
     return {"messages": msgs}
+
+
+def _interleave_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF q/k rows (per head: all first halves, then second halves) -> llama.cpp's pairwise order."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, model, tokenizer) -> None:
+    """Write ``model`` (an untied-or-tied tiny Llama) and ``tokenizer`` as an all-F32 GGUF file."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = set(tokenizer.all_special_tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_chat_template(tokenizer.chat_template)
+
+    names = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    }  # fmt: skip
+    for key, t in model.state_dict().items():
+        a = t.detach().numpy().astype(np.float32)
+        if key == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif key == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        elif key == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                w.add_tensor("output.weight", a)
+        else:
+            _, _, layer, *rest = key.split(".")
+            module = ".".join(rest[:-1])
+            if module == "self_attn.q_proj":
+                a = _interleave_rotary(a, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                a = _interleave_rotary(a, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{layer}.{names[module]}.weight", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

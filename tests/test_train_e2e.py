@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
+from helpers import chat, tiny_chat_tokenizer, tiny_llama, write_jsonl, write_tiny_gguf
 from osft.trainer.cli import main
 
 STEP_FIELDS = {
@@ -127,3 +127,26 @@ def test_invalid_data_is_reported_before_the_model_loads(tiny_model_dir, tmp_pat
     assert "row must be an object with a messages list" in err
     assert json.loads((out / "run.json").read_text())["state"] == "failed"
     assert not any(r["event"] == "step" for r in read_records(out))
+
+
+def test_trains_from_a_gguf_file_and_exports_a_plain_directory(chat_file, tmp_path):
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128)
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, model, tokenizer)
+    out = tmp_path / "run"
+    code = main([
+        "--model-name-or-path", str(gguf_path), "--data-path", str(chat_file), "--output-dir", str(out),
+        "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "2",
+        "--save-dtype", "float32",
+    ])
+    assert code == 0
+    export = out / "hf_format" / "step_2"
+    assert not list(export.glob("*.gguf"))
+    reloaded = AutoModelForCausalLM.from_pretrained(export)
+    assert "quantization_config" not in json.loads((export / "config.json").read_text())
+    # Two small steps moved the weights, but not far from the GGUF's.
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(reloaded.state_dict()[k], v)]
+    assert "model.layers.0.self_attn.q_proj.weight" in moved and "model.embed_tokens.weight" in moved
+    for key, value in model.state_dict().items():
+        assert (reloaded.state_dict()[key] - value).abs().max() < 0.05, key
