@@ -294,17 +294,20 @@ def _start_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool) ->
 
 
 def _synthetic_chats(n: int, seed: int) -> list[dict]:
-    """``n`` random multi-turn conversations of plain words (for the tiny model)."""
+    """``n`` random conversations of plain words, 2 to 160 words each over 1 to 5 user/assistant
+    turn pairs (for the tiny model: lengths spread from a few dozen to a few hundred tokens)."""
     words = ("the capital of france is paris hello world thanks sure here answer what why because seven "
              "ate nine explain gradient descent walks downhill loss surface tell me a joke about numbers "
              "assistant user system one sentence").split()
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        msgs = []
-        for turn in range(2 * rng.randint(1, 5)):
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))
-            msgs.append({"role": "user" if turn % 2 == 0 else "assistant", "content": text})
+        turns = 2 * rng.randint(1, 5)
+        budget = rng.randint(turns, 160)
+        cuts = sorted(rng.sample(range(1, budget), turns - 1)) if turns > 1 else []
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, budget])]
+        msgs = [{"role": "user" if t % 2 == 0 else "assistant",
+                 "content": " ".join(rng.choice(words) for _ in range(size))} for t, size in enumerate(sizes)]
         rows.append({"messages": msgs})
     return rows
 
@@ -322,7 +325,7 @@ def _prepare_tiny(root: Path, seed: int) -> tuple[Path, Path, dict]:
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = root / "tiny-chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _synthetic_chats(96, seed)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in _synthetic_chats(128, seed)))
     return model_dir, data, dict(TINY_CONFIG, vocab_size=len(tokenizer), weights="random")
 
 

@@ -26,3 +26,20 @@ def demo_assets(request, tmp_path_factory):
     else:
         root = tmp_path_factory.mktemp("osft-demo")
     return fetch_demo(root)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache_dir(request, tmp_path_factory):
+    """Tokenized-data cache for the whole session, kept in pytest's cache directory (so the real
+    demo data is tokenized once across sessions), never in the user's own cache."""
+    from osft.trainer.data.cache import DATA_CACHE_ENV
+
+    cache = getattr(request.config, "cache", None)
+    root = Path(cache.mkdir("osft-data-cache")) if cache is not None else tmp_path_factory.mktemp("osft-data-cache")
+    previous = os.environ.get(DATA_CACHE_ENV)
+    os.environ[DATA_CACHE_ENV] = str(root)
+    yield root
+    if previous is None:
+        os.environ.pop(DATA_CACHE_ENV, None)
+    else:
+        os.environ[DATA_CACHE_ENV] = previous

@@ -25,6 +25,8 @@ class TrainConfig:
     max_seq_len: int = 2048
     overlong: str = "drop"
     train_on_all: bool = False
+    data_cache_dir: str | None = None
+    data_cache: bool = True
     # batching
     batch_size: int = 16
     max_tokens_per_gpu: int = 4096
@@ -120,6 +122,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--overlong", choices=["drop", "error", "truncate"], default=d.overlong,
                    help="what to do with samples longer than --max-seq-len (always reported)")
     g.add_argument("--train-on-all", action="store_true", help="train on every token, not only assistant turns")
+    g.add_argument("--data-cache-dir", default=None,
+                   help="cache of tokenized data (default: $OSFT_DATA_CACHE or the user cache dir)")
+    g.add_argument("--no-data-cache", dest="data_cache", action="store_false", help="always re-tokenize")
 
     g = p.add_argument_group("batching")
     g.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="global batch size, samples per optimizer step")

@@ -26,6 +26,7 @@ from .config import TrainConfig
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.sampler import GlobalBatchSampler
+from .data.cache import tokenize_chat_file_cached
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
 from .distributed import DistEnv
 from .metrics import MetricsLogger
@@ -108,7 +109,13 @@ class Trainer:
         seed_everything(cfg.seed)
         self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json())
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
-        self.data = tokenize_chat_file(cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+        args = (cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+        if cfg.data_cache:
+            self.data, hit = tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir)
+            if hit:
+                self._say("data: tokenized data loaded from the cache")
+        else:
+            self.data = tokenize_chat_file(*args)
         write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
         for line in self.data.report.summary_lines():
             self._say(f"data: {line}")

@@ -1,0 +1,40 @@
+"""The tokenized-data cache: hits only when file, tokenizer and settings are all the same."""
+
+import pytest
+from helpers import chat, tiny_chat_tokenizer, write_jsonl
+
+from osft.trainer.data import DataValidationError
+from osft.trainer.data.cache import tokenize_chat_file_cached
+
+
+def test_cache_hits_and_misses(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = write_jsonl(tmp_path / "a.jsonl", [chat("hi", "ok"), chat("what is 2+2?", "4")])
+    cache = tmp_path / "cache"
+    first, hit = tokenize_chat_file_cached(path, tok, 64, cache_dir=cache)
+    assert not hit
+    second, hit = tokenize_chat_file_cached(path, tok, 64, cache_dir=cache)
+    assert hit
+    assert second.dataset["input_ids"] == first.dataset["input_ids"]
+    assert second.dataset["labels"] == first.dataset["labels"]
+    assert second.report.kept == first.report.kept == 2
+    assert len(list(cache.iterdir())) == 1
+    # Another length limit, another template, or changed content: a new entry each.
+    assert not tokenize_chat_file_cached(path, tok, 32, cache_dir=cache)[1]
+    assert not tokenize_chat_file_cached(path, tok, 64, train_on_all=True, cache_dir=cache)[1]
+    tok_alt = tiny_chat_tokenizer(require_alternation=True)
+    assert not tokenize_chat_file_cached(path, tok_alt, 64, cache_dir=cache)[1]
+    write_jsonl(path, [chat("hi", "ok"), chat("what is 2+3?", "5")])
+    data, hit = tokenize_chat_file_cached(path, tok, 64, cache_dir=cache)
+    assert not hit and tok.decode([t for t in data[1]["labels"] if t >= 0]).startswith("5")
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]
+
+
+def test_errors_are_not_cached(tmp_path):
+    tok = tiny_chat_tokenizer()
+    path = write_jsonl(tmp_path / "bad.jsonl", [chat("hi", "ok"), "[1]"])
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        with pytest.raises(DataValidationError, match="row must be an object"):
+            tokenize_chat_file_cached(path, tok, 64, cache_dir=cache)
+    assert not cache.exists() or not list(cache.iterdir())

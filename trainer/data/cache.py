@@ -1,0 +1,78 @@
+"""On-disk cache of tokenized chat data (``datasets`` Arrow files), keyed by everything that
+determines the result, so a rerun on the same file skips validation and tokenization.
+
+Key = SHA-256 over: the data file's bytes, the tokenizer (its serialized fast tokenizer and chat
+template), ``max_seq_len``, the overlong policy, ``train_on_all`` and :data:`CACHE_FORMAT`. Only
+successful results are stored; an entry is written to a temporary directory and renamed, so a
+half-written entry is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
+
+#: Bump when the tokenization or the stored layout changes.
+CACHE_FORMAT = 1
+#: Environment variable overriding the default cache directory.
+DATA_CACHE_ENV = "OSFT_DATA_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$OSFT_DATA_CACHE`` if set, else ``platformdirs.user_cache_dir("osft")/tokenized``."""
+    env = os.environ.get(DATA_CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("osft")) / "tokenized"
+
+
+def cache_key(path, tokenizer, max_seq_len: int, overlong: str, train_on_all: bool) -> str:
+    """Hex SHA-256 identifying one tokenization result (see the module docstring)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(str(tokenizer.chat_template).encode())
+    h.update(json.dumps([max_seq_len, overlong, train_on_all, CACHE_FORMAT]).encode())
+    return h.hexdigest()
+
+
+def tokenize_chat_file_cached(
+    path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
+    cache_dir: Path | None = None,
+) -> tuple[TokenizedChat, bool]:
+    """:func:`.tokenize.tokenize_chat_file` through the cache in ``cache_dir``.
+
+    Returns:
+        ``(data, hit)``: the tokenized data (memory-mapped from the cache) and whether it came
+        from the cache.
+
+    Raises:
+        Everything :func:`.tokenize.tokenize_chat_file` raises (errors are never cached).
+    """
+    from datasets import Dataset
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    entry = root / cache_key(path, tokenizer, max_seq_len, overlong, train_on_all)
+    if (entry / "report.json").is_file():
+        report = DataReport(**json.loads((entry / "report.json").read_text()))
+        report.path = str(path)
+        return TokenizedChat(dataset=Dataset.load_from_disk(str(entry / "dataset")), report=report), True
+    data = tokenize_chat_file(path, tokenizer, max_seq_len, overlong, train_on_all)
+    tmp = entry.with_name(f".{entry.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    data.dataset.save_to_disk(str(tmp / "dataset"))
+    (tmp / "report.json").write_text(data.report.to_json())
+    try:
+        os.replace(tmp, entry)
+    except OSError:  # another process stored the same entry first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TokenizedChat(dataset=Dataset.load_from_disk(str(entry / "dataset")), report=data.report), False
