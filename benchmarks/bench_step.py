@@ -377,7 +377,9 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
         batches = {(tuple(w.ready["indices"]), w.ready["num_tokens"]) for w in workers.values()}
         if len(batches) != 1:
             raise RuntimeError(f"[{name}] the methods picked different batches: {batches}")
+        round_load = []
         for rnd in range(args.rounds):
+            round_load.append(os.getloadavg()[0])
             for method in METHODS:
                 w = workers[method]
                 out = w.request({"cmd": "steps", "n": args.steps})
@@ -398,7 +400,7 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
     ready = workers["full_ft"].ready
     section = dict(model=model_info, batch=dict(num_samples=len(ready["indices"]), num_tokens=ready["num_tokens"],
                                                 sample_lengths=ready["lengths"], indices=ready["indices"]),
-                   methods={}, ratios_vs_full_ft={})
+                   load_avg_1min_at_round_start=round_load, methods={}, ratios_vs_full_ft={})
     for method, w in workers.items():
         r = w.ready
         med = _median(w.times)

@@ -51,7 +51,7 @@ def test_tiny_osft_run_learns_without_violations_and_exports(tiny_model_dir, cha
     code = main([
         "--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(out),
         "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--learning-rate", "5e-3",
-        "--max-steps", "24", "--num-epochs", "5", "--osft-unfreeze-rank-ratio", "0.5", "--weight-decay", "0.1",
+        "--max-steps", "24", "--osft-unfreeze-rank-ratio", "0.5", "--weight-decay", "0.1",
     ])
     assert code == 0
     records = read_records(out)
@@ -150,3 +150,37 @@ def test_trains_from_a_gguf_file_and_exports_a_plain_directory(chat_file, tmp_pa
     assert "model.layers.0.self_attn.q_proj.weight" in moved and "model.embed_tokens.weight" in moved
     for key, value in model.state_dict().items():
         assert (reloaded.state_dict()[key] - value).abs().max() < 0.05, key
+
+
+def test_optimizer_flags_and_lr_schedule_are_honoured(tiny_model_dir, chat_file, tmp_path):
+    out = tmp_path / "run"
+    code = main([
+        "--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(out),
+        "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "6",
+        "--learning-rate", "1e-3", "--beta1", "0.8", "--beta2", "0.9", "--eps", "1e-6", "--weight-decay", "0.05",
+        "--lr-scheduler", "linear", "--warmup-steps", "2",
+    ])
+    assert code == 0
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert (config["beta1"], config["beta2"], config["eps"], config["weight_decay"]) == (0.8, 0.9, 1e-6, 0.05)
+    lrs = [r["lr"] for r in read_records(out) if r["event"] == "step"]
+    # linear warmup over 2 steps to 1e-3, then linear decay to 0 at step 6 (lr used by each step)
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+def test_trainer_builds_adamw_from_the_flags(tiny_model_dir, chat_file, tmp_path):
+    from osft.trainer.config import TrainConfig
+    from osft.trainer.loop import Trainer
+
+    cfg = TrainConfig(str(tiny_model_dir), str(chat_file), str(tmp_path / "r"), max_seq_len=64, max_tokens_per_gpu=96,
+                      learning_rate=3e-4, beta1=0.7, beta2=0.8, eps=1e-7, weight_decay=0.2, lr_scheduler="cosine", max_steps=4)
+    trainer = Trainer(cfg)
+    trainer.prepare()
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    group = trainer.optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.7, 0.8), 1e-7, 0.2)
+    assert group["initial_lr"] == 3e-4
+    trained = {id(p) for p in group["params"]}
+    frozen = [p for n, p in trainer.model.named_parameters() if n.endswith(("W_high", "U_basis", "V_basis"))]
+    assert frozen and not any(id(p) in trained for p in frozen)
+    assert trainer.total_steps == 4

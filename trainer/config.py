@@ -142,7 +142,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps)
     g.add_argument("--max-grad-norm", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.max_grad_norm)
     g.add_argument("--num-epochs", type=_positive_int, default=d.num_epochs)
-    g.add_argument("--max-steps", type=_positive_int, default=d.max_steps, help="stop after this many optimizer steps")
+    g.add_argument("--max-steps", type=_positive_int, default=d.max_steps, help="optimizer steps to train; overrides --num-epochs")
     g.add_argument("--seed", type=int, default=d.seed)
 
     g = p.add_argument_group("OSFT")

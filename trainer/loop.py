@@ -147,8 +147,8 @@ class Trainer:
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
         self.sampler = GlobalBatchSampler(len(self.data), cfg.batch_size, cfg.seed)
-        total = cfg.num_epochs * self.sampler.steps_per_epoch
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        # As in HF Trainer, --max-steps overrides --num-epochs (epochs repeat as needed).
+        self.total_steps = cfg.max_steps or cfg.num_epochs * self.sampler.steps_per_epoch
         self.scheduler = get_scheduler(
             cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
         )
