@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_step.json"
 METHODS = ("osft", "full_ft", "peft_osf")
-METHOD_LABELS = {"osft": "our OSFT", "full_ft": "our full FT (--no-osft)", "peft_osf": "PEFT OSF"}
+METHOD_LABELS = {"osft": "OSFT (ours)", "full_ft": "full FT (ours, --no-osft)", "peft_osf": "PEFT OSF"}
 TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODELS = ("tiny", "smollm2")
 
@@ -192,6 +192,19 @@ def _train_config_kwargs(spec: dict) -> dict:
                 device="cpu", dtype="float32", seed=spec["seed"])
 
 
+def seconds_since_process_start() -> float:
+    """Wall seconds since this process started (Linux: from /proc, 10 ms resolution; elsewhere
+    psutil's create time, which may be off by up to a second)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22, starttime, in clock ticks since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+
+
 def worker_main(method: str, spec_path: str) -> int:
     """Run one method: prepare, one warm-up step, then timed steps on request; reports on stdout.
 
@@ -206,7 +219,6 @@ def worker_main(method: str, spec_path: str) -> int:
 
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by libraries goes to stderr, never into the protocol
-    started = psutil.Process().create_time()
 
     def send(obj: dict) -> None:
         proto.write(json.dumps(obj) + "\n")
@@ -222,7 +234,7 @@ def worker_main(method: str, spec_path: str) -> int:
     t1 = time.perf_counter()
     first = runner.step(1, indices)
     warmup_s = time.perf_counter() - t1
-    first_step_s = time.time() - started
+    first_step_s = seconds_since_process_start()
     params = list(runner.model.parameters())
     send(dict(event="ready", first_step_s=first_step_s, prepare_s=prepare_s, warmup_step_s=warmup_s,
               svd_s=runner.svd_s, indices=indices, num_tokens=first["num_tokens"], first_loss=first["loss"],
@@ -278,8 +290,8 @@ class _Worker:
         return json.loads(line)
 
 
-def _start_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool) -> _Worker:
-    """Start one worker and wait until it has done its warm-up step."""
+def _launch_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool) -> _Worker:
+    """Start one worker process (it then loads, decomposes and runs its warm-up step)."""
     log_path = log_dir / f"{method}.log"
     stderr = None if verbose else open(log_path, "w")
     proc = subprocess.Popen(
@@ -288,9 +300,7 @@ def _start_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool) ->
     )
     if stderr is not None:
         stderr.close()
-    worker = _Worker(method, proc, log_path)
-    worker.ready = worker.request(None)
-    return worker
+    return _Worker(method, proc, log_path)
 
 
 def _synthetic_chats(n: int, seed: int) -> list[dict]:
@@ -369,8 +379,13 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
             spec_path = root / f"spec-{method}.json"
             spec_path.write_text(json.dumps(spec))
             console.print(f"[{name}] starting {METHOD_LABELS[method]} ...")
-            workers[method] = _start_worker(method, spec_path, root, args.verbose)
-            r = workers[method].ready
+            workers[method] = _launch_worker(method, spec_path, root, args.verbose)
+            if not args.parallel_start:  # one at a time, so start-up times are not inflated by each other
+                workers[method].ready = workers[method].request(None)
+        for method, w in workers.items():
+            if not w.ready:
+                w.ready = w.request(None)
+            r = w.ready
             svd = f", SVD {r['svd_s']:.2f} s" if r["svd_s"] is not None else ""
             console.print(f"[{name}] {METHOD_LABELS[method]}: first step done {r['first_step_s']:.1f} s after "
                           f"process start{svd}; batch {len(r['indices'])} samples, {r['num_tokens']} tokens")
@@ -506,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="pipeline check for CI: tiny model only, 2 timed steps, max-seq-len 64, 128-token micro-batches")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result path")
+    p.add_argument("--parallel-start", action="store_true",
+                   help="start the three workers at once (faster; their first_step_s then overlap)")
     p.add_argument("--verbose", action="store_true", help="show the workers' logs")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -520,9 +537,12 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # keep the table readable in logs
     if args.quick:  # a pipeline check: small batch, 2 timed steps per method (one per round)
         args.models, args.rounds, args.steps = "tiny", 2, 1
         args.max_seq_len, args.max_tokens_per_gpu = 64, 128
+        args.parallel_start = True  # start-up times are meaningless here anyway; saves wall time
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
@@ -537,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                                 batch_size=args.batch_size, max_seq_len=args.max_seq_len,
                                 max_tokens_per_gpu=args.max_tokens_per_gpu, dtype="float32", device="cpu",
                                 peft_trainable=args.peft_trainable, quick=args.quick, seed=args.seed,
+                                parallel_start=args.parallel_start,
                                 data_lines=args.data_lines, optimizer="AdamW, TrainConfig defaults",
                                 warmup_steps_untimed=1, order="interleaved rounds: " + " ".join(METHODS)),
                   models={})

@@ -7,8 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from osft.trainer.osft.decomposition import OSFTLinear, choose_forward_form, rank_split
-from osft.trainer.osft.orthogonality import check_orthogonality, module_deviation_deg
-from osft.trainer.osft.projection import project_gradients, project_parameters
+from osft.trainer.osft.projection import Projector
+
+
+def deviation_deg(mod):
+    return Projector([("m", mod)]).check(margin_deg=90.0).max_dev_deg
 
 
 def pretrained_like(n, m, seed=0):
@@ -102,13 +105,14 @@ def test_projected_gradients_are_orthogonal_to_frozen_subspaces(shape, urr, v_fo
     mod.U_low.grad = torch.randn_like(mod.U_low)
     mod.V_low.grad = torch.randn_like(mod.V_low)
     before_u = (u_high.t() @ mod.U_low.grad).abs().max()
-    project_gradients([mod], v_form)
+    projector = Projector([("m", mod)], v_form)
+    projector.project_gradients()
     assert before_u > 0.1
     assert (u_high.t() @ mod.U_low.grad).abs().max() < 1e-5
     assert (mod.V_low.grad @ v_high.t()).abs().max() < 1e-5
     # The projection is idempotent and leaves the trainable component untouched.
     g_u, g_v = mod.U_low.grad.clone(), mod.V_low.grad.clone()
-    project_gradients([mod], v_form)
+    projector.project_gradients()
     torch.testing.assert_close(mod.U_low.grad, g_u, atol=1e-5, rtol=0)
     torch.testing.assert_close(mod.V_low.grad, g_v, atol=1e-5, rtol=0)
 
@@ -122,8 +126,8 @@ def test_factored_equals_gram(shape):
     u, v = torch.randn(a.U_low.shape, generator=g), torch.randn(a.V_low.shape, generator=g)
     for mod in (a, b):
         mod.U_low.data, mod.V_low.data = u.clone(), v.clone()
-    project_parameters([a], "factored")
-    project_parameters([b], "gram")
+    Projector([("a", a)], "factored").project_parameters()
+    Projector([("b", b)], "gram").project_parameters()
     torch.testing.assert_close(a.V_low, b.V_low, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a.U_low, b.U_low, rtol=1e-5, atol=1e-5)
 
@@ -132,15 +136,21 @@ def test_deviation_measure_is_the_angle_to_the_frozen_subspace():
     w = pretrained_like(30, 30)
     mod = OSFTLinear.from_weight(w, None, urr=0.5, tokens_per_micro_batch=8)
     u_high, _ = frozen_bases(w, 0.5)
-    assert module_deviation_deg(mod) < 1e-3
+    assert deviation_deg(mod) < 1e-3
     # Tilt one trainable column by exactly 3 degrees towards a frozen direction.
     with torch.no_grad():
         col = mod.U_low[:, 0].clone()
         mod.U_low[:, 0] = col * math.cos(math.radians(3)) + u_high[:, 0] * col.norm() * math.sin(math.radians(3))
-    assert module_deviation_deg(mod) == pytest.approx(3.0, abs=1e-3)
-    report = check_orthogonality([("m", mod)], margin_deg=1.0)
+    assert deviation_deg(mod) == pytest.approx(3.0, abs=1e-3)
+    report = Projector([("m", mod)]).check(margin_deg=1.0)
     assert report.violations == 1 and report.violating == ["m"]
-    assert check_orthogonality([("m", mod)], margin_deg=5.0).violations == 0
+    assert Projector([("m", mod)]).check(margin_deg=5.0).violations == 0
+    # The V side is measured too: tilt a row of V_low by 7 degrees.
+    _, v_high = frozen_bases(w, 0.5)
+    with torch.no_grad():
+        row = mod.V_low[1].clone()
+        mod.V_low[1] = row * math.cos(math.radians(7)) + v_high[2] * row.norm() * math.sin(math.radians(7))
+    assert deviation_deg(mod) == pytest.approx(7.0, abs=1e-3)
 
 
 def _adamw_stress(reproject: bool, steps: int = 200):
@@ -150,18 +160,18 @@ def _adamw_stress(reproject: bool, steps: int = 200):
     targets = [torch.randn(n, m) for n, m in shapes]
     params = [p for mod in mods for p in mod.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    named = [(f"m{i}", mod) for i, mod in enumerate(mods)]
+    projector = Projector([(f"m{i}", mod) for i, mod in enumerate(mods)])
     violations, worst = 0, 0.0
     for _ in range(steps):
         x = torch.randn(16, 96)
         loss = sum(F.mse_loss(mod(x[:, : mod.in_features]), x[:, : mod.in_features] @ t.t()) for mod, t in zip(mods, targets))
         opt.zero_grad()
         loss.backward()
-        project_gradients(mods)
+        projector.project_gradients()
         opt.step()
         if reproject:
-            project_parameters(mods)
-        report = check_orthogonality(named, margin_deg=1.0)
+            projector.project_parameters()
+        report = projector.check(margin_deg=1.0)
         violations += report.violations
         worst = max(worst, report.max_dev_deg)
     return violations, worst, loss.item()

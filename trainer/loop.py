@@ -31,8 +31,7 @@ from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
 from .distributed import DistEnv
 from .metrics import MetricsLogger
 from .model_loading import load_model, load_tokenizer
-from .osft.orthogonality import check_orthogonality
-from .osft.projection import project_gradients, project_parameters
+from .osft.projection import Projector
 from .osft.surgery import OSFTModel, apply_osft, dense_state_dict
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
@@ -142,6 +141,7 @@ class Trainer:
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
                 f"(URR {cfg.osft_unfreeze_rank_ratio}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
             )
+        self.projector = Projector(self.osft.modules, cfg.osft_v_projection) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
@@ -196,9 +196,8 @@ class Trainer:
         loss = float(loss_sum) / total_loss_tokens
         if not np.isfinite(loss):
             raise RuntimeError(f"step {step}: loss is {loss} (lines {self._lines(idx)})")
-        modules = self.osft.osft_modules if self.osft else []
-        if modules:
-            project_gradients(modules, cfg.osft_v_projection)
+        if self.projector:
+            self.projector.project_gradients()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm
         ))
@@ -206,11 +205,11 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if modules:
-            project_parameters(modules, cfg.osft_v_projection)
+        if self.projector:
+            self.projector.project_parameters()
         violations, max_dev = 0, None
-        if self.osft and step % cfg.ortho_check_every == 0:
-            report = check_orthogonality(self.osft.modules, cfg.ortho_margin_deg)
+        if self.projector and step % cfg.ortho_check_every == 0:
+            report = self.projector.check(cfg.ortho_margin_deg)
             violations, max_dev = report.violations, report.max_dev_deg
             if report.violating:
                 self._warn(f"step {step}: orthogonality violations in {report.violating}")

@@ -1,71 +1,169 @@
-"""Keep OSFT's trainable factors orthogonal to the frozen subspaces (single process).
+"""Keep OSFT's trainable factors orthogonal to the frozen subspaces, on one rank or many.
 
 Before the optimizer step the gradients of U_low and V_low are projected out of the frozen
 subspaces; after it, U_low and V_low themselves are re-projected, because AdamW's element-wise
 rescaling and decoupled weight decay move them back into those subspaces (field case B20).
 
-U side (columns, N×k_low):  X ← X − U_high(U_highᵀ X)      or, in keep mode, X ← U_c(U_cᵀ X).
-V side (rows, k_low×M), factored: X ← X − (X V_highᵀ) V_high  or X ← (X V_cᵀ) V_c.
+U side (columns, N×k_low):  X ← X − U_high(U_highᵀ X)       or, in keep mode, X ← U_c(U_cᵀ X).
+V side (rows, k_low×M), factored: X ← X − (X V_highᵀ) V_high   or X ← (X V_cᵀ) V_c.
 V side, Gram form (``--osft-v-projection gram``): X ← X − X (V_highᵀ V_high), with the M×M Gram
-matrix formed on every call; it exists for comparison with the factored form (same result,
-O(M²) memory and FLOPs instead of O(k·M)).
+matrix formed on every call (kept for comparison: O(M²) instead of O(k·M)).
+
+Under FSDP2 every factor is a DTensor sharded by rows (``Shard(0)``), possibly unevenly:
+
+- U side: U_basis and U_low are sharded along the same N rows, so Bᵀ X is a sum of per-rank
+  partial products; the k_b×k_low partial coefficients of *all* modules go through one
+  all-reduce, then every rank updates its own rows.
+- V side, factored: each rank holds some rows of V_low (complete rows of length M) and needs the
+  whole basis: V_basis (k_b×M) is all-gathered per module (``--osft-cache-v-high`` keeps the
+  gathered copy after the first use; it is never part of a checkpoint).
+- V side, Gram: the M×M Gram matrix is a sum of per-rank partial Gram matrices (one all-reduce
+  of M² numbers per module).
 
 All products are computed in float32, also for bf16 factors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from .decomposition import OSFTLinear
+from .orthogonality import OrthoReport, fraction_to_degrees
 
 VProjection = Literal["factored", "gram"]
 
 
-def _project_columns(x: torch.Tensor, basis: torch.Tensor, keep: bool) -> torch.Tensor:
-    """x: N×k, basis: N×b with orthonormal columns → the projected N×k tensor (float32)."""
-    xf, bf = x.float(), basis.float()
-    coeff = bf.t() @ xf  # b×k
-    return bf @ coeff if keep else xf - bf @ coeff
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rows of ``t`` held by this rank (the tensor itself when it is not a DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _project_rows(x: torch.Tensor, basis: torch.Tensor, keep: bool, form: VProjection) -> torch.Tensor:
-    """x: k×M, basis: b×M with orthonormal rows → the projected k×M tensor (float32)."""
-    xf, bf = x.float(), basis.float()
-    if form == "gram":
-        gram = bf.t() @ bf  # M×M
-        return xf @ gram if keep else xf - xf @ gram
-    coeff = xf @ bf.t()  # k×b
-    return coeff @ bf if keep else xf - coeff @ bf
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """All rows of ``t`` (an all-gather when it is a sharded DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _project_pair(
-    module: OSFTLinear, u: torch.Tensor, v: torch.Tensor, v_form: VProjection
-) -> None:
-    if module.U_basis.shape[1] > 0:
-        u.copy_(_project_columns(u, module.U_basis, module.u_keep))
-    if module.V_basis.shape[0] > 0:
-        v.copy_(_project_rows(v, module.V_basis, module.v_keep, v_form))
+def _sum_across_ranks(flat: torch.Tensor) -> torch.Tensor:
+    """In-place all-reduce(SUM) of ``flat`` when running distributed; returns it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+    return flat
 
 
-@torch.no_grad()
-def project_gradients(modules: Iterable[OSFTLinear], v_form: VProjection = "factored") -> None:
-    """Project ``U_low.grad`` and ``V_low.grad`` out of the frozen subspaces, in place.
+class Projector:
+    """Projection and orthogonality checks for a fixed list of OSFT modules.
 
-    Call after backward (and gradient clipping is done on the projected gradients), before
-    ``optimizer.step()``. Modules whose gradients are None are skipped.
+    Args:
+        modules: ``(name, module)`` pairs in the same order on every rank.
+        v_form: ``"factored"`` (default) or ``"gram"``.
+        cache_v_basis: keep each all-gathered V basis after its first use (``--osft-cache-v-high``).
     """
-    for module in modules:
-        if module.U_low.grad is not None and module.V_low.grad is not None:
-            _project_pair(module, module.U_low.grad, module.V_low.grad, v_form)
 
+    def __init__(self, modules: Sequence[tuple[str, OSFTLinear]], v_form: VProjection = "factored",
+                 cache_v_basis: bool = False) -> None:
+        self.names = [n for n, _ in modules]
+        self.modules = [m for _, m in modules]
+        self.v_form = v_form
+        self.cache_v_basis = cache_v_basis
+        self._v_cache: dict[int, torch.Tensor] = {}
 
-@torch.no_grad()
-def project_parameters(modules: Iterable[OSFTLinear], v_form: VProjection = "factored") -> None:
-    """Re-project ``U_low`` and ``V_low`` out of the frozen subspaces, in place; call after
-    ``optimizer.step()``."""
-    for module in modules:
-        _project_pair(module, module.U_low, module.V_low, v_form)
+    # -- pieces -----------------------------------------------------------------------------
+    def _v_basis(self, i: int) -> torch.Tensor:
+        """The whole V basis of module ``i`` (k_b×M, float32)."""
+        if i in self._v_cache:
+            return self._v_cache[i]
+        basis = _full(self.modules[i].V_basis).float()
+        if self.cache_v_basis:
+            self._v_cache[i] = basis
+        return basis
+
+    def _u_coefficients(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """U_basisᵀ X for every module (X = the local rows of U_low or its gradient), summed over
+        ranks with one all-reduce for all modules; float32, k_b×k_low each."""
+        parts = [_local(m.U_basis).float().t() @ x.float() for m, x in zip(self.modules, xs)]
+        if not parts:
+            return []
+        flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]))
+        return [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+    def _project_v(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Projected local rows of V_low (or its gradient) of module ``i`` (float32)."""
+        m, xf = self.modules[i], x.float()
+        if self.v_form == "gram":
+            local = _local(m.V_basis).float()
+            gram = _sum_across_ranks(local.t() @ local)
+            return xf @ gram if m.v_keep else xf - xf @ gram
+        basis = self._v_basis(i)
+        coeff = xf @ basis.t()
+        return coeff @ basis if m.v_keep else xf - coeff @ basis
+
+    @torch.no_grad()
+    def _project(self, us: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        coeffs = self._u_coefficients(us)
+        for i, (m, u, v, c) in enumerate(zip(self.modules, us, vs, coeffs)):
+            if c.shape[0] > 0:
+                basis = _local(m.U_basis).float()
+                u.copy_(basis @ c if m.u_keep else u.float() - basis @ c)
+            if m.V_basis.shape[0] > 0:
+                v.copy_(self._project_v(i, v))
+
+    # -- public -----------------------------------------------------------------------------
+    def project_gradients(self) -> None:
+        """Project ``U_low.grad`` and ``V_low.grad`` out of the frozen subspaces, in place.
+
+        Call after backward, before clipping and ``optimizer.step()``. Every rank must call it (it
+        communicates). Raises RuntimeError if a module has no gradient (it was not used).
+        """
+        if any(m.U_low.grad is None or m.V_low.grad is None for m in self.modules):
+            missing = [n for n, m in zip(self.names, self.modules) if m.U_low.grad is None or m.V_low.grad is None]
+            raise RuntimeError(f"OSFT modules without gradients (not used in forward?): {missing[:5]}")
+        self._project([_local(m.U_low.grad) for m in self.modules], [_local(m.V_low.grad) for m in self.modules])
+
+    def project_parameters(self) -> None:
+        """Re-project ``U_low`` and ``V_low`` in place; call after ``optimizer.step()``."""
+        self._project([_local(m.U_low) for m in self.modules], [_local(m.V_low) for m in self.modules])
+
+    @torch.no_grad()
+    def check(self, margin_deg: float) -> OrthoReport:
+        """Measure every module's worst deviation from 90° (see :mod:`.orthogonality`).
+
+        A module whose deviation is strictly above ``margin_deg`` is a violation. Identical result
+        on every rank (three collectives for all modules together).
+        """
+        us = [_local(m.U_low).float() for m in self.modules]
+        coeffs = self._u_coefficients(us)
+        # U side, per column: squared norm of the frozen component and of the whole column. In keep
+        # mode the frozen component is the residual, a per-rank partial sum; in remove mode it is
+        # the (already reduced) coefficient column.
+        partial_frozen = [
+            (u - _local(m.U_basis).float() @ c).square().sum(0) if m.u_keep else torch.zeros(u.shape[1])
+            for m, u, c in zip(self.modules, us, coeffs)
+        ]
+        partial_norm = [u.square().sum(0) for u in us]
+        sizes = [t.numel() for t in partial_frozen]
+        summed = _sum_across_ranks(torch.cat(partial_frozen + partial_norm)) if sizes else torch.zeros(0)
+        frozen_sq, norm_sq = summed.split([sum(sizes), sum(sizes)]) if sizes else (summed, summed)
+        worst = []
+        for i, (m, c, f, n) in enumerate(zip(self.modules, coeffs, frozen_sq.split(sizes), norm_sq.split(sizes))):
+            if not m.u_keep:
+                f = f + c.square().sum(0)
+            u_frac = (f.sqrt() / n.sqrt().clamp_min(1e-30)).max()
+            # V side: each rank holds complete rows of V_low; the basis is gathered.
+            v = _local(m.V_low).float()
+            v_frac = torch.zeros(())
+            if m.V_basis.shape[0] > 0 and v.shape[0] > 0:
+                basis = self._v_basis(i)
+                coeff = v @ basis.t()
+                frozen = (v - coeff @ basis) if m.v_keep else coeff
+                v_frac = (frozen.norm(dim=1) / v.norm(dim=1).clamp_min(1e-30)).max()
+            worst.append(torch.maximum(u_frac, v_frac))
+        worst_t = torch.stack(worst) if worst else torch.zeros(0)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and worst_t.numel():
+            dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+        degrees = [fraction_to_degrees(float(f)) for f in worst_t]
+        violating = [n for n, d in zip(self.names, degrees) if d > margin_deg]
+        return OrthoReport(violations=len(violating), max_dev_deg=max(degrees, default=0.0), violating=violating)
