@@ -207,3 +207,13 @@ def test_thin_svd_matches_lapack_and_is_orthonormal(shape, rank_deficient):
     torch.testing.assert_close((u * s) @ vh, w.double(), rtol=0, atol=1e-9)
     mod = OSFTLinear.from_weight(w, None, urr=0.5, tokens_per_micro_batch=8)
     assert torch.isfinite(mod.U_low).all()
+
+
+@pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80), (12, 30)])
+@pytest.mark.parametrize("urr", [0.25, 0.5, 1.0])
+def test_empty_skeleton_has_the_structure_of_the_decomposed_module(shape, urr):
+    real = OSFTLinear.from_weight(pretrained_like(*shape), torch.zeros(shape[0]), urr=urr, tokens_per_micro_batch=64)
+    skeleton = OSFTLinear.empty(*shape, has_bias=True, urr=urr, tokens_per_micro_batch=64)
+    assert {n: p.shape for n, p in skeleton.named_parameters()} == {n: p.shape for n, p in real.named_parameters()}
+    assert (skeleton.u_keep, skeleton.v_keep, skeleton.forward_form) == (real.u_keep, real.v_keep, real.forward_form)
+    assert skeleton.W_high.is_meta

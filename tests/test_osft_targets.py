@@ -67,7 +67,7 @@ def test_osft_model_computes_the_same_function_and_exports_original_names(arch):
     assert not any(n.endswith(("W_high", "U_basis", "V_basis")) for n in trainable)
     assert any("embed" in n or "wte" in n for n in trainable)
     assert all(isinstance(m, OSFTLinear) for m in osft.osft_modules)
-    exported = dense_state_dict(model)
+    exported = dense_state_dict(model.state_dict(), osft)
     assert set(exported) == set(original)
     for key, value in original.items():
         torch.testing.assert_close(exported[key], value, rtol=0, atol=5e-6, msg=key)

@@ -184,3 +184,13 @@ def test_trainer_builds_adamw_from_the_flags(tiny_model_dir, chat_file, tmp_path
     frozen = [p for n, p in trainer.model.named_parameters() if n.endswith(("W_high", "U_basis", "V_basis"))]
     assert frozen and not any(id(p) in trained for p in frozen)
     assert trainer.total_steps == 4
+
+
+def test_config_round_trips_through_worker_flags():
+    from osft.trainer.config import TrainConfig, build_parser, config_from_args, config_to_argv
+
+    cfg = TrainConfig("m", "d.jsonl", "out", osft=False, data_cache=False, train_on_all=True, learning_rate=3.3e-5,
+                      osft_target_patterns=[r"q_proj$", r"v_proj$"], max_steps=7, nproc_per_node=2, rdzv_endpoint="h:1")
+    assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg
+    default = TrainConfig("m", "d.jsonl", "out")
+    assert config_from_args(build_parser().parse_args(config_to_argv(default))) == default

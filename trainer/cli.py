@@ -69,7 +69,14 @@ def _demo_reply(export_dir: str, console: Console) -> None:
 
 
 def _train(cfg, console: Console) -> str:
+    """Train in this process (one rank) or through a torchrun worker group; returns the export dir.
+
+    Raises:
+        InputError: bad data, model path or sample count (before any training).
+        RuntimeError: the worker group failed.
+    """
     from .data.validate import DataValidationError
+    from .launcher import launch, preflight
     from .loop import Trainer
     from .rundir import RunDir
 
@@ -78,27 +85,45 @@ def _train(cfg, console: Console) -> str:
     job_id = os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
     run_dir.update_run_json(
         argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), torchrun_pids=[],
-        nnodes=1, nproc_per_node=1, start_time=time.time(), state="starting", exit_code=None,
+        nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,
     )
+    in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
     try:
-        trainer = Trainer(cfg, console, job_id)
-        trainer.prepare()
+        if in_process:
+            trainer = Trainer(cfg, console, job_id)
+            trainer.prepare()
+        else:
+            preflight(cfg, console)
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
         run_dir.update_run_json(state="failed", exit_code=EXIT_BAD_INPUT)
         raise InputError(str(exc)) from exc
-    run_dir.update_run_json(state="running")
     try:
-        result = trainer.run()
+        if in_process:
+            run_dir.update_run_json(state="running")
+            result = trainer.run()
+            summary = (f"{result.steps} steps, last loss {result.last_loss:.4f}, "
+                       f"orthogonality violations {result.violations_total}")
+            export_dir = result.export_dir
+        else:
+            code = launch(cfg, console, job_id)
+            if code != 0:
+                raise RuntimeError(f"worker group exited with code {code}; rank logs under {run_dir.root / 'logs'}")
+            summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
+            export_dir = str(run_dir.root / "hf_format" / f"step_{_last_step(run_dir)}")
     except BaseException:
         run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
         raise
-    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=result.export_dir)
-    console.print(
-        f"[green]done[/green]: {result.steps} steps, last loss {result.last_loss:.4f}, "
-        f"orthogonality violations {result.violations_total}, export {result.export_dir}",
-        soft_wrap=True,
-    )
-    return result.export_dir
+    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir)
+    console.print(f"[green]done[/green]: {escape(summary)}, export {escape(export_dir)}", soft_wrap=True)
+    return export_dir
+
+
+def _last_step(run_dir) -> int:
+    """Step of the newest ``hf_format/step_<N>`` export."""
+    steps = [int(p.name.split("_", 1)[1]) for p in (run_dir.root / "hf_format").glob("step_*") if p.name.split("_", 1)[1].isdigit()]
+    if not steps:
+        raise RuntimeError(f"the worker group finished without an export under {run_dir.root / 'hf_format'}")
+    return max(steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class TrainConfig:
     osft_unfreeze_rank_ratio: float = 0.25
     osft_target_patterns: list[str] | None = None
     osft_v_projection: str = "factored"
+    osft_cache_v_high: bool = False
     osft_forward: str = "auto"
     ortho_margin_deg: float = 1.0
     ortho_check_every: int = 1
@@ -57,6 +59,11 @@ class TrainConfig:
     # outputs
     hf_export_every_steps: int = 0
     logging_steps: int = 1
+    # launch (read by the launcher; a worker ignores them)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
 
     def to_json(self) -> dict:
         """Plain-data view for ``run.json``."""
@@ -153,6 +160,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="regular expressions selecting target modules (default: per architecture)")
     g.add_argument("--osft-v-projection", choices=["factored", "gram"], default=d.osft_v_projection,
                    help="V-side projection: factored (dV V_high^T) V_high, or the M x M Gram form")
+    g.add_argument("--osft-cache-v-high", action="store_true", default=os.environ.get("OSFT_CACHE_V") == "1",
+                   help="keep the all-gathered V bases after the first step (also OSFT_CACHE_V=1); never checkpointed")
     g.add_argument("--osft-forward", choices=["auto", "dense", "split"], default=d.osft_forward,
                    help="forward formulation per module; auto picks the one with fewer FLOPs")
     g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
@@ -168,7 +177,35 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--hf-export-every-steps", type=_non_negative_int, default=d.hf_export_every_steps,
                    help="also export hf_format/step_N every N steps (0: only at the end)")
     g.add_argument("--logging-steps", type=_positive_int, default=d.logging_steps, help="console update interval, steps")
+
+    g = p.add_argument_group("distributed launch (torchrun worker group; FSDP2, gloo on CPU, NCCL on GPU)")
+    g.add_argument("--nproc-per-node", type=_positive_int, default=d.nproc_per_node,
+                   help="ranks on this node; 1 (with --nnodes 1) trains in this process")
+    g.add_argument("--nnodes", type=_positive_int, default=d.nnodes, help="number of nodes")
+    g.add_argument("--node-rank", type=_non_negative_int, default=d.node_rank, help="this node's index")
+    g.add_argument("--rdzv-endpoint", default=d.rdzv_endpoint, metavar="HOST:PORT",
+                   help="c10d rendezvous endpoint shared by all nodes (required with --nnodes > 1)")
     return p
+
+
+def config_to_argv(cfg: TrainConfig) -> list[str]:
+    """Command-line flags that parse back into ``cfg`` with :func:`build_parser` (for workers)."""
+    argv: list[str] = []
+    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache"}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in negated:
+            if not value:
+                argv.append(negated[f.name])
+        elif isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not None:
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return argv
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -183,6 +220,10 @@ def check_config(cfg: TrainConfig) -> None:
     Raises:
         ValueError: a sample could not fit into one micro-batch, or an input path is missing.
     """
+    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
+        raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if cfg.node_rank >= cfg.nnodes:
+        raise ValueError(f"--node-rank {cfg.node_rank} must be smaller than --nnodes {cfg.nnodes}")
     if cfg.max_seq_len > cfg.max_tokens_per_gpu:
         raise ValueError(
             f"--max-seq-len {cfg.max_seq_len} exceeds --max-tokens-per-gpu {cfg.max_tokens_per_gpu}: "

@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -38,3 +42,61 @@ class DistEnv:
     def is_local_main(self) -> bool:
         """True on each node's LOCAL_RANK 0: it prints progress and writes the node's metrics."""
         return self.local_rank == 0
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is up."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def init_distributed(env: DistEnv, device: torch.device) -> None:
+    """Join the job's process group when ``world_size > 1``: NCCL for CUDA devices, gloo on CPU
+    (field case B24: control tensors then live on the backend's device). No-op for one rank."""
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group, if any."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when distributed, else nothing."""
+    if is_distributed():
+        dist.barrier()
+
+
+def _backend_device() -> torch.device:
+    """Device for collective tensors: the current CUDA device under NCCL, else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def node_ranks(env: DistEnv) -> list[int]:
+    """Node rank of every global rank (index = global rank); ``[env.node_rank]`` for one rank."""
+    if not is_distributed():
+        return [env.node_rank]
+    gathered = [torch.zeros(1, dtype=torch.long, device=_backend_device()) for _ in range(env.world_size)]
+    dist.all_gather(gathered, torch.tensor([env.node_rank], device=_backend_device()))
+    return [int(t.item()) for t in gathered]
+
+
+def global_sums(loss_sum: torch.Tensor, num_tokens: int) -> tuple[float, list[int]]:
+    """Sum the per-rank summed token losses over all ranks and gather each rank's token count.
+
+    Returns:
+        ``(global loss sum, tokens of each rank by global rank)``.
+    """
+    if not is_distributed():
+        return float(loss_sum), [num_tokens]
+    dev = _backend_device()
+    local = torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64, device=dev)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return float(sum(g[0] for g in gathered)), [int(g[1].item()) for g in gathered]

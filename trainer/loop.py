@@ -28,11 +28,12 @@ from .data.packing import plan_micro_batches
 from .data.sampler import GlobalBatchSampler
 from .data.cache import tokenize_chat_file_cached
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
-from .distributed import DistEnv
+from .distributed import DistEnv, barrier, global_sums, init_distributed, node_ranks, shutdown_distributed
 from .metrics import MetricsLogger
-from .model_loading import load_model, load_tokenizer
+from .model_loading import load_tokenizer
 from .osft.projection import Projector
-from .osft.surgery import OSFTModel, apply_osft, dense_state_dict
+from .osft.surgery import dense_state_dict, full_state_dict
+from .parallel import build_model
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 
@@ -78,20 +79,29 @@ def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
     return np.fromiter((sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels), dtype=np.int64, count=len(labels))
 
 
+def check_enough_samples(num_samples: int, world_size: int) -> None:
+    """Every rank needs at least one sample per epoch (field case B25).
+
+    Raises:
+        ValueError: ``num_samples < world_size``; the message names both counts.
+    """
+    if num_samples < world_size:
+        raise ValueError(f"dataset has {num_samples} usable samples, fewer than world size {world_size}")
+
+
 class Trainer:
     """One rank's training run. Build with a config, then call :meth:`run`."""
 
     def __init__(self, cfg: TrainConfig, console: Console | None = None, job_id: str | None = None) -> None:
         self.cfg = cfg
         self.dist = DistEnv.from_env()
-        if self.dist.world_size != 1:
-            raise RuntimeError("multi-rank training needs the distributed launcher; run with one process")
         self.console = console or Console(stderr=True)
         self.run_dir = RunDir(cfg.output_dir)
         self.run_dir.create()
         self.job_id = job_id or os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
         self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id)
         self.device, self.dtype = resolve_device_dtype(cfg)
+        init_distributed(self.dist, self.device)
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -108,6 +118,9 @@ class Trainer:
         seed_everything(cfg.seed)
         self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json())
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
+        # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
+        if not self.dist.is_local_main:
+            barrier()
         args = (cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
         if cfg.data_cache:
             self.data, hit = tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir)
@@ -115,7 +128,11 @@ class Trainer:
                 self._say("data: tokenized data loaded from the cache")
         else:
             self.data = tokenize_chat_file(*args)
-        write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
+        if self.dist.is_local_main:
+            barrier()
+        check_enough_samples(len(self.data), self.dist.world_size)
+        if self.dist.rank == 0:
+            write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
         for line in self.data.report.summary_lines():
             self._say(f"data: {line}")
         dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
@@ -124,28 +141,21 @@ class Trainer:
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
 
-        self.model = load_model(cfg.model_name_or_path, self.dtype, self.device)
-        self.model.train()
-        self.osft: OSFTModel | None = None
-        if cfg.osft:
-            self.osft = apply_osft(
-                self.model,
-                self.model.config.model_type,
-                cfg.osft_unfreeze_rank_ratio,
-                tokens_per_micro_batch=cfg.max_tokens_per_gpu,
-                patterns=cfg.osft_target_patterns,
-                forward_form=cfg.osft_forward,
-            )
+        self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype)
+        if self.osft:
             forms = [m.forward_form for m in self.osft.osft_modules]
             self._say(
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
                 f"(URR {cfg.osft_unfreeze_rank_ratio}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
             )
-        self.projector = Projector(self.osft.modules, cfg.osft_v_projection) if self.osft else None
+        self.projector = (
+            Projector(self.osft.modules, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
+        self.node_of_rank = node_ranks(self.dist)
         self.sampler = GlobalBatchSampler(len(self.data), cfg.batch_size, cfg.seed)
         # As in HF Trainer, --max-steps overrides --num-epochs (epochs repeat as needed).
         self.total_steps = cfg.max_steps or cfg.num_epochs * self.sampler.steps_per_epoch
@@ -153,8 +163,15 @@ class Trainer:
             cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
         )
 
-    def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
-        """Summed token loss of one packed micro-batch (float32 scalar, on the device)."""
+    def _micro_batch_loss(self, batch: dict | None) -> torch.Tensor:
+        """Summed token loss of one packed micro-batch (float32 scalar, on the device).
+
+        ``None`` is this rank's empty micro-batch (fewer samples than micro-batches): a one-token
+        forward whose loss is multiplied by 0, so the rank still joins FSDP's collectives.
+        """
+        if batch is None:
+            pad = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            return self.model(input_ids=pad, use_cache=False).logits.float().sum() * 0.0
         out = self.model(
             input_ids=batch["input_ids"].to(self.device),
             position_ids=batch["position_ids"].to(self.device),
@@ -185,22 +202,24 @@ class Trainer:
         plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
         loss_sum = torch.zeros((), dtype=torch.float64)
         num_tokens = 0
+        # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
+        # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
+        scale = self.dist.world_size / total_loss_tokens
         for micro in plan:
-            if not micro:
-                continue
-            batch = collate_packed([self.data[int(idx[i])] for i in micro])
+            batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
             mb_loss = self._micro_batch_loss(batch)
-            (mb_loss / total_loss_tokens).backward()
+            (mb_loss * scale).backward()
             loss_sum += mb_loss.detach().double().cpu()
-            num_tokens += int(batch["num_tokens"])
+            if batch is not None:
+                num_tokens += int(batch["num_tokens"])
+        loss_sum, tokens_by_rank = global_sums(loss_sum, num_tokens)
         loss = float(loss_sum) / total_loss_tokens
         if not np.isfinite(loss):
             raise RuntimeError(f"step {step}: loss is {loss} (lines {self._lines(idx)})")
         if self.projector:
             self.projector.project_gradients()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm
-        ))
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -214,16 +233,18 @@ class Trainer:
             if report.violating:
                 self._warn(f"step {step}: orthogonality violations in {report.violating}")
         elapsed = time.perf_counter() - start
+        global_tokens = sum(tokens_by_rank)
+        node_tokens = sum(t for t, node in zip(tokens_by_rank, self.node_of_rank) if node == self.dist.node_rank)
         return dict(
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,
-            num_tokens=num_tokens,
+            num_tokens=global_tokens,
             num_loss_tokens=total_loss_tokens,
             num_samples=len(indices),
             step_time_s=elapsed,
-            tokens_per_s=num_tokens / elapsed,
-            node_tokens_per_s=num_tokens / elapsed,
+            tokens_per_s=global_tokens / elapsed,
+            node_tokens_per_s=node_tokens / elapsed,
             samples_per_s=len(indices) / elapsed,
             ortho_violations=violations,
             ortho_max_dev_deg=max_dev,
@@ -233,14 +254,16 @@ class Trainer:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
     def export(self, step: int) -> str:
-        """Write the dense HF export ``hf_format/step_<step>`` and return its path."""
+        """Write the dense HF export ``hf_format/step_<step>`` (rank 0 writes; every rank takes
+        part in gathering the shards) and return its path."""
         out = self.run_dir.hf_export(step)
-        self.model.eval()
-        save_hf_model(
-            self.model.config, dense_state_dict(self.model), self.tokenizer, out,
-            getattr(torch, self.cfg.save_dtype), overwrite=True,
-        )
-        self.model.train()
+        state = full_state_dict(self.model)
+        if self.dist.rank == 0:
+            save_hf_model(
+                self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
+                getattr(torch, self.cfg.save_dtype), overwrite=True,
+            )
+        barrier()
         return str(out)
 
     def run(self) -> TrainResult:
@@ -269,4 +292,5 @@ class Trainer:
         self._say(f"export: {export_dir}")
         self.metrics.log("run_finished", reason="completed", exit_code=0, step=step, export_dir=export_dir)
         self.metrics.close()
+        shutdown_distributed()
         return TrainResult(steps=step, last_loss=last_loss, violations_total=violations_total, export_dir=export_dir)

@@ -214,6 +214,40 @@ class OSFTLinear(nn.Module):
             transposed=transposed,
         )
 
+    @classmethod
+    def empty(
+        cls,
+        n: int,
+        m: int,
+        has_bias: bool,
+        urr: float,
+        tokens_per_micro_batch: int,
+        forward_form: ForwardForm | Literal["auto"] = "auto",
+        transposed: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "meta",
+    ) -> "OSFTLinear":
+        """A module of the same structure as :meth:`from_weight` would build for an N×M weight,
+        with uninitialised tensors (on the meta device by default): the shapes, keep modes and
+        forward form depend only on (N, M, URR, T). Ranks other than 0 build these and receive
+        the values from rank 0.
+        """
+        split = rank_split(n, m, urr)
+        kh, kl = split.k_high, split.k_low
+        u_keep = n == split.rank and kl < kh
+        v_keep = m == split.rank and kl < kh
+        form = choose_forward_form(n, m, kl, tokens_per_micro_batch) if forward_form == "auto" else forward_form
+
+        def new(*shape):
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        return cls(
+            W_high=new(n, m), U_low=new(n, kl), S_low=new(kl), V_low=new(kl, m),
+            U_basis=new(n, kl if u_keep else kh), V_basis=new(kl if v_keep else kh, m),
+            u_keep=u_keep, v_keep=v_keep, bias=new(n) if has_bias else None,
+            forward_form=form, transposed=transposed,
+        )
+
     @property
     def k_low(self) -> int:
         """Trainable rank."""

@@ -86,24 +86,37 @@ def _parallel_svds(modules: Sequence[nn.Module]) -> Iterator[tuple[torch.Tensor,
         torch.set_num_threads(threads)
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's complete (unsharded) state dict.
+
+    Plain ``model.state_dict()`` on one rank; under FSDP2 every rank must call it, rank 0 receives
+    the gathered tensors on CPU and the other ranks an empty dict
+    (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict`` and
+    ``cpu_offload``).
+    """
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 @torch.no_grad()
-def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict of ``model`` under the original (pre-OSFT) parameter names with dense weights.
+def dense_state_dict(state: dict[str, torch.Tensor], osft: OSFTModel | None) -> dict[str, torch.Tensor]:
+    """Turn a full state dict of an OSFT model into one under the original (pre-OSFT) parameter
+    names with dense weights.
 
     Each OSFT module ``X`` contributes ``X.weight`` = W_high + U_low·diag(S_low)·V_low (N×M, or
-    its transpose for GPT-2 ``Conv1D``) and ``X.bias``; every other entry is passed through. Tied
-    parameters appear under each of their names, as in ``model.state_dict()``.
+    its transpose for GPT-2 ``Conv1D``), computed in float32, and ``X.bias``; its projection bases
+    are dropped; every other entry is passed through.
     """
-    osft = {name: m for name, m in model.named_modules() if isinstance(m, OSFTLinear)}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        owner, _, leaf = key.rpartition(".")
-        module = osft.get(owner)
-        if module is None:
-            out[key] = value
-        elif leaf == "bias":
-            out[key] = value
-        elif leaf == "W_high":
-            dense = module.dense_weight()
-            out[f"{owner}.weight"] = (dense.t() if module.transposed else dense).contiguous()
+    if osft is None:
+        return dict(state)
+    out = {k: v for k, v in state.items() if k.rpartition(".")[0] not in dict(osft.modules)}
+    for name, module in osft.modules:
+        w_high, u, s, v = (state[f"{name}.{k}"].float() for k in ("W_high", "U_low", "S_low", "V_low"))
+        dense = torch.addmm(w_high, u * s, v)
+        out[f"{name}.weight"] = (dense.t() if module.transposed else dense).contiguous()
+        if f"{name}.bias" in state:
+            out[f"{name}.bias"] = state[f"{name}.bias"]
     return out

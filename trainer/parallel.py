@@ -1,0 +1,151 @@
+"""Model construction on one rank or many: rank 0 reads the weights, the SVD is spread over the
+ranks, and FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every parameter, OSFT factors
+included.
+
+Multi-rank recipe (host memory does not grow with the number of ranks on a node):
+
+1. Rank 0 loads the checkpoint on CPU; the other ranks build the same architecture on the meta
+   device (no memory).
+2. Target i is decomposed by rank i mod world_size: rank 0 sends it the weight (point to point),
+   it runs :func:`.osft.decomposition.thin_svd` and sends the factors back; meanwhile every rank
+   works on its own share. Ranks other than 0 replace targets by
+   :meth:`.osft.decomposition.OSFTLinear.empty` skeletons.
+3. ``fully_shard`` wraps every decoder block and then the root; the full state dict of rank 0 is
+   broadcast and sharded with ``set_model_state_dict(..., broadcast_from_rank0=True)``; buffers
+   (rotary frequencies) are broadcast from rank 0.
+
+On GPU the sharded parameters are float32 and FSDP2 computes in bfloat16 with float32 gradient
+reduction (``MixedPrecisionPolicy``); on CPU everything is float32.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import TrainConfig
+from .distributed import DistEnv
+from .model_loading import load_model, resolve_model_path
+from .osft.decomposition import OSFTLinear, thin_svd
+from .osft.surgery import OSFTModel, apply_osft
+from .osft.targets import find_target_modules
+
+
+def _config(path: str):
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model_path(path)
+    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+
+
+def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (classes named in ``model._no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
+    return blocks
+
+
+def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTModel:
+    """Decompose the targets with the SVD spread over the ranks (see the module docstring)."""
+    start = time.perf_counter()
+    names = find_target_modules(model, model.config.model_type, cfg.osft_target_patterns)
+    modules = [model.get_submodule(n) for n in names]
+    shapes = [tuple(m.weight.t().shape if isinstance(m, Conv1D) else m.weight.shape) for m in modules]
+    owner = [i % env.world_size for i in range(len(names))]
+    mine: dict[int, torch.Tensor] = {}
+    # 1. weights from rank 0 to their owners
+    for i, (module, (n, m)) in enumerate(zip(modules, shapes)):
+        w = None
+        if env.rank == 0:
+            w = (module.weight.t() if isinstance(module, Conv1D) else module.weight).detach().contiguous()
+            if owner[i] != 0:
+                dist.send(w, dst=owner[i])
+        elif owner[i] == env.rank:
+            w = torch.empty(n, m, dtype=module.weight.dtype)
+            dist.recv(w, src=0)
+        if owner[i] == env.rank:
+            mine[i] = w
+    # 2. every rank decomposes its share
+    factors = {i: thin_svd(w) for i, w in mine.items()}
+    # 3. factors back to rank 0, which builds the real modules; the others build skeletons
+    replaced = []
+    for i, (name, module, (n, m)) in enumerate(zip(names, modules, shapes)):
+        common = dict(urr=cfg.osft_unfreeze_rank_ratio, tokens_per_micro_batch=cfg.max_tokens_per_gpu,
+                      forward_form=cfg.osft_forward, transposed=isinstance(module, Conv1D))
+        if env.rank == 0:
+            if owner[i] == 0:
+                svd = factors.pop(i)
+            else:
+                r = min(n, m)
+                svd = (torch.empty(n, r, dtype=torch.float64), torch.empty(r, dtype=torch.float64),
+                       torch.empty(r, m, dtype=torch.float64))
+                for t in svd:
+                    dist.recv(t, src=owner[i])
+            new = OSFTLinear.from_weight(module.weight, module.bias, svd=svd, **common)
+        else:
+            if owner[i] == env.rank:
+                for t in factors.pop(i):
+                    dist.send(t.contiguous(), dst=0)
+            new = OSFTLinear.empty(n, m, module.bias is not None, dtype=module.weight.dtype, **common)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced.append((name, new))
+    return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
+
+
+def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, OSFTModel | None]:
+    """Load the model, decompose its OSFT targets (unless ``--no-osft``) and, with more than one
+    rank, shard it with FSDP2.
+
+    Args:
+        dtype: compute dtype (float32 on CPU, bfloat16 on GPU). With FSDP2 the sharded
+            parameters stay float32 and ``dtype`` is the mixed-precision compute dtype.
+
+    Returns:
+        ``(model, osft)``: the model in train mode on ``device``; ``osft`` lists its OSFT modules.
+
+    Raises:
+        ValueError: the model cannot be loaded, or target patterns match nothing.
+    """
+    if env.world_size == 1:
+        model = load_model(cfg.model_name_or_path, dtype, device)
+        osft = None
+        if cfg.osft:
+            osft = apply_osft(model, model.config.model_type, cfg.osft_unfreeze_rank_ratio,
+                              tokens_per_micro_batch=cfg.max_tokens_per_gpu, patterns=cfg.osft_target_patterns,
+                              forward_form=cfg.osft_forward)
+        return model.train(), osft
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    param_dtype = torch.float32
+    if env.rank == 0:
+        model = load_model(cfg.model_name_or_path, param_dtype, "cpu")
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_config(cfg.model_name_or_path), dtype=param_dtype)
+    osft = _distributed_osft(model, cfg, env) if cfg.osft else None
+    full_state = model.state_dict() if env.rank == 0 else {}
+    buffers_before = {n: b for n, b in model.named_buffers()}
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    for block in _decoder_blocks(model):
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Non-persistent buffers (e.g. rotary inv_freq) are not in the state dict: copy rank 0's.
+    for name, buf in model.named_buffers():
+        if env.rank == 0:
+            buf.copy_(buffers_before[name].to(device))
+        dist.broadcast(buf, src=0)
+    if osft is not None:  # the modules are the same objects, now holding DTensors
+        osft = OSFTModel(modules=[(n, model.get_submodule(n)) for n, _ in osft.modules], svd_seconds=osft.svd_seconds)
+    return model.train(), osft

@@ -1,0 +1,45 @@
+"""torchrun entry point of one rank: ``torchrun --nproc-per-node K -m osft.trainer.worker <flags>``.
+
+Takes the same flags as ``osft-train`` (the launch flags are ignored: torchrun already placed this
+process). Exit codes: 0 completed, 1 failed (the error is also written to the metrics as an
+``error`` record by whichever rank raised it), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+from rich.console import Console
+
+from .config import build_parser, check_config, config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this rank's part of the job; returns the exit code."""
+    from .data.validate import DataValidationError
+    from .loop import Trainer
+
+    cfg = config_from_args(build_parser("osft.trainer.worker").parse_args(argv))
+    console = Console(stderr=True)
+    try:
+        check_config(cfg)
+        trainer = Trainer(cfg, console)
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    try:
+        trainer.prepare()
+        trainer.run()
+    except (DataValidationError, ValueError, FileNotFoundError) as exc:
+        trainer.metrics.log("error", message=str(exc))
+        console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except BaseException as exc:
+        trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
