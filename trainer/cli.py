@@ -10,6 +10,7 @@ reported on one line (data problems: one line per problem) before any training s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -80,9 +81,9 @@ def _train(cfg, console: Console) -> str:
     from .loop import Trainer
     from .rundir import RunDir
 
-    run_dir = RunDir(cfg.output_dir)
+    run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     run_dir.create()
-    job_id = os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
+    job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
     run_dir.update_run_json(
         argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), torchrun_pids=[],
         nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,
@@ -116,6 +117,15 @@ def _train(cfg, console: Console) -> str:
     run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir)
     console.print(f"[green]done[/green]: {escape(summary)}, export {escape(export_dir)}", soft_wrap=True)
     return export_dir
+
+
+def _job_id(cfg) -> str:
+    """A fresh id for a one-node job; for several nodes one that every node derives alike (from
+    the output directory and the rendezvous endpoint), since it is also torchrun's rendezvous id."""
+    if cfg.nnodes == 1:
+        return uuid.uuid4().hex[:12]
+    key = f"{Path(cfg.output_dir).resolve()}|{cfg.rdzv_endpoint}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def _last_step(run_dir) -> int:

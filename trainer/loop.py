@@ -79,6 +79,10 @@ def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
     return np.fromiter((sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels), dtype=np.int64, count=len(labels))
 
 
+#: Test-only hook (field case B22): "STEP:LOCAL_RANK" makes that local rank log a warning after that step.
+TEST_WARNING_ENV = "OSFT_TEST_WARN_AT"
+
+
 def check_enough_samples(num_samples: int, world_size: int) -> None:
     """Every rank needs at least one sample per epoch (field case B25).
 
@@ -277,6 +281,8 @@ class Trainer:
                 step += 1
                 record = self.train_step(step, self.sampler.batch(epoch, index))
                 violations_total += record["ortho_violations"]
+                if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
+                    self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
                 last_loss = record["loss"]
                 self.metrics.log(
                     "step", step=step, epoch=epoch, ortho_violations_total=violations_total,

@@ -21,14 +21,20 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 class RunDir:
-    """Paths inside a run directory, created on demand."""
+    """Paths inside a run directory, created on demand.
 
-    def __init__(self, root: str | Path) -> None:
+    ``node_rank`` selects the launcher's own state file: node 0 writes ``run.json``, node N > 0
+    ``run.node<N>.json``, so launchers of a multi-node job sharing the directory never overwrite
+    each other.
+    """
+
+    def __init__(self, root: str | Path, node_rank: int = 0) -> None:
         self.root = Path(root)
+        self.node_rank = node_rank
 
     @property
     def run_json(self) -> Path:
-        return self.root / "run.json"
+        return self.root / ("run.json" if self.node_rank == 0 else f"run.node{self.node_rank}.json")
 
     @property
     def metrics(self) -> Path:

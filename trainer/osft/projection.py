@@ -47,9 +47,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _sum_across_ranks(flat: torch.Tensor) -> torch.Tensor:
-    """In-place all-reduce(SUM) of ``flat`` when running distributed; returns it."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+def _is_sharded(t: torch.Tensor) -> bool:
+    """True for a DTensor (FSDP2 parameter or gradient): its rows are spread over the ranks."""
+    return hasattr(t, "to_local")
+
+
+def _sum_across_ranks(flat: torch.Tensor, sharded: bool) -> torch.Tensor:
+    """In-place all-reduce(SUM) of per-rank partial sums of sharded tensors; returns ``flat``
+    (untouched for whole tensors, even inside a process group)."""
+    if sharded and dist.get_world_size() > 1:
         dist.all_reduce(flat)
     return flat
 
@@ -87,7 +93,7 @@ class Projector:
         parts = [_local(m.U_basis).float().t() @ x.float() for m, x in zip(self.modules, xs)]
         if not parts:
             return []
-        flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]))
+        flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]), _is_sharded(self.modules[0].U_basis))
         return [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
     def _project_v(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +101,7 @@ class Projector:
         m, xf = self.modules[i], x.float()
         if self.v_form == "gram":
             local = _local(m.V_basis).float()
-            gram = _sum_across_ranks(local.t() @ local)
+            gram = _sum_across_ranks(local.t() @ local, _is_sharded(m.V_basis))
             return xf @ gram if m.v_keep else xf - xf @ gram
         basis = self._v_basis(i)
         coeff = xf @ basis.t()
@@ -145,7 +151,8 @@ class Projector:
         ]
         partial_norm = [u.square().sum(0) for u in us]
         sizes = [t.numel() for t in partial_frozen]
-        summed = _sum_across_ranks(torch.cat(partial_frozen + partial_norm)) if sizes else torch.zeros(0)
+        sharded = bool(self.modules) and _is_sharded(self.modules[0].U_low)
+        summed = _sum_across_ranks(torch.cat(partial_frozen + partial_norm), sharded) if sizes else torch.zeros(0)
         frozen_sq, norm_sq = summed.split([sum(sizes), sum(sizes)]) if sizes else (summed, summed)
         worst = []
         for i, (m, c, f, n) in enumerate(zip(self.modules, coeffs, frozen_sq.split(sizes), norm_sq.split(sizes))):
@@ -155,14 +162,15 @@ class Projector:
             # V side: each rank holds complete rows of V_low; the basis is gathered.
             v = _local(m.V_low).float()
             v_frac = torch.zeros(())
+            if m.V_basis.shape[0] > 0:
+                basis = self._v_basis(i)  # collective: every rank gathers, even one without rows
             if m.V_basis.shape[0] > 0 and v.shape[0] > 0:
-                basis = self._v_basis(i)
                 coeff = v @ basis.t()
                 frozen = (v - coeff @ basis) if m.v_keep else coeff
                 v_frac = (frozen.norm(dim=1) / v.norm(dim=1).clamp_min(1e-30)).max()
             worst.append(torch.maximum(u_frac, v_frac))
         worst_t = torch.stack(worst) if worst else torch.zeros(0)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and worst_t.numel():
+        if sharded and dist.get_world_size() > 1 and worst_t.numel():
             dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
         degrees = [fraction_to_degrees(float(f)) for f in worst_t]
         violating = [n for n, d in zip(self.names, degrees) if d > margin_deg]

@@ -1,0 +1,144 @@
+"""Distributed training on CPU with gloo: real torchrun worker groups started by `osft-train`."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
+from safetensors.torch import load_file
+
+from osft.trainer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QA = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Tell me a joke about numbers.", "Why was six afraid of seven? Because seven ate nine."),
+    ("hello", "hello world thanks"),
+    ("Explain gradient descent in one sentence.", "It walks downhill on the loss surface."),
+    ("Say something short.", "ok"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    data = write_jsonl(root / "train.jsonl", [chat(q, a) for q, a in QA] * 5)
+    return root / "model", data
+
+
+def run(tiny, out, *flags, env=None):
+    model, data = tiny
+    argv = ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
+            "--batch-size", "5", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--learning-rate", "2e-3",
+            "--weight-decay", "0.1", "--save-dtype", "float32", *flags]
+    return main(argv)
+
+
+def steps(out, node=0):
+    return [r for r in map(json.loads, (out / "metrics" / f"node{node}.jsonl").read_text().splitlines()) if r["event"] == "step"]
+
+
+def weights(out, step):
+    return load_file(out / "hf_format" / f"step_{step}" / "model.safetensors")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_train_like_one(tiny, tmp_path):
+    assert run(tiny, tmp_path / "one", "--max-steps", "10") == 0
+    assert run(tiny, tmp_path / "two", "--max-steps", "10", "--nproc-per-node", "2") == 0
+    one, two = steps(tmp_path / "one"), steps(tmp_path / "two")
+    assert [r["step"] for r in two] == list(range(1, 11))
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert (b["num_tokens"], b["num_loss_tokens"], b["world_size"]) == (a["num_tokens"], a["num_loss_tokens"], 2)
+        assert b["ortho_violations"] == 0
+    assert two[-1]["loss"] < two[0]["loss"]
+    w1, w2 = weights(tmp_path / "one", 10), weights(tmp_path / "two", 10)
+    assert set(w1) == set(w2)
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-4, atol=1e-5, msg=key)
+    run_json = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert run_json["state"] == "completed" and run_json["nproc_per_node"] == 2 and run_json["torchrun_pids"]
+    logs = list((tmp_path / "two" / "logs").rglob("stderr.log"))
+    assert len(logs) == 2
+
+
+def test_projection_modes_give_the_same_parameters(tiny, tmp_path):
+    runs = {"factored": [], "gram": ["--osft-v-projection", "gram"], "cached": ["--osft-cache-v-high"]}
+    for name, flags in runs.items():
+        assert run(tiny, tmp_path / name, "--max-steps", "5", "--nproc-per-node", "2", *flags) == 0
+    reference = weights(tmp_path / "factored", 5)
+    for name in ("gram", "cached"):
+        other = weights(tmp_path / name, 5)
+        for key, value in reference.items():
+            torch.testing.assert_close(other[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("v_form, cache", [("factored", "0"), ("gram", "0"), ("factored", "1")])
+def test_uneven_shards_give_the_single_process_projection(tmp_path, ranks, v_form, cache):
+    out = tmp_path / "result.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(ROOT / "tests" / "dist" / "projection_check.py"), str(out), v_form, cache]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = torch.load(out, weights_only=False)
+    assert len(results) == ranks
+    assert any(0 < rows < 7 // ranks + 1 for r in results for rows in r["local_rows"])  # uneven shards
+    for r in results:
+        assert r["diff"] < 1e-5
+        assert r["max_dev_deg"] == pytest.approx(r["ref_max_dev_deg"], abs=1e-4)
+
+
+def test_two_nodes_train_together(tiny, tmp_path):
+    model, data = tiny
+    out = tmp_path / "nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    base = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "96", "--max-seq-len", "64",
+            "--max-steps", "3", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint]
+    nodes = [subprocess.Popen(base + ["--node-rank", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    for node in (0, 1):
+        records = steps(out, node)
+        assert [r["step"] for r in records] == [1, 2, 3]
+        assert {r["node_rank"] for r in records} == {node} and {r["world_size"] for r in records} == {2}
+        assert all(0 < r["node_tokens_per_s"] < r["tokens_per_s"] for r in records)
+    assert {r["rank"] for n in (0, 1) for r in steps(out, n)} == {0, 1}
+    assert (out / "run.json").is_file() and (out / "run.node1.json").is_file()
+    assert all("step 3/3" in o for o in outputs)  # progress visible on both nodes
+
+
+def test_warning_on_local_rank_1_reaches_the_run_directory(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("OSFT_TEST_WARN_AT", "2:1")
+    assert run(tiny, tmp_path / "w", "--max-steps", "3", "--nproc-per-node", "2") == 0
+    records = [json.loads(line) for line in (tmp_path / "w" / "metrics" / "rank1.jsonl").read_text().splitlines()]
+    warnings = [r for r in records if r["event"] == "warning"]
+    assert [(w["rank"], w["local_rank"], w["message"]) for w in warnings] == [(1, 1, "test warning from local rank 1 at step 2")]
+    assert not [r for r in records if r["event"] == "step"]  # step records stay on local rank 0
+
+
+def test_fewer_samples_than_ranks_fails_at_start(tiny, tmp_path, capsys):
+    model, _ = tiny
+    data = write_jsonl(tmp_path / "three.jsonl", [chat(q, a) for q, a in QA[:3]])
+    code = main(["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(tmp_path / "r"),
+                 "--nproc-per-node", "4", "--max-seq-len", "64", "--max-tokens-per-gpu", "96"])
+    assert code == 2
+    assert "dataset has 3 usable samples, fewer than world size 4" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "logs").exists()  # no rank was started
