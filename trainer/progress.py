@@ -15,6 +15,10 @@ class TrainProgress:
 
     def __init__(self, total_steps: int, console: Console, enabled: bool = True) -> None:
         self.enabled = enabled
+        self.total_steps = total_steps
+        # Not a terminal (torchrun's redirected rank logs, CI): one plain line per update instead.
+        self._lines = enabled and not console.is_terminal
+        self._console = console
         self._progress = Progress(
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
@@ -24,7 +28,7 @@ class TrainProgress:
             TextColumn("eta"),
             TimeRemainingColumn(),
             console=console,
-            disable=not enabled,
+            disable=not enabled or self._lines,
         )
         self._task = self._progress.add_task("train", total=total_steps, stats="")
 
@@ -43,8 +47,10 @@ class TrainProgress:
             f"[{style}]violations {violations_total}[/{style}]"
         )
         self._progress.update(self._task, completed=step, stats=stats)
+        if self._lines:
+            self._console.print(f"step {step}/{self.total_steps}  {stats}")
 
     def print(self, message: str) -> None:
         """Print a line above the bar."""
         if self.enabled:
-            self._progress.console.print(message)
+            self._console.print(message)
