@@ -1,0 +1,213 @@
+"""Distributed V-side projection of OSFT: Gram vs factored vs cached, on 2 ranks.
+
+Part 1 (``--part proj``, run under torchrun by this script): for each weight shape, OSFT modules
+with random orthonormal bases are sharded with FSDP2 (``fully_shard``) and the gradient projection
+(:meth:`osft.trainer.osft.projection.Projector.project_gradients`) is timed in each mode, the
+modes interleaved round by round. Reported per shape and mode: bytes moved per projection by the V
+side (Gram: all-reduce of the M×M fp32 Gram matrix; factored: all-gather of the k_high×M fp32
+V_high; cached: nothing after the first step), the median time per projection (s) and the maximum
+difference between the projected gradients of each mode and the factored one. The expected bytes
+ratio Gram/factored is M/k_high: 2× for a square weight at URR 0.5, 7× for Llama-8B's down_proj
+(4096×14336: M = 14336, k_high = 2048).
+
+Part 2 (``--part e2e``): end-to-end tokens/s of SmolLM2-135M OSFT on 2 ranks (``osft-train
+--nproc-per-node 2``) with each mode, from the runs' metrics (median over the timed steps).
+
+Shapes: SmolLM2's (576×576, 1536×576, 576×1536) and Llama-8B's square and down_proj shapes scaled
+by 1/4 per side (1024×1024, 1024×3584: same M/k_high ratios, 16× less memory), URR 0.5.
+
+Usage::
+
+    python benchmarks/bench_v_proj.py                  # both parts -> results/bench_v_proj.json
+    python benchmarks/bench_v_proj.py --part proj --quick --out /tmp/v.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_v_proj.json"
+SHAPES = {
+    "smollm2_q_proj": (576, 576),
+    "smollm2_gate_proj": (1536, 576),
+    "smollm2_down_proj": (576, 1536),
+    "llama8b_square_div4": (1024, 1024),
+    "llama8b_down_proj_div4": (1024, 3584),
+}
+MODES = {"gram": ("gram", False), "factored": ("factored", False), "cached": ("factored", True)}
+
+
+def _orthonormal(rows: int, cols: int, gen) -> "torch.Tensor":
+    import torch
+
+    q, _ = torch.linalg.qr(torch.randn(max(rows, cols), min(rows, cols), generator=gen))
+    return q if rows >= cols else q.t().contiguous()
+
+
+def _modules(n: int, m: int, urr: float, count: int, seed: int):
+    """``count`` OSFT modules of shape N×M with random orthonormal factors and random gradients."""
+    import torch
+
+    from osft.trainer.osft.decomposition import OSFTLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    mods = []
+    for _ in range(count):
+        mod = OSFTLinear.empty(n, m, False, urr=urr, tokens_per_micro_batch=1024, forward_form="dense", device="cpu")
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+            mod.U_basis.copy_(_orthonormal(*mod.U_basis.shape, gen))
+            mod.V_basis.copy_(_orthonormal(*mod.V_basis.shape, gen))
+        mods.append(mod)
+    grads = [(torch.randn(m.U_low.shape, generator=gen), torch.randn(m.V_low.shape, generator=gen)) for m in mods]
+    return mods, grads
+
+
+def proj_worker(args) -> None:
+    """torchrun entry: time the projection modes on FSDP2-sharded modules; rank 0 writes JSON."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from osft.trainer.osft.projection import Projector
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+
+    class Stack(nn.Module):
+        def __init__(self, mods):
+            super().__init__()
+            self.mods = nn.ModuleList(mods)
+
+        def forward(self, x):  # pragma: no cover - never called
+            return x
+
+    results = {}
+    for name, (n, m) in SHAPES.items():
+        if args.quick and name != "smollm2_q_proj":
+            continue
+        mods, grads = _modules(n, m, args.urr, args.modules, seed=0)
+        fully_shard(Stack(mods))
+        k_high = mods[0].V_basis.shape[0]
+        projectors = {mode: Projector([(f"m{i}", x) for i, x in enumerate(mods)], v_form, cache_v_basis=cache)
+                      for mode, (v_form, cache) in MODES.items()}
+        times = {mode: [] for mode in MODES}
+        outputs = {}
+        for r in range(args.rounds + 1):  # round 0 warms up (and fills the cache)
+            for mode, projector in projectors.items():
+                for mod, (gu, gv) in zip(mods, grads):
+                    mod.U_low.grad = distribute_tensor(gu, mod.U_low.device_mesh, mod.U_low.placements)
+                    mod.V_low.grad = distribute_tensor(gv, mod.V_low.device_mesh, mod.V_low.placements)
+                dist.barrier()
+                start = time.perf_counter()
+                projector.project_gradients()
+                dist.barrier()
+                if r:
+                    times[mode].append(time.perf_counter() - start)
+                outputs[mode] = [x.V_low.grad.full_tensor() for x in mods]
+        diff = {mode: max((a - b).abs().max().item() for a, b in zip(outputs[mode], outputs["factored"])) for mode in MODES}
+        bytes_per_module = {"gram": 4 * m * m, "factored": 4 * k_high * m, "cached": 0}
+        results[name] = {
+            "shape": [n, m], "k_high": k_high, "modules": args.modules,
+            "v_bytes_per_projection": {k: v * args.modules for k, v in bytes_per_module.items()},
+            "bytes_ratio_gram_vs_factored": m / k_high,
+            "time_s_median": {mode: statistics.median(t) for mode, t in times.items()},
+            "time_s_all": times,
+            "time_ratio_vs_gram": {mode: statistics.median(times["gram"]) / statistics.median(t) for mode, t in times.items()},
+            "max_abs_diff_vs_factored": diff,
+        }
+        if dist.get_rank() == 0:
+            print(f"{name}: {results[name]['time_s_median']}", flush=True)
+    if dist.get_rank() == 0:
+        Path(args.worker_out).write_text(json.dumps({"world_size": world, "backend": "gloo", "shapes": results}))
+    dist.destroy_process_group()
+
+
+def run_proj(args) -> dict:
+    """Part 1 through torchrun (2 ranks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "proj.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+               "--proj-worker", "--worker-out", str(out), "--rounds", str(args.rounds), "--modules", str(args.modules),
+               "--urr", str(args.urr)] + (["--quick"] if args.quick else [])
+        subprocess.run(cmd, check=True, cwd=REPO)
+        return json.loads(out.read_text())
+
+
+def run_e2e(args) -> dict:
+    """Part 2: SmolLM2 OSFT on 2 ranks with each mode; tokens/s from the metrics."""
+    from osft.trainer.demo_assets import fetch_demo
+
+    assets = fetch_demo(Path(args.demo_dir) if args.demo_dir else None)
+    flags = {"gram": ["--osft-v-projection", "gram"], "factored": [], "cached": ["--osft-cache-v-high"]}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, extra in flags.items():
+            run_dir = Path(tmp) / mode
+            cmd = [str(Path(sys.executable).with_name("osft-train")), "--model-name-or-path", str(assets.model_dir),
+                   "--data-path", str(assets.train_path), "--output-dir", str(run_dir), "--nproc-per-node", "2",
+                   "--batch-size", "8", "--max-seq-len", "256", "--max-tokens-per-gpu", "1024",
+                   "--max-steps", str(args.e2e_steps), "--osft-unfreeze-rank-ratio", str(args.urr), *extra]
+            subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+            steps = [json.loads(line) for line in (run_dir / "metrics" / "node0.jsonl").read_text().splitlines()]
+            steps = [r for r in steps if r["event"] == "step"][1:]  # the first step warms up
+            out[mode] = {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in steps),
+                         "step_time_s_median": statistics.median(r["step_time_s"] for r in steps),
+                         "final_loss": steps[-1]["loss"] if steps else None}
+    gram = out["gram"]["tokens_per_s_median"]
+    for mode in out:
+        out[mode]["ratio_vs_gram"] = out[mode]["tokens_per_s_median"] / gram
+    out["reference_granite_8b_older_tool_tokens_per_s"] = {"gram": 1728, "factored": 1936, "cached": 2160,
+                                                           "ratio_vs_gram": {"factored": 1.12, "cached": 1.25}}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["all", "proj", "e2e"], default="all")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--modules", type=int, default=4, help="modules per shape (projected together)")
+    p.add_argument("--urr", type=float, default=0.5)
+    p.add_argument("--e2e-steps", type=int, default=4)
+    p.add_argument("--demo-dir", default=os.environ.get("OSFT_DEMO_DIR"))
+    p.add_argument("--quick", action="store_true", help="one small shape, 1 round, no e2e (pipeline check)")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--proj-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.proj_worker:
+        proj_worker(args)
+        return
+    if args.quick:
+        args.rounds, args.part = 1, "proj"
+    result = {"benchmark": "bench_v_proj", "urr": args.urr, "cpu_count": os.cpu_count()}
+    if args.part in ("all", "proj"):
+        result["projection"] = run_proj(args)
+    if args.part in ("all", "e2e"):
+        result["end_to_end_smollm2_2_ranks"] = run_e2e(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for name, r in result.get("projection", {}).get("shapes", {}).items():
+        print(f"{name:24s} bytes gram/factored {r['bytes_ratio_gram_vs_factored']:.1f}x  "
+              + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["time_s_median"].items())
+              + f"  max diff {max(r['max_abs_diff_vs_factored'].values()):.1e}")
+    for mode, r in result.get("end_to_end_smollm2_2_ranks", {}).items():
+        if "tokens_per_s_median" in r:
+            print(f"e2e {mode:9s} {r['tokens_per_s_median']:.0f} tok/s  ({r['ratio_vs_gram']:.2f}x gram)")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
