@@ -516,8 +516,9 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
             value_clean=vs_peft("step_time_clean_median_s"), value_min=vs_peft("step_time_min_s")),
     }
     if name == "smollm2":
-        goals[f"osft_svd_le_{GOAL_SMOLLM2_SVD_S:g}s"] = dict(value=ours["svd_s"], target=GOAL_SMOLLM2_SVD_S,
-                                                           met=ours["svd_s"] <= GOAL_SMOLLM2_SVD_S)
+        goals[f"osft_svd_le_{GOAL_SMOLLM2_SVD_S:g}s"] = dict(
+            value=ours["svd_s"], target=GOAL_SMOLLM2_SVD_S, met=ours["svd_s"] <= GOAL_SMOLLM2_SVD_S,
+            startup_others_cpu_share=ours["startup_others_cpu_share"])
     section["goals"] = goals
     return section
 
@@ -574,6 +575,9 @@ def print_report(result: dict, console) -> None:
             extra = ""
             if "value_clean" in g:
                 extra = f" (clean steps: {num(g['value_clean'], '.3f')}, minima: {num(g['value_min'], '.3f')})"
+            share = g.get("startup_others_cpu_share")
+            if share is not None and share > result["settings"]["clean_threshold"]:
+                extra += f" [yellow](other processes used {share:.0%} of the CPUs during start-up)[/yellow]"
             console.print(f"  goal {goal}: {g['value']:.3f} (target {g['target']:g}) {verdict}{extra}")
 
 

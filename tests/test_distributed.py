@@ -142,3 +142,27 @@ def test_fewer_samples_than_ranks_fails_at_start(tiny, tmp_path, capsys):
     assert code == 2
     assert "dataset has 3 usable samples, fewer than world size 4" in capsys.readouterr().err
     assert not (tmp_path / "r" / "logs").exists()  # no rank was started
+
+
+def test_uneven_last_batch_keeps_every_rank_in_step(tiny, tmp_path):
+    """Field case B25: 5 samples, world size 2, batch 2, last batch kept: 3 steps on every rank,
+    the last with one sample (one rank runs an empty micro-batch instead of skipping collectives)."""
+    model, _ = tiny
+    data = write_jsonl(tmp_path / "five.jsonl", [chat(q, a) for q, a in QA])
+    out = tmp_path / "r"
+    code = main(["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(out),
+                 "--nproc-per-node", "2", "--batch-size", "2", "--max-seq-len", "64", "--max-tokens-per-gpu", "96"])
+    assert code == 0
+    records = steps(out)
+    assert [(r["step"], r["num_samples"]) for r in records] == [(1, 2), (2, 2), (3, 1)]
+    assert all(r["loss"] > 0 for r in records)
+
+
+def test_osft_cache_v_env_sets_the_flag_default(monkeypatch):
+    from osft.trainer.config import build_parser
+
+    argv = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]
+    monkeypatch.setenv("OSFT_CACHE_V", "1")
+    assert build_parser().parse_args(argv).osft_cache_v_high is True
+    monkeypatch.setenv("OSFT_CACHE_V", "0")
+    assert build_parser().parse_args(argv).osft_cache_v_high is False
