@@ -42,6 +42,15 @@ ALTERNATION_CHECK = (
     "{% endfor %}"
 )
 
+#: Question/answer pairs for small end-to-end runs (their words are in the tiny tokenizer's corpus).
+QA = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Tell me a joke about numbers.", "Why was six afraid of seven? Because seven ate nine."),
+    ("hello", "hello world thanks"),
+    ("Explain gradient descent in one sentence.", "It walks downhill on the loss surface."),
+    ("Say something short.", "ok"),
+]
+
 _CORPUS = [
     "You are a helpful assistant.",
     "What is the capital of France? The capital of France is Paris.",

@@ -8,30 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
+from helpers import QA, chat, write_jsonl
 from safetensors.torch import load_file
 
 from osft.trainer.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-QA = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Tell me a joke about numbers.", "Why was six afraid of seven? Because seven ate nine."),
-    ("hello", "hello world thanks"),
-    ("Explain gradient descent in one sentence.", "It walks downhill on the loss surface."),
-    ("Say something short.", "ok"),
-]
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    tokenizer = tiny_chat_tokenizer()
-    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = write_jsonl(root / "train.jsonl", [chat(q, a) for q, a in QA] * 5)
-    return root / "model", data
+def tiny(tiny_model_dir, tmp_path_factory):
+    data = write_jsonl(tmp_path_factory.mktemp("dist") / "train.jsonl", [chat(q, a) for q, a in QA] * 5)
+    return tiny_model_dir, data
 
 
 def run(tiny, out, *flags, env=None):

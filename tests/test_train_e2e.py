@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import chat, tiny_chat_tokenizer, tiny_llama, write_jsonl, write_tiny_gguf
+from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl, write_tiny_gguf
 from osft.trainer.cli import main
 
 STEP_FIELDS = {
@@ -16,29 +16,9 @@ STEP_FIELDS = {
     "rss_bytes", "gpu_mem_bytes",
 }
 
-QA = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Tell me a joke about numbers.", "Why was six afraid of seven? Because seven ate nine."),
-    ("hello", "hello world thanks"),
-    ("Explain gradient descent in one sentence.", "It walks downhill on the loss surface."),
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = tiny_chat_tokenizer()
-    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture()
 def chat_file(tmp_path):
-    rows = [chat(q, a) for q, a in QA] * 6
+    rows = [chat(q, a) for q, a in QA[:4]] * 6  # 24 rows: full batches of 4
     return write_jsonl(tmp_path / "train.jsonl", rows)
 
 
