@@ -1,7 +1,9 @@
 """Run under torchrun: project gradients and parameters of FSDP2-sharded OSFT modules and write
 the gathered results to a .pt file, for comparison with the single-process projection.
 
-Usage: torchrun --nproc-per-node K projection_check.py OUT.pt V_FORM CACHE(0|1)
+Usage: torchrun --nproc-per-node K projection_check.py OUT.pt
+
+Each of the modes factored, gram and cached (factored with the gathered V bases kept) is checked.
 """
 
 import sys
@@ -10,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 from osft.trainer.osft.decomposition import OSFTLinear
 from osft.trainer.osft.projection import Projector
@@ -51,19 +54,17 @@ def project(named, v_form, cache):
     return projector.check(margin_deg=1.0)
 
 
-def main():
-    out, v_form, cache = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    dist.init_process_group("gloo")
+def check(v_form, cache):
     reference = modules()
     ref_report = project([(f"m{i}", m) for i, m in enumerate(reference)], v_form, cache)
     sharded = modules()
     grads = [(m.U_low.grad, m.V_low.grad) for m in sharded]
     fully_shard(Stack(sharded))
     for m, (gu, gv) in zip(sharded, grads):  # grads as FSDP would leave them: sharded like the params
-        m.U_low.grad = torch.distributed.tensor.distribute_tensor(gu, m.U_low.device_mesh, m.U_low.placements)
-        m.V_low.grad = torch.distributed.tensor.distribute_tensor(gv, m.V_low.device_mesh, m.V_low.placements)
+        m.U_low.grad = distribute_tensor(gu, m.U_low.device_mesh, m.U_low.placements)
+        m.V_low.grad = distribute_tensor(gv, m.V_low.device_mesh, m.V_low.placements)
     report = project([(f"m{i}", m) for i, m in enumerate(sharded)], v_form, cache)
-    result = {
+    return {
         "diff": max(max((a.U_low.grad - b.U_low.grad.full_tensor()).abs().max().item(),
                         (a.V_low.grad - b.V_low.grad.full_tensor()).abs().max().item(),
                         (a.U_low - b.U_low.full_tensor()).abs().max().item(),
@@ -71,12 +72,18 @@ def main():
                     for a, b in zip(reference, sharded)),
         "max_dev_deg": report.max_dev_deg,
         "ref_max_dev_deg": ref_report.max_dev_deg,
-        "local_rows": [m.V_basis.to_local().shape[0] for m in sharded],
+        "local_rows": [m.V_basis.to_local().shape[0] for m in sharded] + [m.U_basis.to_local().shape[0] for m in sharded],
     }
+
+
+def main():
+    dist.init_process_group("gloo")
+    result = {mode: check(v_form, cache) for mode, (v_form, cache) in
+              {"factored": ("factored", False), "gram": ("gram", False), "cached": ("factored", True)}.items()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
-        torch.save(gathered, out)
+        torch.save(gathered, sys.argv[1])
     dist.destroy_process_group()
 
 
