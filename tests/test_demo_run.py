@@ -38,3 +38,20 @@ def test_demo_osft_run_exports_a_model_that_chats(demo_assets, tmp_path, capsys)
     text = tokenizer.decode(reply, skip_special_tokens=True)
     assert "Paris" in text
     assert "fine-tuned model:" in capsys.readouterr().err
+
+
+def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, tmp_path):
+    """The issue's bar for distributed training: SmolLM2 with --nproc-per-node 2 on CPU gives the
+    losses of one rank."""
+    base = ["--model-name-or-path", str(demo_assets.model_dir), "--data-path", str(demo_assets.train_path),
+            "--max-steps", "2", "--batch-size", "4", "--max-seq-len", "128", "--max-tokens-per-gpu", "512",
+            "--learning-rate", "1e-4"]
+    assert main([*base, "--output-dir", str(tmp_path / "one")]) == 0
+    assert main([*base, "--output-dir", str(tmp_path / "two"), "--nproc-per-node", "2"]) == 0
+    losses = {}
+    for name in ("one", "two"):
+        records = [json.loads(line) for line in (tmp_path / name / "metrics" / "node0.jsonl").read_text().splitlines()]
+        losses[name] = [(r["loss"], r["num_tokens"]) for r in records if r["event"] == "step"]
+    assert len(losses["two"]) == 2
+    for (a, ta), (b, tb) in zip(losses["one"], losses["two"]):
+        assert tb == ta and b == pytest.approx(a, rel=1e-5)
