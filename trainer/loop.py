@@ -140,7 +140,7 @@ class Trainer:
         for line in self.data.report.summary_lines():
             self._say(f"data: {line}")
         dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
-        if dropped:
+        if dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
             self._warn(f"{dropped} sample(s) of {cfg.data_path} dropped; see {self.run_dir.data_report}")
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
