@@ -25,8 +25,8 @@ from .checkpoint.hf_export import save_hf_model
 from .config import TrainConfig
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
-from .data.sampler import GlobalBatchSampler
 from .data.cache import tokenize_chat_file_cached
+from .data.sampler import GlobalBatchSampler
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
 from .distributed import DistEnv, barrier, global_sums, init_distributed, node_ranks, shutdown_distributed
 from .metrics import MetricsLogger
@@ -40,7 +40,7 @@ from .rundir import RunDir, write_json_atomic
 
 @dataclass
 class TrainResult:
-    """Outcome of :func:`train`: steps done, the last loss, the total orthogonality violations and
+    """Outcome of :meth:`Trainer.run`: steps done, the last loss, the total orthogonality violations and
     the path of the final HF export."""
 
     steps: int
