@@ -132,6 +132,7 @@ def proj_worker(args) -> None:
             print(f"{name}: {results[name]['time_s_median']}", flush=True)
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(json.dumps({"world_size": world, "backend": "gloo", "shapes": results}))
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -60,8 +60,11 @@ def init_distributed(env: DistEnv, device: torch.device) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group, if any."""
+    """Leave the process group, if any, all ranks together (a rank that tears gloo down while a
+    peer is still working can abort with "terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -84,6 +84,7 @@ def main():
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         torch.save(gathered, sys.argv[1])
+    dist.barrier()  # leave together: a rank tearing gloo down while a peer still works can abort
     dist.destroy_process_group()
 
 
