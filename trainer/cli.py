@@ -35,7 +35,6 @@ DEMO_DEFAULTS = dict(
     max_tokens_per_gpu=1024,
     learning_rate=5e-5,
     lr_scheduler="cosine",
-    warmup_steps=3,
 )
 
 

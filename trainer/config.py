@@ -109,6 +109,17 @@ def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
 INF = float("inf")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows ``(default: X)`` only where a default says something (not for switches or None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default is None or isinstance(action.default, bool) or action.default == argparse.SUPPRESS
+        if "%(default)" not in text and not quiet and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argparse.ArgumentParser:
     """The ``osft-train`` training parser, flags grouped as in ``--help``.
 
@@ -118,7 +129,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
         prog=prog,
         description="Fine-tune a Hugging Face causal LM on chat data (messages jsonl) with Orthogonal "
         "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     d = TrainConfig("", "", "")
     g = p.add_argument_group("model and data")
@@ -139,25 +150,28 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="token budget of one packed micro-batch; the step accumulates as many as needed")
 
     g = p.add_argument_group("optimisation (AdamW)")
-    g.add_argument("--learning-rate", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.learning_rate)
-    g.add_argument("--beta1", type=_float_in(0, 1, hi_open=True), default=d.beta1)
-    g.add_argument("--beta2", type=_float_in(0, 1, hi_open=True), default=d.beta2)
-    g.add_argument("--eps", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.eps)
+    g.add_argument("--learning-rate", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.learning_rate,
+                   help="peak learning rate")
+    g.add_argument("--beta1", type=_float_in(0, 1, hi_open=True), default=d.beta1, help="AdamW beta1")
+    g.add_argument("--beta2", type=_float_in(0, 1, hi_open=True), default=d.beta2, help="AdamW beta2")
+    g.add_argument("--eps", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.eps, help="AdamW epsilon")
     g.add_argument("--weight-decay", type=_float_in(0, INF, hi_open=True), default=d.weight_decay,
                    help="decoupled weight decay on every trainable parameter")
-    g.add_argument("--lr-scheduler", choices=["constant", "linear", "cosine"], default=d.lr_scheduler)
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps)
-    g.add_argument("--max-grad-norm", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.max_grad_norm)
-    g.add_argument("--num-epochs", type=_positive_int, default=d.num_epochs)
+    g.add_argument("--lr-scheduler", choices=["constant", "linear", "cosine"], default=d.lr_scheduler,
+                   help="learning-rate schedule after warmup")
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps, help="linear warmup from 0, steps")
+    g.add_argument("--max-grad-norm", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.max_grad_norm,
+                   help="clip the global gradient norm to this")
+    g.add_argument("--num-epochs", type=_positive_int, default=d.num_epochs, help="passes over the data (unless --max-steps)")
     g.add_argument("--max-steps", type=_positive_int, default=d.max_steps, help="optimizer steps to train; overrides --num-epochs")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the data order and every RNG")
 
     g = p.add_argument_group("OSFT")
     g.add_argument("--no-osft", dest="osft", action="store_false", help="plain full fine-tuning (the baseline)")
     g.add_argument("--osft-unfreeze-rank-ratio", type=_float_in(0, 1, lo_open=True), default=d.osft_unfreeze_rank_ratio,
                    help="URR: share of each target's rank that trains; k_high = floor(rank*(1-URR))")
     g.add_argument("--osft-target-patterns", nargs="+", metavar="REGEX", default=None,
-                   help="regular expressions selecting target modules (default: per architecture)")
+                   help="regular expressions selecting target modules (default: built in per architecture)")
     g.add_argument("--osft-v-projection", choices=["factored", "gram"], default=d.osft_v_projection,
                    help="V-side projection: factored (dV V_high^T) V_high, or the M x M Gram form")
     g.add_argument("--osft-cache-v-high", action="store_true", default=os.environ.get("OSFT_CACHE_V") == "1",
@@ -230,6 +244,7 @@ def check_config(cfg: TrainConfig) -> None:
             "a sample must fit into one micro-batch"
         )
     if not Path(cfg.data_path).is_file():
-        raise ValueError(f"--data-path {cfg.data_path}: no such file")
+        reason = "is a directory, not a jsonl file" if Path(cfg.data_path).is_dir() else "no such file"
+        raise ValueError(f"--data-path {cfg.data_path}: {reason}")
     if not Path(cfg.model_name_or_path).exists():
         raise ValueError(f"--model-name-or-path {cfg.model_name_or_path}: no such file or directory (models load from disk only)")

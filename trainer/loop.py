@@ -138,7 +138,7 @@ class Trainer:
         if self.dist.rank == 0:
             write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
         for line in self.data.report.summary_lines():
-            self._say(f"data: {line}")
+            self._say(line)
         dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
         if dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
             self._warn(f"{dropped} sample(s) of {cfg.data_path} dropped; see {self.run_dir.data_report}")
