@@ -75,7 +75,6 @@ def _modules(n: int, m: int, urr: float, count: int, seed: int):
 
 def proj_worker(args) -> None:
     """torchrun entry: time the projection modes on FSDP2-sharded modules; rank 0 writes JSON."""
-    import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard

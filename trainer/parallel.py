@@ -31,7 +31,7 @@ from .config import TrainConfig
 from .distributed import DistEnv
 from .model_loading import load_model, resolve_model_path
 from .osft.decomposition import OSFTLinear, thin_svd
-from .osft.surgery import OSFTModel, apply_osft
+from .osft.surgery import OSFTModel, apply_osft, replace_module
 from .osft.targets import find_target_modules
 
 
@@ -93,8 +93,7 @@ def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTM
                 for t in factors.pop(i):
                     dist.send(t.contiguous(), dst=0)
             new = OSFTLinear.empty(n, m, module.bias is not None, dtype=module.weight.dtype, **common)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replace_module(model, name, new)
         replaced.append((name, new))
     return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
 

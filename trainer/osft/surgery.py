@@ -50,8 +50,6 @@ def apply_osft(
     olds = [model.get_submodule(name) for name in names]
     replaced = []
     for name, old, svd in zip(names, olds, _parallel_svds(olds)):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         new = OSFTLinear.from_weight(
             old.weight,
             old.bias,
@@ -61,9 +59,15 @@ def apply_osft(
             transposed=isinstance(old, Conv1D),
             svd=svd,
         )
-        setattr(parent, child, new)
+        replace_module(model, name, new)
         replaced.append((name, new))
     return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` in place of the submodule called ``name`` (a dotted path) of ``model``."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def _parallel_svds(modules: Sequence[nn.Module]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
