@@ -3,8 +3,10 @@
 ``osft-train [flags]`` trains; ``osft-train fetch-demo [--dir DIR]`` prepares the demo model and
 data; ``osft-train demo [flags]`` prepares them and trains on them with demo-sized defaults.
 
-Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, data, model path),
-reported on one line (data problems: one line per problem) before any training starts.
+Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, data, model path,
+checkpoint to resume from), reported on one line (data problems: one line per problem) before any
+training starts; 75 stopped on request after writing a complete full-state checkpoint (resume
+with ``--resume``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from .checkpoint.signals import EXIT_STOPPED
 from .config import build_parser, check_config, config_from_args
 
 EXIT_COMPLETED = 0
@@ -68,8 +71,11 @@ def _demo_reply(export_dir: str, console: Console) -> None:
     console.print(f"[bold]user:[/bold] {escape(DEMO_PROMPT)}\n[bold]fine-tuned model:[/bold] {escape(reply)}")
 
 
-def _train(cfg, console: Console) -> str:
-    """Train in this process (one rank) or through a torchrun worker group; returns the export dir.
+def _train(cfg, console: Console) -> tuple[int, str | None]:
+    """Train in this process (one rank) or through a torchrun worker group.
+
+    Returns:
+        ``(exit code, export dir)``: 0 and the final export, or :data:`EXIT_STOPPED` and None.
 
     Raises:
         InputError: bad data, model path or sample count (before any training).
@@ -93,7 +99,7 @@ def _train(cfg, console: Console) -> str:
             trainer = Trainer(cfg, console, job_id)
             trainer.prepare()
         else:
-            preflight(cfg, console)
+            cfg = preflight(cfg, console)
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
         run_dir.update_run_json(state="failed", exit_code=EXIT_BAD_INPUT)
         raise InputError(str(exc)) from exc
@@ -101,21 +107,27 @@ def _train(cfg, console: Console) -> str:
         if in_process:
             run_dir.update_run_json(state="running")
             result = trainer.run()
+            code = result.exit_code
             summary = (f"{result.steps} steps, last loss {result.last_loss:.4f}, "
                        f"orthogonality violations {result.violations_total}")
             export_dir = result.export_dir
         else:
             code = launch(cfg, console, job_id)
-            if code != 0:
+            if code not in (EXIT_COMPLETED, EXIT_STOPPED):
                 raise RuntimeError(f"worker group exited with code {code}; rank logs under {run_dir.root / 'logs'}")
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
-            export_dir = str(run_dir.root / "hf_format" / f"step_{_last_step(run_dir)}")
+            export_dir = str(run_dir.root / "hf_format" / f"step_{_last_step(run_dir)}") if code == EXIT_COMPLETED else None
     except BaseException:
         run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
         raise
+    if code == EXIT_STOPPED:
+        run_dir.update_run_json(state="stopped", exit_code=EXIT_STOPPED)
+        console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
+                      "continue with --resume", soft_wrap=True)
+        return code, None
     run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir)
     console.print(f"[green]done[/green]: {escape(summary)}, export {escape(export_dir)}", soft_wrap=True)
-    return export_dir
+    return code, export_dir
 
 
 def _job_id(cfg) -> str:
@@ -160,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             check_config(cfg)
         except ValueError as exc:
             raise InputError(str(exc)) from exc
-        export_dir = _train(cfg, console)
-        if demo:
+        code, export_dir = _train(cfg, console)
+        if demo and export_dir:
             _demo_reply(export_dir, console)
-        return EXIT_COMPLETED
+        return code
     except InputError as exc:
         console.print("[bold red]osft-train: error:[/bold red]", escape(str(exc)), highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT

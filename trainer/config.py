@@ -59,11 +59,24 @@ class TrainConfig:
     # outputs
     hf_export_every_steps: int = 0
     logging_steps: int = 1
+    # full-state checkpoints (DESIGN.md sections 5 and 6)
+    on_demand_checkpointing: bool = False
+    resume_from_full_state_checkpoint: str | None = None
+    resume: bool = False
+    checkpoint_every_steps: int = 0
+    checkpoint_keep_last: int = 0
+    checkpoint_grace_seconds: int = 300
+    sigusr1_action: str = "checkpoint"
     # launch (read by the launcher; a worker ignores them)
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+
+    @property
+    def checkpointing(self) -> bool:
+        """True when this run may write full-state checkpoints (on demand or every N steps)."""
+        return self.on_demand_checkpointing or self.checkpoint_every_steps > 0
 
     def to_json(self) -> dict:
         """Plain-data view for ``run.json``."""
@@ -192,6 +205,23 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="also export hf_format/step_N every N steps (0: only at the end)")
     g.add_argument("--logging-steps", type=_positive_int, default=d.logging_steps, help="console update interval, steps")
 
+    g = p.add_argument_group("full-state checkpoints (model shards, optimizer, scheduler, data position, RNG)")
+    g.add_argument("--on-demand-checkpointing", action="store_true",
+                   help="save a full-state checkpoint when a signal asks for one: SIGUSR1 (see --sigusr1-action), or "
+                   "SIGTERM, SIGINT, SIGUSR2, SIGXCPU, SIGHUP, SIGQUIT (checkpoint, then exit with code 75)")
+    g.add_argument("--sigusr1-action", choices=["checkpoint", "checkpoint-and-exit"], default=d.sigusr1_action,
+                   help="what SIGUSR1 asks for; checkpoint-and-exit suits schedulers that send it before preemption")
+    g.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=d.checkpoint_every_steps,
+                   help="also save a full-state checkpoint every N optimizer steps (0: never)")
+    g.add_argument("--checkpoint-keep-last", type=_non_negative_int, default=d.checkpoint_keep_last,
+                   help="keep only the newest K complete checkpoints (0: keep all; the newest is never removed)")
+    g.add_argument("--checkpoint-grace-seconds", type=_positive_int, default=d.checkpoint_grace_seconds,
+                   help="after a stop request, how long the launcher waits for the checkpoint before it kills the ranks, s")
+    g.add_argument("--resume-from-full-state-checkpoint", metavar="STEP_DIR", default=None,
+                   help="resume from this checkpoint (a full_state_checkpoints/step_N directory)")
+    g.add_argument("--resume", action="store_true",
+                   help="resume from the newest complete checkpoint under --output-dir, if there is one")
+
     g = p.add_argument_group("distributed launch (torchrun worker group; FSDP2, gloo on CPU, NCCL on GPU)")
     g.add_argument("--nproc-per-node", type=_positive_int, default=d.nproc_per_node,
                    help="ranks on this node; 1 (with --nnodes 1) trains in this process")
@@ -246,5 +276,9 @@ def check_config(cfg: TrainConfig) -> None:
     if not Path(cfg.data_path).is_file():
         reason = "is a directory, not a jsonl file" if Path(cfg.data_path).is_dir() else "no such file"
         raise ValueError(f"--data-path {cfg.data_path}: {reason}")
+    if cfg.resume and cfg.resume_from_full_state_checkpoint:
+        raise ValueError("--resume and --resume-from-full-state-checkpoint exclude each other: pick one")
+    if cfg.resume_from_full_state_checkpoint and not Path(cfg.resume_from_full_state_checkpoint).is_dir():
+        raise ValueError(f"--resume-from-full-state-checkpoint {cfg.resume_from_full_state_checkpoint}: no such directory")
     if not Path(cfg.model_name_or_path).exists():
         raise ValueError(f"--model-name-or-path {cfg.model_name_or_path}: no such file or directory (models load from disk only)")

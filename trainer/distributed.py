@@ -74,7 +74,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _backend_device() -> torch.device:
+def backend_device() -> torch.device:
     """Device for collective tensors: the current CUDA device under NCCL, else CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -85,8 +85,8 @@ def node_ranks(env: DistEnv) -> list[int]:
     """Node rank of every global rank (index = global rank); ``[env.node_rank]`` for one rank."""
     if not is_distributed():
         return [env.node_rank]
-    gathered = [torch.zeros(1, dtype=torch.long, device=_backend_device()) for _ in range(env.world_size)]
-    dist.all_gather(gathered, torch.tensor([env.node_rank], device=_backend_device()))
+    gathered = [torch.zeros(1, dtype=torch.long, device=backend_device()) for _ in range(env.world_size)]
+    dist.all_gather(gathered, torch.tensor([env.node_rank], device=backend_device()))
     return [int(t.item()) for t in gathered]
 
 
@@ -98,8 +98,27 @@ def global_sums(loss_sum: torch.Tensor, num_tokens: int) -> tuple[float, list[in
     """
     if not is_distributed():
         return float(loss_sum), [num_tokens]
-    dev = _backend_device()
+    dev = backend_device()
     local = torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64, device=dev)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return float(sum(g[0] for g in gathered)), [int(g[1].item()) for g in gathered]
+
+
+def agree(fn, rank: int):
+    """Run ``fn()`` on rank 0 and give every rank its result (``broadcast_object_list``); an
+    exception of type ValueError (or a subclass) raised by ``fn`` is raised again on every rank,
+    with its type and message."""
+    if not is_distributed():
+        return fn()
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except ValueError as exc:
+            box[0] = ("error", (type(exc), str(exc)))
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value[0](value[1])
+    return value

@@ -1,34 +1,60 @@
 """The ``osft-train`` launcher: starts one torchrun worker group in its own process session and
-supervises it.
+supervises it (DESIGN.md section 6).
 
-Before any rank starts it validates the flags and the data (tokenizing once into the data cache,
-which the ranks then read). It writes ``run.json`` (pids, job id, state) and passes torchrun
-``--log-dir <output_dir>/logs`` so every rank's stdout/stderr lands in its own file (and is teed to
-this console). SIGINT/SIGTERM/SIGHUP to the launcher are forwarded to torchrun, which forwards them
-to the ranks.
+Before any rank starts it validates the flags, the data (tokenizing once into the data cache,
+which the ranks then read) and, when resuming, the checkpoint. It writes ``run.json`` (pids, job
+id, state) and passes torchrun ``--log-dir <output_dir>/logs`` so every rank's stdout/stderr lands
+in its own file (and is teed to this console).
+
+Signals to the launcher, with ``--on-demand-checkpointing``: each of SIGTERM, SIGINT, SIGUSR1,
+SIGUSR2, SIGXCPU, SIGHUP and SIGQUIT is recorded in the job's trigger directory, which the ranks
+poll at their safe points; torchrun's agent is never signalled with them (it has no SIGUSR1
+handler, and it treats every signal it handles as "kill the job"). After a stop request the ranks
+have ``--checkpoint-grace-seconds`` to finish the checkpoint; then the launcher kills the worker
+group, torchrun and every rank (ranks run in sessions of their own), so nothing is left behind.
+Without on-demand checkpointing SIGINT, SIGTERM and SIGHUP stop the job at once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 from rich.console import Console
 
+from .checkpoint.signals import (
+    CHECKPOINT_SIGNALS, EXIT_STOPPED, JOB_START_ENV, Action, TriggerDir, action_for_signal, install_handlers,
+    restore_handlers, signal_name,
+)
 from .config import TrainConfig, config_to_argv
 from .rundir import RunDir
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Signals that stop the job at once when on-demand checkpointing is off.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds between the launcher's checks of its worker group.
+POLL_S = 0.2
 
 
-def preflight(cfg: TrainConfig, console: Console) -> None:
-    """Validate and tokenize the data with the model's tokenizer, once, before any rank starts.
+def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
+    """Validate and tokenize the data with the model's tokenizer, once, and resolve and verify the
+    checkpoint to resume from, before any rank starts.
+
+    Returns:
+        the config the ranks get: ``--resume`` replaced by the checkpoint it found (or dropped).
 
     Raises:
         DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count.
+        CheckpointError: the checkpoint to resume from is incomplete or corrupt.
     """
+    from dataclasses import replace
+
+    from .checkpoint.store import checkpoint_root, newest_complete, verify_checkpoint
     from .data.cache import tokenize_chat_file_cached
     from .loop import check_enough_samples
     from .model_loading import load_tokenizer
@@ -38,11 +64,24 @@ def preflight(cfg: TrainConfig, console: Console) -> None:
                                         cache_dir=cfg.data_cache_dir)
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False)
+    if cfg.resume:
+        found, skipped = newest_complete(checkpoint_root(cfg.output_dir))
+        for line in skipped:
+            console.print(f"resume: {line}", markup=False, highlight=False, soft_wrap=True)
+        if found is None:
+            console.print(f"resume: no complete checkpoint under {checkpoint_root(cfg.output_dir)}; starting fresh",
+                          markup=False, highlight=False)
+        return replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
+    if cfg.resume_from_full_state_checkpoint:
+        verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
+    return cfg
 
 
 def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str]:
-    """The torchrun command line of this node's worker group."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node)]
+    """The torchrun command line of this node's worker group. Its shutdown timeout (how long it
+    waits for ranks after forwarding a signal it received directly) is the checkpoint grace period."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node),
+           "--shutdown-timeout", str(cfg.checkpoint_grace_seconds)]
     if cfg.nnodes == 1 and not cfg.rdzv_endpoint:
         cmd += ["--standalone"]
     else:
@@ -53,28 +92,94 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
     return cmd + config_to_argv(cfg)
 
 
-def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
-    """Run the worker group to its end and return its exit code (0 completed)."""
-    run_dir = RunDir(cfg.output_dir)
-    run_dir.create()
-    cmd = torchrun_command(cfg, run_dir, job_id)
-    env = dict(os.environ, OSFT_JOB_ID=job_id)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
-
-    def forward(signum, _frame):
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
-    try:
-        return proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if proc.poll() is None:  # the launcher itself failed: never leave the worker group behind
-            proc.terminate()
+def _finished_code(run_dir: RunDir, node_rank: int, job_id: str) -> int | None:
+    """Exit code of this job's last ``run_finished`` record in ``metrics/node<N>.jsonl``, if any."""
+    path = run_dir.metrics / f"node{node_rank}.jsonl"
+    code = None
+    if path.is_file():
+        for line in path.read_text().splitlines():
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("event") == "run_finished" and rec.get("job_id") == job_id:
+                code = rec.get("exit_code")
+    return code
+
+
+def _kill_tree(procs: list[psutil.Process]) -> None:
+    """SIGKILL every process in ``procs`` that still runs, and wait for them."""
+    alive = []
+    for p in procs:
+        try:
+            p.kill()
+            alive.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=10)
+
+
+def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
+    """Run the worker group to its end and return the exit code: 0 completed,
+    :data:`.checkpoint.signals.EXIT_STOPPED` stopped after a complete checkpoint, 1 otherwise."""
+    run_dir = RunDir(cfg.output_dir, cfg.node_rank)
+    run_dir.create()
+    trigger = TriggerDir(job_id)
+    trigger.create()
+    cmd = torchrun_command(cfg, run_dir, job_id)
+    env = dict(os.environ, OSFT_JOB_ID=job_id, OSFT_LAUNCHER_PID=str(os.getpid()))
+    env.setdefault(JOB_START_ENV, repr(time.time()))
+    if cfg.resume_from_full_state_checkpoint:  # verified by preflight: rank 0 need not hash it again
+        from .loop import VERIFIED_CHECKPOINT_ENV
+
+        env[VERIFIED_CHECKPOINT_ENV] = cfg.resume_from_full_state_checkpoint
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    agent = psutil.Process(proc.pid)
+    run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
+    deadline: list[float] = []
+
+    def on_signal(signum: int) -> None:
+        if proc.poll() is not None:
+            return
+        if not cfg.on_demand_checkpointing:
+            if signum in STOP_SIGNALS:
+                proc.send_signal(signal.SIGTERM)  # no checkpoint to wait for: torchrun stops the ranks
+            else:
+                console.print(f"osft-train: {signal_name(signum)} ignored: on-demand checkpointing is off "
+                              "(--on-demand-checkpointing)", markup=False, highlight=False)
+            return
+        trigger.record(signum)
+        action = action_for_signal(signum, cfg.sigusr1_action)
+        what = "checkpoint and exit" if action is Action.CHECKPOINT_AND_EXIT else "checkpoint, then continue"
+        console.print(f"osft-train: {signal_name(signum)}: {what} requested; the ranks save at their next safe point",
+                      markup=False, highlight=False)
+        if action is Action.CHECKPOINT_AND_EXIT and not deadline:
+            deadline.append(time.monotonic() + cfg.checkpoint_grace_seconds)
+            run_dir.update_run_json(state="checkpointing")
+
+    previous = install_handlers(on_signal)
+    family: dict[int, psutil.Process] = {}
+    killed = False
+    try:
+        while proc.poll() is None:
+            try:  # remember every rank: they run in sessions of their own
+                family.update({p.pid: p for p in agent.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+            if deadline and time.monotonic() > deadline[0]:
+                console.print(f"osft-train: no checkpoint within --checkpoint-grace-seconds "
+                              f"{cfg.checkpoint_grace_seconds}; killing the worker group", markup=False, highlight=False)
+                _kill_tree([agent, *family.values()])
+                killed = True
+                break
+            time.sleep(POLL_S)
+        code = proc.wait()
+    finally:
+        restore_handlers(previous)
+        if proc.poll() is None:  # the launcher itself failed: never leave the worker group behind
+            _kill_tree([agent, *family.values()])
+        _kill_tree([p for p in family.values() if p.is_running()])
+        trigger.remove()
+    if killed or code != 0:
+        return 1
+    return EXIT_STOPPED if _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED else 0

@@ -7,11 +7,13 @@ batch (all micro-batches of all ranks), so it does not depend on how samples wer
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -21,32 +23,85 @@ from rich.console import Console
 from rich.markup import escape
 from transformers import get_scheduler
 
+from .checkpoint.full_state import TRAINER_STATE, Checkpointer, capture_rng, restore_rng
 from .checkpoint.hf_export import save_hf_model
+from .checkpoint.manifest import CheckpointError
+from .checkpoint.requests import Request, RequestPoller
+from .checkpoint.signals import EXIT_STOPPED, Action, TriggerDir, install_handlers, job_start_time, restore_handlers
+from .checkpoint.store import apply_retention, check_shared, checkpoint_root, newest_complete, verify_checkpoint
 from .config import TrainConfig
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.cache import tokenize_chat_file_cached
 from .data.sampler import GlobalBatchSampler
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
-from .distributed import DistEnv, barrier, global_sums, init_distributed, node_ranks, shutdown_distributed
+from .distributed import DistEnv, agree, barrier, global_sums, init_distributed, node_ranks, shutdown_distributed
 from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
 from .osft.projection import Projector
 from .osft.surgery import dense_state_dict, full_state_dict
-from .parallel import build_model
+from .parallel import build_model, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 
 
 @dataclass
 class TrainResult:
-    """Outcome of :meth:`Trainer.run`: steps done, the last loss, the total orthogonality violations and
-    the path of the final HF export."""
+    """Outcome of :meth:`Trainer.run`: steps done, the last loss, the total orthogonality violations,
+    the final HF export (None when the run stopped on request), the last full-state checkpoint
+    written (or None) and the exit code (0 completed, :data:`.checkpoint.signals.EXIT_STOPPED`)."""
 
     steps: int
     last_loss: float
     violations_total: int
-    export_dir: str
+    export_dir: str | None
+    checkpoint: str | None = None
+    exit_code: int = 0
+
+
+class StepInterrupted(Exception):
+    """A checkpoint request agreed between micro-batches: the step is abandoned and replayed."""
+
+    def __init__(self, request: Request) -> None:
+        super().__init__(request.signal)
+        self.request = request
+
+
+#: Environment variable the launcher sets to the checkpoint it has already verified (checksums),
+#: so rank 0 does not hash it a second time.
+VERIFIED_CHECKPOINT_ENV = "OSFT_VERIFIED_CHECKPOINT"
+
+#: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
+RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
+                   "osft_target_patterns", "train_on_all", "overlong")
+#: Settings that may change on resume, with a warning that the trajectory then differs.
+RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
+                        "max_grad_norm")
+
+
+def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, num_samples: int, path: Path) -> list[str]:
+    """Compare a checkpoint's ``trainer_state.json`` with this run (field cases B12, B13).
+
+    Returns:
+        warnings for optimisation settings that changed (the run continues, but not bit-identically).
+
+    Raises:
+        CheckpointError: another world size, batch size, micro-batch budget, seed, data size or
+            OSFT setting; the message gives both values.
+    """
+    if saved["world_size"] != world_size:
+        raise CheckpointError(f"checkpoint {path} was saved with {saved['world_size']} ranks, now {world_size}: "
+                              "a bit-identical resume needs the same world size")
+    if saved["sampler"]["num_samples"] != num_samples:
+        raise CheckpointError(f"checkpoint {path} was saved with {saved['sampler']['num_samples']} training samples, "
+                              f"the data now has {num_samples}: the data position would not match")
+    for key in RESUME_SETTINGS:
+        if saved["settings"][key] != getattr(cfg, key):
+            raise CheckpointError(f"checkpoint {path} was saved with --{key.replace('_', '-')} {saved['settings'][key]}, "
+                                  f"this run has {getattr(cfg, key)}: resume with the same setting")
+    return [f"--{k.replace('_', '-')} changed from {saved['settings'][k]} to {getattr(cfg, k)} since checkpoint "
+            f"{path}: the resumed run will differ from an uninterrupted one"
+            for k in RESUME_WARN_SETTINGS if saved["settings"][k] != getattr(cfg, k)]
 
 
 def resolve_device_dtype(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
@@ -105,7 +160,17 @@ class Trainer:
         self.job_id = job_id or os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
         self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id)
         self.device, self.dtype = resolve_device_dtype(cfg)
+        self.trigger = TriggerDir(self.job_id)
+        self.poller: RequestPoller | None = None
+        self._handlers: dict = {}
+        if cfg.on_demand_checkpointing:  # as early as possible: a request during start-up is kept
+            self.trigger.create()
+            self._handlers = install_handlers(self.trigger.record)
+            self.poller = RequestPoller(self.trigger, self.run_dir.control, cfg.sigusr1_action, self.dist.rank)
         init_distributed(self.dist, self.device)
+        self.start_step = 0
+        self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
+        self.checkpointer: Checkpointer | None = None
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -145,8 +210,24 @@ class Trainer:
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
 
-        self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype)
-        if self.osft:
+        if self.poller and self.dist.is_local_main:
+            for stale in self.poller.remove_stale(job_start_time()):
+                self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
+        resume_dir = self._resolve_resume()
+        saved = None
+        if resume_dir is not None:
+            saved = json.loads((resume_dir / TRAINER_STATE).read_text())
+            for message in check_resume_compatible(saved, cfg, self.dist.world_size, len(self.data), resume_dir):
+                if self.dist.rank == 0:
+                    self._warn(message)
+            vocab = saved["model"]["vocab_size"]
+        else:
+            vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
+        self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, vocab_size=vocab,
+                                            from_checkpoint=resume_dir is not None)
+        if self.osft and resume_dir is not None:
+            self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume_dir} (no SVD)")
+        elif self.osft:
             forms = [m.forward_form for m in self.osft.osft_modules]
             self._say(
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
@@ -166,6 +247,80 @@ class Trainer:
         self.scheduler = get_scheduler(
             cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
         )
+        root = checkpoint_root(cfg.output_dir)
+        if cfg.checkpointing or resume_dir is not None:
+            self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
+        if cfg.checkpointing:
+            check_shared(root, self.dist.rank, self.dist.hostname)
+        if resume_dir is not None:
+            state, rng = self.checkpointer.load(resume_dir)
+            self.start_step = state["step"]
+            self.counters = dict(state["counters"])
+            restore_rng(rng)  # last: nothing after this draws random numbers before training
+            self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir))
+            self._say(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def _resolve_resume(self) -> Path | None:
+        """The checkpoint to resume from, verified (agreed by all ranks; rank 0 reads the disk).
+
+        Raises:
+            CheckpointError: an explicit checkpoint that is incomplete, corrupt or unreadable.
+        """
+        cfg = self.cfg
+        if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
+            return None
+
+        def resolve() -> tuple[str | None, list[str]]:
+            if cfg.resume_from_full_state_checkpoint:
+                path = Path(cfg.resume_from_full_state_checkpoint)
+                verify_checkpoint(path, checksums=os.environ.get(VERIFIED_CHECKPOINT_ENV) != str(path))
+                return str(path), []
+            path, skipped = newest_complete(checkpoint_root(cfg.output_dir))
+            return (str(path) if path else None), skipped
+
+        found, skipped = agree(resolve, self.dist.rank)
+        for message in skipped:
+            if self.dist.rank == 0:
+                self._warn(message)
+        if found is None:
+            self._say(f"resume: no complete checkpoint under {checkpoint_root(cfg.output_dir)}; starting fresh")
+            return None
+        return Path(found)
+
+    def _trainer_state(self, step: int) -> dict:
+        """Plain data of ``trainer_state.json`` after ``step`` optimizer steps."""
+        epoch, index = divmod(step, self.sampler.steps_per_epoch)
+        settings = {k: getattr(self.cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
+        return {
+            "step": step,
+            "epoch": epoch,
+            "sampler": {"seed": self.sampler.seed, "batch_size": self.sampler.batch_size,
+                        "num_samples": self.sampler.num_samples, "next_epoch": epoch, "next_index": index},
+            "counters": dict(self.counters),
+            "scheduler": self.scheduler.state_dict(),
+            "world_size": self.dist.world_size,
+            "total_steps": self.total_steps,
+            "settings": settings,
+            "model": {"vocab_size": self.model.get_input_embeddings().weight.shape[0],
+                      "model_type": self.model.config.model_type},
+        }
+
+    def checkpoint(self, step: int, request: Request | None) -> str:
+        """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective),
+        log it, apply retention, and return its path."""
+        if request is not None:
+            self.metrics.log("checkpoint_requested", signal=request.signal, step=step, point=request.point)
+            self._say(f"{request.signal}: saving a full-state checkpoint of step {step} (requested {request.point.replace('_', ' ')})")
+        saved = self.checkpointer.save(step, self._trainer_state(step), capture_rng())
+        if request is not None:
+            self.poller.served(time.time())
+        self.metrics.log("checkpoint_saved", step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
+                         frozen_bytes=saved.frozen_bytes)
+        if self.dist.rank == 0:
+            for path in apply_retention(self.checkpointer.root, self.cfg.checkpoint_keep_last, self.checkpointer.frozen_dir):
+                self._say(f"checkpoint retention: removed {path}")
+        self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s)")
+        return str(saved.path)
 
     def _micro_batch_loss(self, batch: dict | None) -> torch.Tensor:
         """Summed token loss of one packed micro-batch (float32 scalar, on the device).
@@ -189,13 +344,21 @@ class Trainer:
             reduction="sum",
         )
 
+    def _poll(self, point: str, step: int, micro: int) -> None:
+        if self.poller and (request := self.poller.poll(point, step, micro)):
+            raise StepInterrupted(request)
+
     def train_step(self, step: int, indices: list[int]) -> dict:
         """Forward/backward every micro-batch of this rank, project, clip, step, re-project.
+
+        With on-demand checkpointing every rank polls for requests before the forward and before
+        and after the backward of each micro-batch.
 
         Returns the numbers of the ``step`` metrics record.
 
         Raises:
             RuntimeError: the batch has no loss token, or the loss is not finite.
+            StepInterrupted: a checkpoint request was agreed before the optimizer step.
         """
         cfg = self.cfg
         start = time.perf_counter()
@@ -209,10 +372,13 @@ class Trainer:
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
         scale = self.dist.world_size / total_loss_tokens
-        for micro in plan:
+        for m, micro in enumerate(plan):
+            self._poll("before_forward", step, m)
             batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
             mb_loss = self._micro_batch_loss(batch)
+            self._poll("before_backward", step, m)
             (mb_loss * scale).backward()
+            self._poll("after_backward", step, m)
             loss_sum += mb_loss.detach().double().cpu()
             if batch is not None:
                 num_tokens += int(batch["num_tokens"])
@@ -270,33 +436,69 @@ class Trainer:
         barrier()
         return str(out)
 
+    def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
+        self.metrics.log("run_finished", reason=reason, exit_code=exit_code, step=step, **fields)
+        self.metrics.close()
+        restore_handlers(self._handlers)
+        if self.dist.is_local_main and not os.environ.get("OSFT_LAUNCHER_PID"):
+            self.trigger.remove()  # under the launcher, the launcher removes it
+        shutdown_distributed()
+
     def run(self) -> TrainResult:
-        """Train ``total_steps`` optimizer steps, log every step, export at the end."""
+        """Train to ``total_steps`` optimizer steps (from the resumed step), log every step, serve
+        checkpoint requests and periodic checkpoints, export at the end.
+
+        A request agreed in the middle of a step saves the state at the start of that step
+        (partial gradients dropped, generators rewound), so a resume replays the step exactly.
+        """
         cfg = self.cfg
-        violations_total, step, last_loss = 0, 0, float("nan")
+        step, last_loss, last_checkpoint = self.start_step, float("nan"), None
         process = psutil.Process()
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
                 epoch, index = divmod(step, self.sampler.steps_per_epoch)
+                rng_at_start = capture_rng() if self.poller else None
+                try:
+                    record = self.train_step(step + 1, self.sampler.batch(epoch, index))
+                except StepInterrupted as stop:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    restore_rng(rng_at_start)
+                    last_checkpoint = self.checkpoint(step, stop.request)
+                    if stop.request.action is Action.CHECKPOINT_AND_EXIT:
+                        return self._stopped(step, last_loss, last_checkpoint, stop.request)
+                    continue  # replay the step from its start
                 step += 1
-                record = self.train_step(step, self.sampler.batch(epoch, index))
-                violations_total += record["ortho_violations"]
+                self.counters["ortho_violations_total"] += record["ortho_violations"]
+                self.counters["samples_seen"] += record["num_samples"]
+                self.counters["tokens_seen"] += record["num_tokens"]
                 if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
                     self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
                 last_loss = record["loss"]
                 self.metrics.log(
-                    "step", step=step, epoch=epoch, ortho_violations_total=violations_total,
+                    "step", step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
                     rss_bytes=process.memory_info().rss,
                     gpu_mem_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
                     **record,
                 )
                 if step % cfg.logging_steps == 0 or step == self.total_steps:
-                    progress.update(step, record["loss"], record["lr"], record["tokens_per_s"], violations_total)
+                    progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
+                                    self.counters["ortho_violations_total"])
+                request = self.poller.poll("after_step", step) if self.poller else None
+                if request or (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
+                    last_checkpoint = self.checkpoint(step, request)
+                if request and request.action is Action.CHECKPOINT_AND_EXIT:
+                    return self._stopped(step, last_loss, last_checkpoint, request)
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
                     progress.print(f"exported {self.export(step)}")
         export_dir = self.export(step)
         self._say(f"export: {export_dir}")
-        self.metrics.log("run_finished", reason="completed", exit_code=0, step=step, export_dir=export_dir)
-        self.metrics.close()
-        shutdown_distributed()
-        return TrainResult(steps=step, last_loss=last_loss, violations_total=violations_total, export_dir=export_dir)
+        self._finish("completed", 0, step, export_dir=export_dir)
+        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
+                           export_dir=export_dir, checkpoint=last_checkpoint)
+
+    def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
+        self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "
+                  f"--resume-from-full-state-checkpoint {checkpoint}")
+        self._finish("stopped", EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
+        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
+                           export_dir=None, checkpoint=checkpoint, exit_code=EXIT_STOPPED)

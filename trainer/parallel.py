@@ -42,6 +42,11 @@ def _config(path: str):
     return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
 
 
+def model_vocab_size(path: str) -> int:
+    """Rows of the model's input embedding table, from its config (no weights loaded)."""
+    return _config(path).vocab_size
+
+
 def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks (classes named in ``model._no_split_modules``)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -98,13 +103,41 @@ def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTM
     return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
 
 
-def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, OSFTModel | None]:
+def _skeleton_osft(model: nn.Module, cfg: TrainConfig, device: torch.device | str) -> OSFTModel:
+    """Replace every target by an uninitialised :meth:`.osft.decomposition.OSFTLinear.empty` of the
+    same structure (no SVD): the values come from a full-state checkpoint."""
+    replaced = []
+    for name in find_target_modules(model, model.config.model_type, cfg.osft_target_patterns):
+        module = model.get_submodule(name)
+        transposed = isinstance(module, Conv1D)
+        n, m = module.weight.t().shape if transposed else module.weight.shape
+        new = OSFTLinear.empty(n, m, module.bias is not None, urr=cfg.osft_unfreeze_rank_ratio,
+                               tokens_per_micro_batch=cfg.max_tokens_per_gpu, forward_form=cfg.osft_forward,
+                               transposed=transposed, dtype=module.weight.dtype, device=device)
+        replace_module(model, name, new)
+        replaced.append((name, new))
+    return OSFTModel(modules=replaced, svd_seconds=0.0)
+
+
+def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) -> None:
+    """Resize the input (and tied or separate output) embeddings to ``vocab_size`` rows when it
+    differs; new rows get the mean of the old ones (``mean_resizing``) where the weights are real."""
+    if vocab_size and vocab_size != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(vocab_size, mean_resizing=materialised)
+
+
+def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, vocab_size: int | None = None,
+                from_checkpoint: bool = False) -> tuple[nn.Module, OSFTModel | None]:
     """Load the model, decompose its OSFT targets (unless ``--no-osft``) and, with more than one
     rank, shard it with FSDP2.
 
     Args:
         dtype: compute dtype (float32 on CPU, bfloat16 on GPU). With FSDP2 the sharded
             parameters stay float32 and ``dtype`` is the mixed-precision compute dtype.
+        vocab_size: embedding rows to resize to (a larger tokenizer, or the vocab a checkpoint
+            was saved with); None keeps the model's.
+        from_checkpoint: build the structure only (OSFT skeletons, no SVD, no weight broadcast):
+            every parameter is about to be loaded from a full-state checkpoint.
 
     Returns:
         ``(model, osft)``: the model in train mode on ``device``; ``osft`` lists its OSFT modules.
@@ -114,8 +147,11 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     """
     if env.world_size == 1:
         model = load_model(cfg.model_name_or_path, dtype, device)
+        _resize_vocab(model, vocab_size, materialised=not from_checkpoint)
         osft = None
-        if cfg.osft:
+        if cfg.osft and from_checkpoint:
+            osft = _skeleton_osft(model, cfg, device)
+        elif cfg.osft:
             osft = apply_osft(model, model.config.model_type, cfg.osft_unfreeze_rank_ratio,
                               tokens_per_micro_batch=cfg.max_tokens_per_gpu, patterns=cfg.osft_target_patterns,
                               forward_form=cfg.osft_forward)
@@ -131,15 +167,22 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     else:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(_config(cfg.model_name_or_path), dtype=param_dtype)
-    osft = _distributed_osft(model, cfg, env) if cfg.osft else None
-    full_state = model.state_dict() if env.rank == 0 else {}
+    _resize_vocab(model, vocab_size, materialised=env.rank == 0 and not from_checkpoint)
+    if not cfg.osft:
+        osft = None
+    elif from_checkpoint:
+        osft = _skeleton_osft(model, cfg, "meta")
+    else:
+        osft = _distributed_osft(model, cfg, env)
+    full_state = model.state_dict() if env.rank == 0 and not from_checkpoint else {}
     buffers_before = {n: b for n, b in model.named_buffers()}
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
     for block in _decoder_blocks(model):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not from_checkpoint:
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Non-persistent buffers (e.g. rotary inv_freq) are not in the state dict: copy rank 0's.
     for name, buf in model.named_buffers():
         if env.rank == 0:

@@ -45,13 +45,19 @@ class RunDir:
         return self.root / "hf_format" / f"step_{step}"
 
     @property
+    def control(self) -> Path:
+        """``control/``: requests from a watcher on another host (DESIGN.md section 6)."""
+        return self.root / "control"
+
+    @property
     def data_report(self) -> Path:
         """``data_report.json``: validation and overlong-policy counts of the training data."""
         return self.root / "data_report.json"
 
     def create(self) -> None:
-        """Create the root and ``metrics/``."""
+        """Create the root, ``metrics/`` and ``control/``."""
         self.metrics.mkdir(parents=True, exist_ok=True)
+        self.control.mkdir(exist_ok=True)
 
     def update_run_json(self, **fields: Any) -> dict:
         """Merge ``fields`` into ``run.json`` (atomically) and return the new content."""

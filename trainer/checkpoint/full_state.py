@@ -1,0 +1,239 @@
+"""Full-state checkpoints: save everything a bit-identical resume needs, and load it back.
+
+One ``step_<N>`` directory (DESIGN.md section 5)::
+
+    model/                 DCP shards of every parameter except the frozen OSFT factors
+                           (torch.distributed.checkpoint; each rank writes its own shard)
+    optimizer_rank<R>.pt   rank R's AdamW state (its local shard of exp_avg/exp_avg_sq, step)
+    rng_rank<R>.pt         rank R's Python, NumPy, torch CPU and CUDA generator states
+    trainer_state.json     step, counters, LR scheduler, data position, batch settings, world size,
+                           vocab size, OSFT settings
+    manifest.json          written last: every file with its writing rank, size and SHA-256, and
+                           the checksum of the frozen factors' manifest
+
+Per-rank state lives in per-rank files: under one shared DCP key only one rank's copy would be kept
+and every rank would load it back (field case B13). The frozen factors W_high, U_basis and V_basis
+never change during a run: they are written once, to ``frozen_<job_id>/``, and referenced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from ..distributed import DistEnv, barrier, is_distributed
+from ..osft.surgery import OSFTModel
+from .manifest import MANIFEST, CheckpointError, describe_files, read_manifest, write_manifest
+from .safe_load import SafeFileSystemReader, load_plain
+from .store import versions
+
+#: OSFTLinear parameters that never change during a run (stored once per run).
+FROZEN_PARAMS = ("W_high", "U_basis", "V_basis")
+TRAINER_STATE = "trainer_state.json"
+
+#: Test-only hook (field case B02): seconds to sleep after the shards are written, before the manifest.
+TEST_SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's generator states: Python, NumPy, torch CPU and (when initialised) CUDA."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set every generator to a state from :func:`capture_rng`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint just written: its directory, its size (bytes, frozen factors excluded) and the
+    time the save took (s), and the bytes of the frozen factors written with it (0 when reused)."""
+
+    path: Path
+    bytes: int
+    seconds: float
+    frozen_bytes: int
+
+
+class Checkpointer:
+    """Saves and loads the full training state of one rank (every rank calls every method).
+
+    Args:
+        root: ``<output_dir>/full_state_checkpoints`` (on storage every node sees).
+        env: this rank's place in the job. job_id: the job's id.
+        model: the (FSDP2-sharded or plain) model. optimizer, scheduler: AdamW and its LR schedule.
+        osft: the OSFT modules (None with ``--no-osft``).
+    """
+
+    def __init__(self, root: Path, env: DistEnv, job_id: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, osft: OSFTModel | None) -> None:
+        self.root = root
+        self.env = env
+        self.job_id = job_id
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.frozen_keys = {f"{n}.{k}" for n, _ in osft.modules for k in FROZEN_PARAMS} if osft else set()
+        #: name of the frozen store this run references (written at the first save, or the resumed one's)
+        self.frozen_dir: str | None = None
+
+    # -- model ---------------------------------------------------------------------------------
+    def _model_state(self) -> tuple[dict, dict]:
+        """(trainable-and-other state, frozen OSFT factors) as sharded state dicts."""
+        state = get_model_state_dict(self.model)
+        frozen = {k: v for k, v in state.items() if k in self.frozen_keys}
+        return {k: v for k, v in state.items() if k not in self.frozen_keys}, frozen
+
+    def _my_files(self, directory: Path, sub: str = "") -> list[str]:
+        """Files of ``directory/sub`` this rank wrote (DCP names them ``__<rank>_<i>.distcp``)."""
+        base = directory / sub
+        names = sorted(p.name for p in base.glob(f"__{self.env.rank}_*.distcp"))
+        if self.env.rank == 0 and (base / ".metadata").is_file():
+            names.append(".metadata")
+        return [f"{sub}/{n}" if sub else n for n in names]
+
+    def _gather(self, entries: dict) -> dict:
+        if not is_distributed():
+            return entries
+        everything: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, entries)
+        return {k: v for e in everything for k, v in e.items()}
+
+    def _write_frozen(self, frozen: dict) -> int:
+        """Write this run's frozen factors once; returns their bytes."""
+        name = f"frozen_{self.job_id}"
+        final, tmp = self.root / name, self.root / f"{name}.tmp"
+        if self.env.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        dcp.save(frozen, checkpoint_id=tmp, no_dist=not is_distributed())
+        files = self._gather(describe_files(tmp, self._my_files(tmp), self.env.rank))
+        if self.env.rank == 0:
+            write_manifest(tmp, files, kind="frozen_osft_factors", job_id=self.job_id, keys=sorted(frozen))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        barrier()
+        self.frozen_dir = name
+        return sum(f["size"] for f in files.values())
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(self, step: int, trainer_state: dict, rng: dict[str, Any]) -> SavedCheckpoint:
+        """Write ``step_<step>`` (temporary directory, shards, per-rank files, manifest, rename).
+
+        Args:
+            trainer_state: plain data for ``trainer_state.json`` (used from rank 0).
+            rng: this rank's generator states (:func:`capture_rng`) at the saved point.
+        """
+        start = time.perf_counter()
+        rest, frozen = self._model_state()
+        frozen_bytes = self._write_frozen(frozen) if frozen and self.frozen_dir is None else 0
+        final = self.root / f"step_{step}"
+        tmp = self.root / f"step_{step}.tmp-{self.job_id}"
+        if self.env.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "model").mkdir(parents=True)
+        barrier()
+        dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
+        r = self.env.rank
+        optim = self.optimizer.state_dict()
+        optim["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}
+        torch.save(optim, tmp / f"optimizer_rank{r}.pt")
+        torch.save(rng, tmp / f"rng_rank{r}.pt")
+        mine = self._my_files(tmp, "model") + [f"optimizer_rank{r}.pt", f"rng_rank{r}.pt"]
+        files = self._gather(describe_files(tmp, mine, r))
+        if delay := float(os.environ.get(TEST_SAVE_DELAY_ENV) or 0):
+            time.sleep(delay)
+        if r == 0:
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            files.update(describe_files(tmp, [TRAINER_STATE], 0))
+            frozen_ref = None
+            if self.frozen_dir:
+                digest = hashlib.sha256((self.root / self.frozen_dir / MANIFEST).read_bytes()).hexdigest()
+                frozen_ref = {"dir": self.frozen_dir, "manifest_sha256": digest}
+            write_manifest(tmp, files, kind="full_state", step=step, world_size=self.env.world_size,
+                           job_id=self.job_id, created=time.time(), frozen=frozen_ref, versions=versions())
+            if final.exists():  # the same step saved again (e.g. stopped right after a resume)
+                old = self.root / f"step_{step}.replaced-{self.job_id}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        barrier()
+        size = sum(f["size"] for f in files.values()) if r == 0 else 0
+        return SavedCheckpoint(final, size, time.perf_counter() - start, frozen_bytes)
+
+    # -- load ----------------------------------------------------------------------------------
+    def load(self, step_dir: Path) -> tuple[dict, dict[str, Any]]:
+        """Load model, optimizer and scheduler from a verified checkpoint.
+
+        Returns:
+            ``(trainer_state, rng)``: the plain trainer state, and this rank's generator states
+            (for the caller to restore last, after everything else that draws random numbers).
+
+        Raises:
+            CheckpointError: a file is missing or holds more than tensors and plain data.
+        """
+        manifest = read_manifest(step_dir)
+        trainer_state = json.loads((step_dir / TRAINER_STATE).read_text())
+        rest, frozen = self._model_state()
+        dcp.load(rest, storage_reader=SafeFileSystemReader(step_dir / "model"), no_dist=not is_distributed())
+        ref = manifest.data.get("frozen")
+        if frozen:
+            if not ref:
+                raise CheckpointError(f"checkpoint {step_dir}: saved without OSFT factors, but this run uses OSFT")
+            frozen_dir = step_dir.parent / ref["dir"]
+            dcp.load(frozen, storage_reader=SafeFileSystemReader(frozen_dir), no_dist=not is_distributed())
+            if frozen_dir.parent.resolve() == self.root.resolve():
+                self.frozen_dir = ref["dir"]
+        set_model_state_dict(self.model, {**rest, **frozen})
+        r = self.env.rank
+        optim = load_plain(step_dir / f"optimizer_rank{r}.pt")
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for i, s in optim["state"].items():
+            p = params[int(i)]
+            if hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+
+                s.update({k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                                run_check=False)
+                          for k, v in s.items() if k != "step"})
+        self.optimizer.load_state_dict(optim)
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        rng = load_plain(step_dir / f"rng_rank{r}.pt")
+        return trainer_state, rng

@@ -1,0 +1,147 @@
+"""Checkpoint requests: the seven signals, what each asks for, and the per-job trigger directory.
+
+DESIGN.md section 6. A signal handler only records the request, as a file ``sig<NUMBER>`` in a
+per-job directory under ``/dev/shm`` (mode 0700): every local rank of the node and the launcher
+share it, and a signal sent to any one of them reaches the whole job at the next safe point (see
+:mod:`.requests`). The directory is keyed by the job id, so triggers of another job are never read;
+a trigger older than this job's start (left by a killed run with the same id) is removed with a
+warning.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Every signal that asks for a checkpoint (DESIGN.md section 6).
+CHECKPOINT_SIGNALS = (
+    signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU, signal.SIGHUP, signal.SIGQUIT,
+)
+
+#: Exit code of a run that stopped on request after writing a complete checkpoint (EX_TEMPFAIL:
+#: "try again later", here: resume). 0 stays reserved for a completed run.
+EXIT_STOPPED = 75
+
+#: Environment variable with the job's start time (unix s), set by the launcher for its workers.
+JOB_START_ENV = "OSFT_JOB_START"
+
+
+class Action(enum.IntEnum):
+    """What a request asks for; larger wins when ranks see different requests."""
+
+    NONE = 0
+    CHECKPOINT = 1  # checkpoint, then keep training
+    CHECKPOINT_AND_EXIT = 2
+
+
+def action_for_signal(signum: int, sigusr1_action: str = "checkpoint") -> Action:
+    """SIGUSR1 follows ``--sigusr1-action`` (``checkpoint`` or ``checkpoint-and-exit``); every other
+    checkpoint signal means checkpoint and exit."""
+    if signum == signal.SIGUSR1 and sigusr1_action == "checkpoint":
+        return Action.CHECKPOINT
+    return Action.CHECKPOINT_AND_EXIT
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``control`` for 0 (a request from the run directory's ``control/``)."""
+    return signal.Signals(signum).name if signum else "control"
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """One recorded request: the signal number (0 for a control file), its file and its time (unix s)."""
+
+    signum: int
+    path: Path
+    mtime: float
+
+
+def trigger_root() -> Path:
+    """``/dev/shm/osft-<uid>`` (shared memory, node-local, emptied at reboot); the temp dir where
+    there is no ``/dev/shm`` (macOS)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"osft-{os.getuid()}"
+
+
+class TriggerDir:
+    """The per-job trigger directory ``<trigger_root>/<job_id>`` (mode 0700).
+
+    Args:
+        job_id: the job's id (shared by every rank and the launcher through ``OSFT_JOB_ID``).
+        root: parent directory (default :func:`trigger_root`).
+    """
+
+    def __init__(self, job_id: str, root: Path | None = None) -> None:
+        self.path = (root or trigger_root()) / job_id
+
+    def create(self) -> None:
+        """Create the directory (and its parent) with mode 0700."""
+        self.path.parent.mkdir(mode=0o700, exist_ok=True)
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.path, 0o700)
+
+    def record(self, signum: int) -> None:
+        """Record a request for ``signum`` (safe to call from a signal handler; repeated signals of
+        one kind coalesce into one file, whose time is that of the latest)."""
+        self.create()
+        path = self.path / f"sig{signum}"
+        path.touch()
+        os.utime(path)
+
+    def pending(self) -> list[Trigger]:
+        """Recorded requests, oldest first (files that vanish meanwhile are skipped)."""
+        found = []
+        try:
+            entries = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if entry.name.startswith("sig") and entry.name[3:].isdigit():
+                try:
+                    found.append(Trigger(int(entry.name[3:]), Path(entry.path), entry.stat().st_mtime))
+                except FileNotFoundError:
+                    continue
+        return sorted(found, key=lambda t: t.mtime)
+
+    def remove_stale(self, job_start: float) -> list[str]:
+        """Delete triggers older than ``job_start`` (unix s); return their signal names."""
+        stale = [t for t in self.pending() if t.mtime < job_start]
+        for t in stale:
+            t.path.unlink(missing_ok=True)
+        return [signal_name(t.signum) for t in stale]
+
+    def remove(self) -> None:
+        """Delete the directory and what is left in it (end of the job)."""
+        for t in self.pending():
+            t.path.unlink(missing_ok=True)
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+def install_handlers(on_signal: Callable[[int], None]) -> dict[int, object]:
+    """Make every signal of :data:`CHECKPOINT_SIGNALS` call ``on_signal(signum)`` instead of its
+    default action (which for SIGUSR1 would kill the process). Returns the previous handlers."""
+
+    def handler(signum, _frame):
+        on_signal(signum)
+
+    return {s: signal.signal(s, handler) for s in CHECKPOINT_SIGNALS}
+
+
+def restore_handlers(previous: dict[int, object]) -> None:
+    """Put back the handlers returned by :func:`install_handlers`."""
+    for s, h in previous.items():
+        signal.signal(s, h)
+
+
+def job_start_time() -> float:
+    """The job's start (unix s): ``$OSFT_JOB_START`` from the launcher, else now."""
+    return float(os.environ.get(JOB_START_ENV) or time.time())

@@ -1,0 +1,158 @@
+"""The checkpoint root ``<output_dir>/full_state_checkpoints``: complete checkpoints, the frozen
+OSFT factors they share, retention, and the shared-storage check.
+
+Layout (DESIGN.md section 5)::
+
+    full_state_checkpoints/
+      frozen_<job_id>/   W_high, U_basis, V_basis of every OSFT module (DCP) + manifest.json;
+                         written once per run, referenced by checksum from each step's manifest
+      step_<N>/          one complete checkpoint (see :mod:`.full_state`)
+      step_<N>.tmp-<job_id>/   being written (or cut off): never resumed from
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import is_distributed
+from .manifest import MANIFEST, CheckpointError, Manifest, read_manifest, verify_files
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
+    """Verify a ``step_<N>`` checkpoint and the frozen OSFT factors its manifest references.
+
+    Raises:
+        CheckpointError: a missing manifest, a missing, truncated or corrupt file (named with the
+            rank that wrote it), or frozen factors that are missing or not the referenced ones.
+    """
+    manifest = read_manifest(step_dir)
+    verify_files(manifest, checksums)
+    frozen = manifest.data.get("frozen")
+    if frozen:
+        frozen_dir = step_dir.parent / frozen["dir"]
+        path = frozen_dir / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {step_dir}: its frozen OSFT factors {frozen_dir} are missing")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != frozen["manifest_sha256"]:
+            raise CheckpointError(f"checkpoint {step_dir}: {frozen_dir} holds other frozen OSFT factors than it was saved with")
+        verify_files(read_manifest(frozen_dir), checksums)
+    return manifest
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_<N>`` directory under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that verifies, and one line per directory skipped on
+    the way (with the reason), also for entries that are not checkpoints at all.
+
+    Returns:
+        ``(step dir or None, skip messages)``.
+    """
+    skipped = []
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if not STEP_DIR.match(p.name) and not p.name.startswith(("frozen_", ".")):
+                if ".tmp-" in p.name:
+                    skipped.append(f"incomplete checkpoint {p.name.split('.tmp-')[0]} skipped: {p.name} was never finished")
+                else:
+                    skipped.append(f"{p.name} skipped: not a step_<N> checkpoint directory")
+    for _step, path in step_dirs(root):
+        try:
+            verify_checkpoint(path)
+            return path, skipped
+        except CheckpointError as exc:
+            skipped.append(str(exc) if "skipped" in str(exc) else f"checkpoint {path.name} skipped: {exc}")
+    return None, skipped
+
+
+def apply_retention(root: Path, keep_last: int, keep_frozen: str | None) -> list[Path]:
+    """Remove all but the newest ``keep_last`` complete checkpoints (0 keeps all; the newest
+    complete one always stays), then every ``frozen_*`` store that no remaining checkpoint
+    references, except ``keep_frozen`` (this run's). Returns what was removed.
+    """
+    removed = []
+    complete = [p for _s, p in step_dirs(root) if (p / MANIFEST).is_file()]
+    if keep_last > 0:
+        for path in complete[max(keep_last, 1):]:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    referenced = {keep_frozen}
+    for _s, p in step_dirs(root):
+        try:
+            referenced.add((read_manifest(p).data.get("frozen") or {}).get("dir"))
+        except CheckpointError:
+            continue
+    for p in root.glob("frozen_*"):
+        if p.is_dir() and p.name not in referenced and not p.name.endswith(".tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def check_shared(root: Path, rank: int, hostname: str) -> None:
+    """Collective start-up check that the checkpoint root is one directory for every rank
+    (field case B10): rank 0 writes a sentinel with a random token, every rank reads it back.
+
+    Raises:
+        ValueError: on every rank, naming the ranks and hosts that could not see the sentinel.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    objs = [token]
+    if is_distributed():
+        dist.broadcast_object_list(objs, src=0)
+    sentinel = root / f".sentinel-{objs[0]}"
+    if rank == 0:
+        sentinel.write_text(objs[0])
+    if is_distributed():
+        dist.barrier()
+    try:
+        ok = sentinel.read_text() == objs[0]
+    except OSError:
+        ok = False
+    seen = [(ok, rank, hostname)]
+    if is_distributed():
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, (ok, rank, hostname))
+        dist.barrier()
+    if rank == 0:
+        sentinel.unlink(missing_ok=True)
+    blind = [f"rank {r} on {h}" for o, r, h in seen if not o]
+    if blind:
+        raise ValueError(
+            f"checkpoint directory {root} is not visible from {', '.join(blind)}: it must be on storage shared by "
+            "every node (a file rank 0 wrote there could not be read)"
+        )
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    """``<output_dir>/full_state_checkpoints``."""
+    return Path(output_dir) / "full_state_checkpoints"
+
+
+def versions() -> dict[str, str]:
+    """Versions recorded in each manifest."""
+    import transformers
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        osft = version("osft")
+    except PackageNotFoundError:
+        osft = "unknown"
+    return {"osft": osft, "torch": torch.__version__, "transformers": transformers.__version__}
