@@ -55,3 +55,40 @@ def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, tmp_path):
     assert len(losses["two"]) == 2
     for (a, ta), (b, tb) in zip(losses["one"], losses["two"]):
         assert tb == ta and b == pytest.approx(a, rel=1e-5)
+
+
+def test_demo_on_two_ranks_checkpoints_on_sigusr1_stops_on_sigterm_and_resumes_exactly(demo_assets, tmp_path):
+    """The issue's bar for checkpointing, on SmolLM2 and 2 CPU ranks: SIGUSR1 to the launcher after
+    step 1 saves a checkpoint and training goes on; SIGTERM in step 3 saves step 2 and stops with
+    exit code 75; resuming from either checkpoint gives the same losses, step for step."""
+    import os
+    import subprocess
+    import sys
+
+    def demo(out, *flags, env=None):
+        cmd = [sys.executable, "-m", "osft.trainer.cli", "demo", "--dir", str(demo_assets.model_dir.parent),
+               "--output-dir", str(out), "--nproc-per-node", "2", "--max-steps", "4", "--batch-size", "4",
+               "--max-seq-len", "128", "--max-tokens-per-gpu", "256", "--on-demand-checkpointing", *flags]
+        done = subprocess.run(cmd, env={**os.environ, "OSFT_TEST_STATE_HASH": "1", **(env or {})},
+                              capture_output=True, text=True, timeout=1200)
+        return done.returncode, done.stdout + done.stderr
+
+    def steps(out):
+        records = [json.loads(line) for line in (out / "metrics" / "node0.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["grad_norm"], r["lr"], r["state_sha256"]) for r in records if r["event"] == "step"}
+
+    out = tmp_path / "demo"
+    code, output = demo(out, env={"OSFT_TEST_SIGNAL_AT": "1:after_step:0:SIGUSR1,3:before_backward:1:SIGTERM"})
+    assert code == 75, output
+    ckpts = out / "full_state_checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_1", "step_2"]
+    assert sorted(steps(out)) == [1, 2]
+    code, output = demo(out, "--resume")
+    assert code == 0, output
+    assert "fine-tuned model:" in output
+    code, output = demo(tmp_path / "from_usr1", "--resume-from-full-state-checkpoint", str(ckpts / "step_1"))
+    assert code == 0, output
+    # one curve: steps 1-2 of the interrupted run, 3-4 of its resume, 2-4 again from the SIGUSR1 checkpoint
+    first, again = steps(out), steps(tmp_path / "from_usr1")
+    assert sorted(again) == [2, 3, 4]
+    assert all(again[s] == first[s] for s in (2, 3, 4))

@@ -29,8 +29,14 @@ import psutil
 from rich.console import Console
 
 from .checkpoint.signals import (
-    CHECKPOINT_SIGNALS, EXIT_STOPPED, JOB_START_ENV, Action, TriggerDir, action_for_signal, install_handlers,
-    restore_handlers, signal_name,
+    EXIT_STOPPED,
+    JOB_START_ENV,
+    Action,
+    TriggerDir,
+    action_for_signal,
+    install_handlers,
+    restore_handlers,
+    signal_name,
 )
 from .config import TrainConfig, config_to_argv
 from .rundir import RunDir
@@ -56,21 +62,21 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     from .checkpoint.store import checkpoint_root, newest_complete, verify_checkpoint
     from .data.cache import tokenize_chat_file_cached
-    from .loop import check_enough_samples
+    from .data.sampler import check_enough_samples
     from .model_loading import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     data, _ = tokenize_chat_file_cached(cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all,
                                         cache_dir=cfg.data_cache_dir)
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
-    console.print(f"data: {len(data)} samples validated", markup=False, highlight=False)
+    console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
     if cfg.resume:
         found, skipped = newest_complete(checkpoint_root(cfg.output_dir))
         for line in skipped:
             console.print(f"resume: {line}", markup=False, highlight=False, soft_wrap=True)
         if found is None:
             console.print(f"resume: no complete checkpoint under {checkpoint_root(cfg.output_dir)}; starting fresh",
-                          markup=False, highlight=False)
+                          markup=False, highlight=False, soft_wrap=True)
         return replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
     if cfg.resume_from_full_state_checkpoint:
         verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
@@ -130,7 +136,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
     env = dict(os.environ, OSFT_JOB_ID=job_id, OSFT_LAUNCHER_PID=str(os.getpid()))
     env.setdefault(JOB_START_ENV, repr(time.time()))
     if cfg.resume_from_full_state_checkpoint:  # verified by preflight: rank 0 need not hash it again
-        from .loop import VERIFIED_CHECKPOINT_ENV
+        from .checkpoint.store import VERIFIED_CHECKPOINT_ENV
 
         env[VERIFIED_CHECKPOINT_ENV] = cfg.resume_from_full_state_checkpoint
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -146,13 +152,13 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
                 proc.send_signal(signal.SIGTERM)  # no checkpoint to wait for: torchrun stops the ranks
             else:
                 console.print(f"osft-train: {signal_name(signum)} ignored: on-demand checkpointing is off "
-                              "(--on-demand-checkpointing)", markup=False, highlight=False)
+                              "(--on-demand-checkpointing)", markup=False, highlight=False, soft_wrap=True)
             return
         trigger.record(signum)
         action = action_for_signal(signum, cfg.sigusr1_action)
         what = "checkpoint and exit" if action is Action.CHECKPOINT_AND_EXIT else "checkpoint, then continue"
         console.print(f"osft-train: {signal_name(signum)}: {what} requested; the ranks save at their next safe point",
-                      markup=False, highlight=False)
+                      markup=False, highlight=False, soft_wrap=True)
         if action is Action.CHECKPOINT_AND_EXIT and not deadline:
             deadline.append(time.monotonic() + cfg.checkpoint_grace_seconds)
             run_dir.update_run_json(state="checkpointing")
@@ -168,7 +174,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
                 pass
             if deadline and time.monotonic() > deadline[0]:
                 console.print(f"osft-train: no checkpoint within --checkpoint-grace-seconds "
-                              f"{cfg.checkpoint_grace_seconds}; killing the worker group", markup=False, highlight=False)
+                              f"{cfg.checkpoint_grace_seconds}; killing the worker group", markup=False, highlight=False, soft_wrap=True)
                 _kill_tree([agent, *family.values()])
                 killed = True
                 break

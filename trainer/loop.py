@@ -7,6 +7,7 @@ batch (all micro-batches of all ranks), so it does not depend on how samples wer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -23,19 +24,40 @@ from rich.console import Console
 from rich.markup import escape
 from transformers import get_scheduler
 
-from .checkpoint.full_state import TRAINER_STATE, Checkpointer, capture_rng, restore_rng
+from .checkpoint.full_state import TRAINER_STATE, Checkpointer, capture_rng, local_tensor, restore_rng
 from .checkpoint.hf_export import save_hf_model
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.requests import Request, RequestPoller
-from .checkpoint.signals import EXIT_STOPPED, Action, TriggerDir, install_handlers, job_start_time, restore_handlers
-from .checkpoint.store import apply_retention, check_shared, checkpoint_root, newest_complete, verify_checkpoint
+from .checkpoint.signals import (
+    EXIT_STOPPED,
+    Action,
+    TriggerDir,
+    install_handlers,
+    job_start_time,
+    restore_handlers,
+)
+from .checkpoint.store import (
+    apply_retention,
+    check_shared,
+    checkpoint_root,
+    newest_complete,
+    verify_checkpoint,
+)
 from .config import TrainConfig
+from .data.cache import tokenize_chat_file_cached
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
-from .data.cache import tokenize_chat_file_cached
-from .data.sampler import GlobalBatchSampler
+from .data.sampler import GlobalBatchSampler, check_enough_samples
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
-from .distributed import DistEnv, agree, barrier, global_sums, init_distributed, node_ranks, shutdown_distributed
+from .distributed import (
+    DistEnv,
+    agree,
+    barrier,
+    global_sums,
+    init_distributed,
+    node_ranks,
+    shutdown_distributed,
+)
 from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
 from .osft.projection import Projector
@@ -66,10 +88,6 @@ class StepInterrupted(Exception):
         super().__init__(request.signal)
         self.request = request
 
-
-#: Environment variable the launcher sets to the checkpoint it has already verified (checksums),
-#: so rank 0 does not hash it a second time.
-VERIFIED_CHECKPOINT_ENV = "OSFT_VERIFIED_CHECKPOINT"
 
 #: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
 RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
@@ -136,16 +154,14 @@ def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
 
 #: Test-only hook (field case B22): "STEP:LOCAL_RANK" makes that local rank log a warning after that step.
 TEST_WARNING_ENV = "OSFT_TEST_WARN_AT"
+#: Test-only hook: "1" adds ``state_sha256`` (every parameter and optimizer tensor of every rank)
+#: to each step record, to compare runs bit for bit.
+TEST_STATE_HASH_ENV = "OSFT_TEST_STATE_HASH"
 
 
-def check_enough_samples(num_samples: int, world_size: int) -> None:
-    """Every rank needs at least one sample per epoch (field case B25).
-
-    Raises:
-        ValueError: ``num_samples < world_size``; the message names both counts.
-    """
-    if num_samples < world_size:
-        raise ValueError(f"dataset has {num_samples} usable samples, fewer than world size {world_size}")
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor of any dtype (bfloat16 included)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class Trainer:
@@ -420,6 +436,23 @@ class Trainer:
             ortho_max_dev_deg=max_dev,
         )
 
+    def state_sha256(self) -> str:
+        """SHA-256 over every rank's local parameter shards and optimizer state, in a fixed order
+        (collective). Equal digests mean bit-identical training states."""
+        h = hashlib.sha256()
+        for name, p in self.model.named_parameters():
+            h.update(name.encode())
+            h.update(_tensor_bytes(local_tensor(p.detach())))
+        for i, state in sorted(self.optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                h.update(f"{i}.{key}".encode())
+                h.update(_tensor_bytes(local_tensor(value)))
+        digests = [h.hexdigest()]
+        if self.dist.world_size > 1:
+            digests = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(digests, h.hexdigest())
+        return hashlib.sha256("".join(digests).encode()).hexdigest()
+
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
@@ -474,6 +507,8 @@ class Trainer:
                 if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
                     self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
                 last_loss = record["loss"]
+                if os.environ.get(TEST_STATE_HASH_ENV) == "1":
+                    record["state_sha256"] = self.state_sha256()
                 self.metrics.log(
                     "step", step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
                     rss_bytes=process.memory_info().rss,

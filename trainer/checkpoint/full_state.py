@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,20 +34,38 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from ..distributed import DistEnv, barrier, is_distributed
 from ..osft.surgery import OSFTModel
-from .manifest import MANIFEST, CheckpointError, describe_files, read_manifest, write_manifest
+from .manifest import (
+    MANIFEST,
+    CheckpointError,
+    describe_files,
+    read_manifest,
+    write_manifest,
+)
 from .safe_load import SafeFileSystemReader, load_plain
 from .store import versions
+
+# One rank without a process group is a supported case (no_dist=True), not something to warn about.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 #: OSFTLinear parameters that never change during a run (stored once per run).
 FROZEN_PARAMS = ("W_high", "U_basis", "V_basis")
 TRAINER_STATE = "trainer_state.json"
 
-#: Test-only hook (field case B02): seconds to sleep after the shards are written, before the manifest.
+#: Test-only hook (field case B02): "SECONDS" or "SECONDS@STEP": sleep that long after the shards
+#: are written and before the manifest (of every save, or of the save of that step).
 TEST_SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
+
+
+def _test_save_delay(step: int) -> float:
+    seconds, _, at = (os.environ.get(TEST_SAVE_DELAY_ENV) or "0").partition("@")
+    return float(seconds) if not at or int(at) == step else 0.0
 
 
 def capture_rng() -> dict[str, Any]:
@@ -74,7 +93,8 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _local(t: Any) -> Any:
+def local_tensor(t: Any) -> Any:
+    """This rank's shard of a DTensor; anything else unchanged."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -171,12 +191,12 @@ class Checkpointer:
         dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
         r = self.env.rank
         optim = self.optimizer.state_dict()
-        optim["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}
+        optim["state"] = {i: {k: local_tensor(v) for k, v in s.items()} for i, s in optim["state"].items()}
         torch.save(optim, tmp / f"optimizer_rank{r}.pt")
         torch.save(rng, tmp / f"rng_rank{r}.pt")
         mine = self._my_files(tmp, "model") + [f"optimizer_rank{r}.pt", f"rng_rank{r}.pt"]
         files = self._gather(describe_files(tmp, mine, r))
-        if delay := float(os.environ.get(TEST_SAVE_DELAY_ENV) or 0):
+        if delay := _test_save_delay(step):
             time.sleep(delay)
         if r == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))

@@ -25,8 +25,8 @@ CONTROL_ACTIONS = {"checkpoint": Action.CHECKPOINT, "checkpoint-and-exit": Actio
 
 SAFE_POINTS = ("before_forward", "before_backward", "after_backward", "after_step")
 
-#: Test-only hook: "STEP:POINT:MICRO:SIGNAL" makes rank 0 send SIGNAL (to $OSFT_LAUNCHER_PID when
-#: set, else to itself) at that safe point of that step and micro-batch (0-based; ignored for
+#: Test-only hook: "STEP:POINT:MICRO:SIGNAL[,...]" makes rank 0 send SIGNAL (to $OSFT_LAUNCHER_PID
+#: when set, else to itself) at that safe point of that step and micro-batch (0-based; ignored for
 #: after_step), and wait until the request is recorded, so the request is served exactly there.
 TEST_SIGNAL_ENV = "OSFT_TEST_SIGNAL_AT"
 
@@ -59,7 +59,8 @@ class RequestPoller:
         self.control_dir = control_dir if rank == 0 else None
         self.sigusr1_action = sigusr1_action
         self.rank = rank
-        self._test_hook = os.environ.get(TEST_SIGNAL_ENV, "").split(":") if rank == 0 else []
+        specs = os.environ.get(TEST_SIGNAL_ENV, "") if rank == 0 else ""
+        self._test_hooks = [spec.split(":") for spec in specs.split(",") if spec]
 
     def _control_files(self) -> list[tuple[Path, Action, float]]:
         if self.control_dir is None:
@@ -124,10 +125,12 @@ class RequestPoller:
         return stale
 
     def _maybe_test_signal(self, point: str, step: int, micro: int) -> None:
-        hook = self._test_hook
-        if len(hook) != 4 or hook[0] != str(step) or hook[1] != point or (point != "after_step" and hook[2] != str(micro)):
+        due = [h for h in self._test_hooks
+               if h[0] == str(step) and h[1] == point and (point == "after_step" or h[2] == str(micro))]
+        if not due:
             return
-        self._test_hook = []
+        hook = due[0]
+        self._test_hooks.remove(hook)
         signum = getattr(signal, hook[3])
         target = int(os.environ.get("OSFT_LAUNCHER_PID") or os.getpid())
         sent = time.time()

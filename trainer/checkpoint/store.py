@@ -23,8 +23,13 @@ import torch.distributed as dist
 
 from ..distributed import is_distributed
 from .manifest import MANIFEST, CheckpointError, Manifest, read_manifest, verify_files
+from .safe_load import SafeFileSystemReader
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+
+#: Environment variable the launcher sets to the checkpoint it has already verified (checksums),
+#: so rank 0 does not hash it a second time.
+VERIFIED_CHECKPOINT_ENV = "OSFT_VERIFIED_CHECKPOINT"
 
 
 def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
@@ -32,10 +37,12 @@ def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
 
     Raises:
         CheckpointError: a missing manifest, a missing, truncated or corrupt file (named with the
-            rank that wrote it), or frozen factors that are missing or not the referenced ones.
+            rank that wrote it), a DCP ``.metadata`` holding more than metadata, or frozen factors
+            that are missing or not the referenced ones.
     """
     manifest = read_manifest(step_dir)
     verify_files(manifest, checksums)
+    SafeFileSystemReader(step_dir / "model").read_metadata()  # refuses a .metadata that could run code
     frozen = manifest.data.get("frozen")
     if frozen:
         frozen_dir = step_dir.parent / frozen["dir"]
@@ -45,6 +52,7 @@ def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
         if hashlib.sha256(path.read_bytes()).hexdigest() != frozen["manifest_sha256"]:
             raise CheckpointError(f"checkpoint {step_dir}: {frozen_dir} holds other frozen OSFT factors than it was saved with")
         verify_files(read_manifest(frozen_dir), checksums)
+        SafeFileSystemReader(frozen_dir).read_metadata()
     return manifest
 
 
@@ -84,9 +92,12 @@ def apply_retention(root: Path, keep_last: int, keep_frozen: str | None) -> list
     """Remove all but the newest ``keep_last`` complete checkpoints (0 keeps all; the newest
     complete one always stays), then every ``frozen_*`` store that no remaining checkpoint
     references, except ``keep_frozen`` (this run's). Returns what was removed.
+
+    "Complete" = a manifest whose files are all present with their sizes (checksums are not
+    re-read here); a broken directory never counts towards the K kept and is left for inspection.
     """
     removed = []
-    complete = [p for _s, p in step_dirs(root) if (p / MANIFEST).is_file()]
+    complete = [p for _s, p in step_dirs(root) if _is_complete(p)]
     if keep_last > 0:
         for path in complete[max(keep_last, 1):]:
             shutil.rmtree(path, ignore_errors=True)
@@ -102,6 +113,14 @@ def apply_retention(root: Path, keep_last: int, keep_frozen: str | None) -> list
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def _is_complete(step_dir: Path) -> bool:
+    try:
+        verify_checkpoint(step_dir, checksums=False)
+        return True
+    except CheckpointError:
+        return False
 
 
 def check_shared(root: Path, rank: int, hostname: str) -> None:
@@ -147,9 +166,9 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 def versions() -> dict[str, str]:
     """Versions recorded in each manifest."""
-    import transformers
-
     from importlib.metadata import PackageNotFoundError, version
+
+    import transformers
 
     try:
         osft = version("osft")

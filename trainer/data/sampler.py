@@ -37,3 +37,13 @@ class GlobalBatchSampler:
         gen = torch.Generator().manual_seed(self.seed + epoch)
         perm = torch.randperm(self.num_samples, generator=gen)
         return perm[index * self.batch_size : (index + 1) * self.batch_size].tolist()
+
+
+def check_enough_samples(num_samples: int, world_size: int) -> None:
+    """Every rank needs at least one sample per epoch (field case B25).
+
+    Raises:
+        ValueError: ``num_samples < world_size``; the message names both counts.
+    """
+    if num_samples < world_size:
+        raise ValueError(f"dataset has {num_samples} usable samples, fewer than world size {world_size}")

@@ -1,0 +1,171 @@
+"""Full-state checkpoints: size, save time and write throughput vs model size, and launch-to-first-
+step time of a fresh start vs a resume.
+
+Part 1 (size): for each model, ``osft-train`` (one rank) trains 2 steps with
+``--checkpoint-every-steps 1`` at URR 0.25; from the ``checkpoint_saved`` events:
+
+- ``checkpoint_bytes``: one step's checkpoint (trainable and other parameters, AdamW state, RNG,
+  trainer state), the frozen OSFT factors not included;
+- ``all_factors_bytes``: what each checkpoint would hold if it stored every factor every time
+  (``checkpoint_bytes`` + the frozen store); goal: ratio ≤ 0.6;
+- ``save_s`` and ``write_mb_per_s`` of the second save (the first also writes the frozen store),
+  next to this disk's sequential write speed measured in the same run (512 MiB, fsync).
+
+Part 2 (startup): wall time from starting ``osft-train`` to the first ``step`` record, fresh start
+(load, SVD) vs resume from that run's checkpoint (load, no SVD), rounds interleaved, medians.
+
+Models: tiny random Llamas of growing size (built here) and, when present, the demo model
+SmolLM2-135M-Instruct (``$OSFT_DEMO_DIR`` or the ``osft-train fetch-demo`` cache).
+
+Usage::
+
+    python benchmarks/bench_checkpoint.py            # -> benchmarks/results/bench_checkpoint.json
+    python benchmarks/bench_checkpoint.py --quick --out /tmp/c.json   # tiny models, one round (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_checkpoint.json"
+TINY = {"tiny_h128_l2": (128, 2), "tiny_h256_l4": (256, 4), "tiny_h512_l6": (512, 6)}
+URR = 0.25
+
+
+def disk_write_mb_per_s(directory: Path, mib: int = 512) -> float:
+    """Sequential write speed of ``directory``'s disk: ``mib`` MiB in 4 MiB blocks, then fsync (MB/s)."""
+    block = os.urandom(4 << 20)
+    path = directory / "disk_speed.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(mib // 4):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return mib * (1 << 20) / 1e6 / seconds
+
+
+def tiny_model(directory: Path, hidden: int, layers: int) -> Path:
+    """A random Llama with ``hidden`` width and ``layers`` blocks plus the test chat tokenizer."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import tiny_chat_tokenizer, tiny_llama
+
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                       num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 2), num_key_value_heads=2)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def demo_model() -> Path | None:
+    """The demo model directory when it has been fetched already (never downloads)."""
+    from osft.trainer.demo_assets import DEMO_DIR_ENV, MODEL_DIRNAME, default_demo_dir
+
+    model = Path(os.environ.get(DEMO_DIR_ENV) or default_demo_dir()) / MODEL_DIRNAME
+    return model if (model / "model.safetensors").is_file() else None
+
+
+def train(model: Path, data: Path, out: Path, *flags: str) -> tuple[list[dict], float]:
+    """Run ``osft-train`` (one rank) and return its metrics records and its start time (unix s)."""
+    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+           "--output-dir", str(out), "--batch-size", "4", "--max-seq-len", "256", "--max-tokens-per-gpu", "1024",
+           "--osft-unfreeze-rank-ratio", str(URR), "--save-dtype", "float32", *flags]
+    start = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    lines = (out / "metrics" / "node0.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], start
+
+
+def count_params(model: Path) -> int:
+    """Parameters stored in ``model.safetensors``."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(model / "model.safetensors", "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def size_row(name: str, model: Path, data: Path, work: Path) -> dict:
+    records, _ = train(model, data, work / f"size_{name}", "--max-steps", "2", "--checkpoint-every-steps", "1")
+    first, second = [r for r in records if r["event"] == "checkpoint_saved"]
+    ckpt, frozen = second["bytes"], first["frozen_bytes"]
+    return {
+        "model": name, "params": count_params(model), "checkpoint_bytes": ckpt, "frozen_bytes": frozen,
+        "all_factors_bytes": ckpt + frozen, "ratio_vs_all_factors": ckpt / (ckpt + frozen),
+        "save_s": second["seconds"], "write_mb_per_s": ckpt / 1e6 / second["seconds"],
+        "first_save_s": first["seconds"],
+    }
+
+
+def startup_round(model: Path, data: Path, work: Path, tag: str) -> tuple[float, float]:
+    """(fresh, resume) seconds from starting ``osft-train`` to its first step record."""
+    fresh_dir, resume_dir = work / f"fresh_{tag}", work / f"resume_{tag}"
+    records, start = train(model, data, fresh_dir, "--max-steps", "1", "--checkpoint-every-steps", "1")
+    fresh = next(r["ts"] for r in records if r["event"] == "step") - start
+    ckpt = next(r["path"] for r in records if r["event"] == "checkpoint_saved")
+    records, start = train(model, data, resume_dir, "--max-steps", "2", "--resume-from-full-state-checkpoint", ckpt)
+    resume = next(r["ts"] for r in records if r["event"] == "step") - start
+    return fresh, resume
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models only, one startup round (pipeline check)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved fresh/resume rounds")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import QA, chat, write_jsonl
+
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
+        work = Path(tmp)
+        data = write_jsonl(work / "train.jsonl", [chat(q, a) for q, a in QA] * 8)
+        models = {name: tiny_model(work / name, *shape) for name, shape in (list(TINY.items())[:2] if args.quick else TINY.items())}
+        demo = None if args.quick else demo_model()
+        if demo:
+            models["SmolLM2-135M-Instruct"] = demo
+        disk = disk_write_mb_per_s(work)
+        sizes = []
+        for name, path in models.items():
+            row = size_row(name, path, data, work)
+            sizes.append(row)
+            print(f"{name:>24}: {row['params'] / 1e6:7.1f} M params  checkpoint {row['checkpoint_bytes'] / 1e6:8.1f} MB "
+                  f"(all factors each time {row['all_factors_bytes'] / 1e6:8.1f} MB, ratio {row['ratio_vs_all_factors']:.2f})"
+                  f"  save {row['save_s']:6.2f} s = {row['write_mb_per_s']:6.0f} MB/s", flush=True)
+        print(f"disk sequential write (512 MiB + fsync): {disk:.0f} MB/s")
+        startup_model = list(models.items())[-1]
+        rounds = [startup_round(startup_model[1], data, work, str(i)) for i in range(1 if args.quick else args.rounds)]
+        fresh = statistics.median(r[0] for r in rounds)
+        resume = statistics.median(r[1] for r in rounds)
+        print(f"launch to first step ({startup_model[0]}): fresh {fresh:.1f} s, resume {resume:.1f} s "
+              f"(resume/fresh {resume / fresh:.2f})")
+    result = {
+        "benchmark": "bench_checkpoint", "urr": URR, "quick": args.quick, "disk_write_mb_per_s": disk, "sizes": sizes,
+        "startup": {"model": startup_model[0], "rounds": [{"fresh_s": f, "resume_s": r} for f, r in rounds],
+                    "fresh_s": fresh, "resume_s": resume, "resume_over_fresh": resume / fresh},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

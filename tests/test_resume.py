@@ -1,0 +1,307 @@
+"""Full-state checkpoints and bit-exact resume: real `osft-train` launchers, real torchrun worker
+groups (2 ranks, gloo), real signals, real DCP files (DESIGN.md sections 5 and 6; field cases
+B01-B04, B08, B10, B12, B13, B24)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
+
+from osft.trainer.checkpoint.safe_load import SafeFileSystemReader
+from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
+
+STEPS = 8
+COMPARED = ("loss", "grad_norm", "lr", "num_tokens", "state_sha256")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A tiny Llama with attention dropout (every rank draws its own random numbers), a tokenizer
+    one token larger than its embedding table (resized at start), and 25 chat rows."""
+    root = tmp_path_factory.mktemp("resume")
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128, attention_dropout=0.1)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(root / "model")
+    tokenizer.add_tokens(["<extra_token>"])
+    tokenizer.save_pretrained(root / "model")
+    data = write_jsonl(root / "train.jsonl", [chat(q, a) for q, a in QA] * 5)
+    return root / "model", data
+
+
+def train(job, out, *flags, env=None, wait=True):
+    """Start `osft-train` (the launcher) on 2 ranks; 5 samples per step over 2-3 micro-batches per rank."""
+    model, data = job
+    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+           "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
+           "--learning-rate", "2e-3", "--weight-decay", "0.1", "--save-dtype", "float32", "--max-steps", str(STEPS),
+           "--nproc-per-node", "2", "--on-demand-checkpointing", *flags]
+    env = {**os.environ, "OSFT_TEST_STATE_HASH": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not wait:
+        return proc
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise
+    assert_no_orphans(out)
+    return proc.returncode, output
+
+
+def kill_tree(proc):
+    family = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_no_orphans(out):
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"processes left behind: {left}"
+
+
+def records(out, event=None):
+    lines = (Path(out) / "metrics" / "node0.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    return [r for r in recs if event is None or r["event"] == event]
+
+
+def complete_checkpoints(out):
+    root = Path(out) / "full_state_checkpoints"
+    return sorted(p.name for p in root.glob("step_*") if (p / "manifest.json").is_file())
+
+
+def assert_same_steps(run, reference, first):
+    got = {r["step"]: r for r in records(run, "step") if r["step"] >= first}
+    want = {r["step"]: r for r in records(reference, "step") if r["step"] >= first}
+    assert sorted(got) == sorted(want) == list(range(first, STEPS + 1))
+    for step in want:
+        for key in COMPARED:
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+
+
+@pytest.fixture(scope="module")
+def reference(job, tmp_path_factory):
+    """The uninterrupted 8-step run."""
+    out = tmp_path_factory.mktemp("reference")
+    code, output = train(job, out)
+    assert code == 0, output
+    steps = records(out, "step")
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert len({r["state_sha256"] for r in steps}) == STEPS
+    return out
+
+
+def exit_and_resume(job, tmp_path, point, micro, sig, *flags, env=None):
+    """Signal (test hook: rank 0 sends it to the launcher at that safe point of step 3), expect
+    exit code 75 with exactly one complete checkpoint, then resume with --resume."""
+    out = tmp_path / "run"
+    job_env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12], **(env or {})}
+    code, output = train(job, out, *flags, env={**job_env, "OSFT_TEST_SIGNAL_AT": f"3:{point}:{micro}:{sig}"})
+    assert code == EXIT_STOPPED, output
+    saved_step = 3 if point == "after_step" else 2
+    assert complete_checkpoints(out) == [f"step_{saved_step}"]
+    requested = records(out, "checkpoint_requested")
+    assert [(r["signal"], r["step"], r["point"]) for r in requested] == [(sig, saved_step, point)]
+    assert len(records(out, "checkpoint_saved")) == 1
+    finished = records(out, "run_finished")[-1]
+    assert (finished["reason"], finished["exit_code"]) == ("stopped", EXIT_STOPPED)
+    assert json.loads((out / "run.json").read_text())["state"] == "stopped"
+    # The same job id on the same node at once (field case B03): no stale request fires again.
+    code, output = train(job, out, "--resume", *flags, env=job_env)
+    assert code == 0, output
+    assert [r["from_step"] for r in records(out, "resumed")] == [saved_step]
+    assert len(records(out, "checkpoint_requested")) == 1
+    return out, saved_step
+
+
+@pytest.mark.parametrize(("point", "micro", "sig"), [
+    ("before_forward", 1, "SIGTERM"),
+    ("before_backward", 0, "SIGINT"),
+    ("after_backward", 1, "SIGHUP"),
+    ("after_step", 0, "SIGUSR2"),
+])
+def test_exit_signal_at_each_safe_point_resumes_bit_identically(job, reference, tmp_path, point, micro, sig):
+    out, saved_step = exit_and_resume(job, tmp_path, point, micro, sig)
+    assert_same_steps(out, reference, saved_step + 1)
+    ckpt = out / "full_state_checkpoints" / f"step_{saved_step}"
+    # Field case B13: each rank's generators are saved apart (they drew different amounts).
+    rng = [torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
+
+
+def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference, tmp_path):
+    out = tmp_path / "run"
+    proc = train(job, out, wait=False)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics" / "node0.jsonl").is_file() or len(records(out, "step")) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # at whatever moment the ranks are in
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output
+    assert_no_orphans(out)
+    assert len(complete_checkpoints(out)) == 1
+    (saved,) = records(out, "checkpoint_saved")
+    assert records(out, "checkpoint_requested")[0]["signal"] == "SIGUSR1"
+    assert_same_steps(out, reference, 1)  # a served request does not change the trajectory
+    assert (out / "hf_format" / f"step_{STEPS}" / "model.safetensors").is_file()
+    # Resuming from that checkpoint gives the same curve again.
+    again = tmp_path / "again"
+    code, output = train(job, again, "--resume-from-full-state-checkpoint", saved["path"])
+    assert code == 0, output
+    assert_same_steps(again, reference, saved["step"] + 1)
+
+
+def test_warmup_cosine_schedule_resumes_bit_identically(job, tmp_path):
+    flags = ("--lr-scheduler", "cosine", "--warmup-steps", "3")
+    ref = tmp_path / "ref"
+    assert train(job, ref, *flags)[0] == 0
+    # A slow save (field case B02) still completes inside the grace period.
+    out, saved_step = exit_and_resume(job, tmp_path, "after_backward", 0, "SIGXCPU", *flags,
+                                      env={"OSFT_TEST_SAVE_DELAY_S": "4"})
+    assert_same_steps(out, ref, saved_step + 1)
+    first = records(out, "step")[-(STEPS - saved_step)]
+    assert first["lr"] > 0 and first["lr"] == records(ref, "step")[saved_step]["lr"]
+
+
+def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
+    ref = tmp_path / "ref"
+    assert train(job, ref, "--no-osft")[0] == 0
+    out, saved_step = exit_and_resume(job, tmp_path, "before_forward", 1, "SIGQUIT", "--no-osft")
+    assert_same_steps(out, ref, saved_step + 1)
+    assert not list((out / "full_state_checkpoints").glob("frozen_*"))
+
+
+def test_stale_trigger_of_a_killed_run_is_removed(job, tmp_path):
+    job_id = uuid.uuid4().hex[:12]
+    trigger = TriggerDir(job_id)
+    trigger.record(signal.SIGTERM)
+    past = time.time() - 60
+    os.utime(trigger.path / f"sig{int(signal.SIGTERM)}", (past, past))
+    out = tmp_path / "run"
+    code, output = train(job, out, "--max-steps", "2", env={"OSFT_JOB_ID": job_id})
+    assert code == 0, output
+    assert [r["step"] for r in records(out, "step")] == [1, 2]
+    assert not complete_checkpoints(out)
+    warnings = [r["message"] for r in records(out, "warning")]
+    assert any("stale checkpoint request removed (trigger SIGTERM)" in w for w in warnings), warnings
+    assert not trigger.path.exists()
+
+
+def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path):
+    out = tmp_path / "run"
+    code, output = train(job, out, "--checkpoint-every-steps", "2", "--checkpoint-keep-last", "2", "--max-steps", "6")
+    assert code == 0, output
+    assert complete_checkpoints(out) == ["step_4", "step_6"]
+    saved = records(out, "checkpoint_saved")
+    assert [r["step"] for r in saved] == [2, 4, 6]
+    assert all(r["bytes"] > 0 and r["seconds"] > 0 for r in saved)
+    assert saved[0]["frozen_bytes"] > 0 and saved[1]["frozen_bytes"] == saved[2]["frozen_bytes"] == 0
+    root = out / "full_state_checkpoints"
+    base_vocab = json.loads((job[0] / "config.json").read_text())["vocab_size"]
+    (frozen,) = root.glob("frozen_*")
+    for step in (4, 6):
+        manifest = json.loads((root / f"step_{step}" / "manifest.json").read_text())
+        assert manifest["frozen"]["dir"] == frozen.name and manifest["world_size"] == 2
+        frozen_keys = json.loads((frozen / "manifest.json").read_text())["keys"]
+        assert frozen_keys and all(k.rsplit(".", 1)[1] in ("W_high", "U_basis", "V_basis") for k in frozen_keys)
+        stored = SafeFileSystemReader(root / f"step_{step}" / "model").read_metadata().state_dict_metadata
+        assert not set(frozen_keys) & set(stored) and any(k.endswith("U_low") for k in stored)
+        state = json.loads((root / f"step_{step}" / "trainer_state.json").read_text())
+        assert state["model"]["vocab_size"] == base_vocab + 1  # resized at start for the added token
+
+    # Resume from step 4 in another run directory: the checkpoint has one embedding row more than the base model.
+    other = tmp_path / "other"
+    code, output = train(job, other, "--resume-from-full-state-checkpoint", str(root / "step_4"), "--max-steps", "6")
+    assert code == 0, output
+    got = {r["step"]: r for r in records(other, "step")}
+    want = {r["step"]: r for r in records(out, "step")}
+    assert sorted(got) == [5, 6] and all(got[s][k] == want[s][k] for s in (5, 6) for k in COMPARED)
+
+    # Field case B04: newest directory broken, odd entries around; --resume picks step_4.
+    b04 = tmp_path / "b04"
+    shutil.copytree(root, b04 / "full_state_checkpoints")
+    broken = b04 / "full_state_checkpoints" / "step_8"
+    (b04 / "full_state_checkpoints" / "step_6").rename(broken)
+    (broken / "model" / ".metadata").unlink()
+    (broken / "optimizer_rank1.pt").unlink()
+    (b04 / "full_state_checkpoints" / "step_abc").mkdir()
+    (b04 / "full_state_checkpoints" / "notes").mkdir()
+    code, output = train(job, b04, "--resume", "--max-steps", "5", "--checkpoint-every-steps", "5",
+                         "--checkpoint-keep-last", "1")
+    assert code == 0, output
+    assert [r["from_step"] for r in records(b04, "resumed")] == [4]
+    assert "checkpoint step_8 skipped" in output and "rank 0's file model/.metadata is missing" in output
+    assert "step_abc skipped" in output and "notes skipped" in output
+    assert complete_checkpoints(b04) == ["step_5", "step_8"]  # step_8 has a manifest, but its files are gone
+    assert not (b04 / "full_state_checkpoints" / "step_4").exists()
+    assert broken.exists()  # a broken directory is never taken for complete, and left for inspection
+
+    # Field case B08: a deleted optimizer shard is an error naming the rank and the file.
+    (root / "step_6" / "optimizer_rank1.pt").unlink()
+    code, output = train(job, tmp_path / "b08", "--resume-from-full-state-checkpoint", str(root / "step_6"))
+    assert code == 2
+    assert "rank 1's file optimizer_rank1.pt is missing" in output
+
+    # Field case B13: another world size is refused with both numbers.
+    model, data = job
+    code = subprocess.run(
+        [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+         "--output-dir", str(tmp_path / "one"), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
+         "--resume-from-full-state-checkpoint", str(root / "step_4")], capture_output=True, text=True)
+    assert code.returncode == 2
+    assert "saved with 2 ranks, now 1" in code.stderr
+
+
+def test_stop_cut_off_by_the_grace_period_leaves_no_usable_checkpoint(job, tmp_path):
+    """Field cases B02 and B04: a save slower than the grace period is killed part way; the
+    half-written directory is never resumed from, and the previous checkpoint is still there."""
+    out = tmp_path / "run"
+    env = {"OSFT_TEST_SIGNAL_AT": "3:after_step:0:SIGTERM", "OSFT_TEST_SAVE_DELAY_S": "120@3"}
+    code, output = train(job, out, "--checkpoint-grace-seconds", "8", "--checkpoint-every-steps", "2",
+                         "--checkpoint-keep-last", "1", env=env)
+    assert code == 1, output
+    assert "killing the worker group" in output
+    root = out / "full_state_checkpoints"
+    assert complete_checkpoints(out) == ["step_2"]
+    assert list(root.glob("step_3.tmp-*"))
+    code, output = train(job, out, "--resume", "--max-steps", "4")
+    assert code == 0, output
+    assert "incomplete checkpoint step_3 skipped" in output
+    assert [r["from_step"] for r in records(out, "resumed")] == [2]
+
+
+def test_checkpoint_directory_not_shared_between_nodes_fails_at_start(job, tmp_path):
+    """Field case B10: two nodes whose output directories are different local folders."""
+    from test_distributed import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12]}  # one job (one rendezvous id), two storages
+    procs = [train(job, tmp_path / f"node{n}", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(n),
+                   "--rdzv-endpoint", endpoint, env=env, wait=False) for n in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+    assert all(p.returncode != 0 for p in procs), outputs
+    assert any("must be on storage shared by every node" in o for o in outputs), outputs
+    assert not (tmp_path / "node0" / "metrics" / "node0.jsonl").exists() or not records(tmp_path / "node0", "step")
