@@ -78,7 +78,7 @@ def test_demo_on_two_ranks_checkpoints_on_sigusr1_stops_on_sigterm_and_resumes_e
         return {r["step"]: (r["loss"], r["grad_norm"], r["lr"], r["state_sha256"]) for r in records if r["event"] == "step"}
 
     out = tmp_path / "demo"
-    code, output = demo(out, env={"OSFT_TEST_SIGNAL_AT": "1:after_step:0:SIGUSR1,3:before_backward:1:SIGTERM"})
+    code, output = demo(out, env={"OSFT_TEST_SIGNAL_AT": "1:after_step:0:SIGUSR1,3:before_backward:0:SIGTERM"})
     assert code == 75, output
     ckpts = out / "full_state_checkpoints"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_1", "step_2"]

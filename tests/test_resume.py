@@ -162,11 +162,7 @@ def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference
     assert records(out, "checkpoint_requested")[0]["signal"] == "SIGUSR1"
     assert_same_steps(out, reference, 1)  # a served request does not change the trajectory
     assert (out / "hf_format" / f"step_{STEPS}" / "model.safetensors").is_file()
-    # Resuming from that checkpoint gives the same curve again.
-    again = tmp_path / "again"
-    code, output = train(job, again, "--resume-from-full-state-checkpoint", saved["path"])
-    assert code == 0, output
-    assert_same_steps(again, reference, saved["step"] + 1)
+    assert Path(saved["path"]).name == f"step_{saved['step']}"  # resumed from in test_demo_run.py
 
 
 def test_warmup_cosine_schedule_resumes_bit_identically(job, tmp_path):

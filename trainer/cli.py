@@ -6,7 +6,8 @@ data; ``osft-train demo [flags]`` prepares them and trains on them with demo-siz
 Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, data, model path,
 checkpoint to resume from), reported on one line (data problems: one line per problem) before any
 training starts; 75 stopped on request after writing a complete full-state checkpoint (resume
-with ``--resume``).
+with ``--resume``); 128 + N stopped by signal N without a checkpoint (``--on-demand-checkpointing``
+off, several ranks).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 import time
 import uuid
@@ -113,6 +115,11 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
             export_dir = result.export_dir
         else:
             code = launch(cfg, console, job_id)
+            if code > 128:
+                run_dir.update_run_json(state="stopped", exit_code=code)
+                console.print(f"stopped by {signal.Signals(code - 128).name} without a checkpoint "
+                              "(--on-demand-checkpointing is off)", markup=False, highlight=False)
+                return code, None
             if code not in (EXIT_COMPLETED, EXIT_STOPPED):
                 raise RuntimeError(f"worker group exited with code {code}; rank logs under {run_dir.root / 'logs'}")
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"

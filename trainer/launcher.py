@@ -127,7 +127,8 @@ def _kill_tree(procs: list[psutil.Process]) -> None:
 
 def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
     """Run the worker group to its end and return the exit code: 0 completed,
-    :data:`.checkpoint.signals.EXIT_STOPPED` stopped after a complete checkpoint, 1 otherwise."""
+    :data:`.checkpoint.signals.EXIT_STOPPED` stopped after a complete checkpoint, 128 + N stopped
+    by signal N without a checkpoint (on-demand checkpointing off), 1 otherwise."""
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     run_dir.create()
     trigger = TriggerDir(job_id)
@@ -143,12 +144,14 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
     agent = psutil.Process(proc.pid)
     run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
     deadline: list[float] = []
+    stopped_by: list[int] = []
 
     def on_signal(signum: int) -> None:
         if proc.poll() is not None:
             return
         if not cfg.on_demand_checkpointing:
             if signum in STOP_SIGNALS:
+                stopped_by.append(signum)
                 proc.send_signal(signal.SIGTERM)  # no checkpoint to wait for: torchrun stops the ranks
             else:
                 console.print(f"osft-train: {signal_name(signum)} ignored: on-demand checkpointing is off "
@@ -186,6 +189,8 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
             _kill_tree([agent, *family.values()])
         _kill_tree([p for p in family.values() if p.is_running()])
         trigger.remove()
+    if stopped_by:
+        return 128 + stopped_by[0]
     if killed or code != 0:
         return 1
     return EXIT_STOPPED if _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED else 0

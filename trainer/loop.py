@@ -24,7 +24,13 @@ from rich.console import Console
 from rich.markup import escape
 from transformers import get_scheduler
 
-from .checkpoint.full_state import TRAINER_STATE, Checkpointer, capture_rng, local_tensor, restore_rng
+from .checkpoint.full_state import (
+    TRAINER_STATE,
+    Checkpointer,
+    capture_rng,
+    local_tensor,
+    restore_rng,
+)
 from .checkpoint.hf_export import save_hf_model
 from .checkpoint.manifest import CheckpointError
 from .checkpoint.requests import Request, RequestPoller
@@ -37,6 +43,7 @@ from .checkpoint.signals import (
     restore_handlers,
 )
 from .checkpoint.store import (
+    VERIFIED_CHECKPOINT_ENV,
     apply_retention,
     check_shared,
     checkpoint_root,
