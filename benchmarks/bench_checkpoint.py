@@ -20,7 +20,7 @@ SmolLM2-135M-Instruct (``$OSFT_DEMO_DIR`` or the ``osft-train fetch-demo`` cache
 Usage::
 
     python benchmarks/bench_checkpoint.py            # -> benchmarks/results/bench_checkpoint.json
-    python benchmarks/bench_checkpoint.py --quick --out /tmp/c.json   # tiny models, one round (CI)
+    python benchmarks/bench_checkpoint.py --quick --out /tmp/c.json   # one tiny model, one round (CI)
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def startup_round(model: Path, data: Path, work: Path, tag: str) -> tuple[float,
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models only, one startup round (pipeline check)")
+    parser.add_argument("--quick", action="store_true", help="smallest tiny model, one startup round (pipeline check)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved fresh/resume rounds")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         work = Path(tmp)
         data = write_jsonl(work / "train.jsonl", [chat(q, a) for q, a in QA] * 8)
-        models = {name: tiny_model(work / name, *shape) for name, shape in (list(TINY.items())[:2] if args.quick else TINY.items())}
+        models = {name: tiny_model(work / name, *shape) for name, shape in (list(TINY.items())[:1] if args.quick else TINY.items())}
         demo = None if args.quick else demo_model()
         if demo:
             models["SmolLM2-135M-Instruct"] = demo

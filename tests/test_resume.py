@@ -23,6 +23,9 @@ from osft.trainer.checkpoint.safe_load import SafeFileSystemReader
 from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
 
 STEPS = 8
+#: The schedule of every run unless a test says otherwise: the learning rate changes every step, so
+#: a scheduler that is not restored shows (the older tool resumed at lr 0).
+SCHEDULE = ("--lr-scheduler", "cosine", "--warmup-steps", "3")
 COMPARED = ("loss", "grad_norm", "lr", "num_tokens", "state_sha256")
 
 
@@ -48,7 +51,7 @@ def train(job, out, *flags, env=None, wait=True):
     cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
            "--learning-rate", "2e-3", "--weight-decay", "0.1", "--save-dtype", "float32", "--max-steps", str(STEPS),
-           "--nproc-per-node", "2", "--on-demand-checkpointing", *flags]
+           "--nproc-per-node", "2", "--on-demand-checkpointing", *SCHEDULE, *flags]
     env = {**os.environ, "OSFT_TEST_STATE_HASH": "1", **(env or {})}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
@@ -98,7 +101,7 @@ def assert_same_steps(run, reference, first):
 
 @pytest.fixture(scope="module")
 def reference(job, tmp_path_factory):
-    """The uninterrupted 8-step run."""
+    """The uninterrupted 8-step run (OSFT, warmup + cosine)."""
     out = tmp_path_factory.mktemp("reference")
     code, output = train(job, out)
     assert code == 0, output
@@ -140,6 +143,8 @@ def exit_and_resume(job, tmp_path, point, micro, sig, *flags, env=None):
 def test_exit_signal_at_each_safe_point_resumes_bit_identically(job, reference, tmp_path, point, micro, sig):
     out, saved_step = exit_and_resume(job, tmp_path, point, micro, sig)
     assert_same_steps(out, reference, saved_step + 1)
+    resumed_lr = records(out, "step")[-(STEPS - saved_step)]["lr"]
+    assert 0 < resumed_lr != records(reference, "step")[0]["lr"]  # warmup/cosine went on where it stopped
     ckpt = out / "full_state_checkpoints" / f"step_{saved_step}"
     # Field case B13: each rank's generators are saved apart (they drew different amounts).
     rng = [torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1)]
@@ -165,22 +170,12 @@ def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference
     assert Path(saved["path"]).name == f"step_{saved['step']}"  # resumed from in test_demo_run.py
 
 
-def test_warmup_cosine_schedule_resumes_bit_identically(job, tmp_path):
-    flags = ("--lr-scheduler", "cosine", "--warmup-steps", "3")
-    ref = tmp_path / "ref"
-    assert train(job, ref, *flags)[0] == 0
-    # A slow save (field case B02) still completes inside the grace period.
-    out, saved_step = exit_and_resume(job, tmp_path, "after_backward", 0, "SIGXCPU", *flags,
-                                      env={"OSFT_TEST_SAVE_DELAY_S": "4"})
-    assert_same_steps(out, ref, saved_step + 1)
-    first = records(out, "step")[-(STEPS - saved_step)]
-    assert first["lr"] > 0 and first["lr"] == records(ref, "step")[saved_step]["lr"]
-
-
 def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
     ref = tmp_path / "ref"
     assert train(job, ref, "--no-osft")[0] == 0
-    out, saved_step = exit_and_resume(job, tmp_path, "before_forward", 1, "SIGQUIT", "--no-osft")
+    # A slow save (field case B02) still completes inside the grace period.
+    out, saved_step = exit_and_resume(job, tmp_path, "after_backward", 0, "SIGXCPU", "--no-osft",
+                                      env={"OSFT_TEST_SAVE_DELAY_S": "4"})
     assert_same_steps(out, ref, saved_step + 1)
     assert not list((out / "full_state_checkpoints").glob("frozen_*"))
 
@@ -192,10 +187,12 @@ def test_stale_trigger_of_a_killed_run_is_removed(job, tmp_path):
     past = time.time() - 60
     os.utime(trigger.path / f"sig{int(signal.SIGTERM)}", (past, past))
     out = tmp_path / "run"
-    code, output = train(job, out, "--max-steps", "2", env={"OSFT_JOB_ID": job_id})
-    assert code == 0, output
+    env = {"OSFT_JOB_ID": job_id, "OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGQUIT"}
+    code, output = train(job, out, env=env)
+    assert code == EXIT_STOPPED, output
     assert [r["step"] for r in records(out, "step")] == [1, 2]
-    assert not complete_checkpoints(out)
+    assert complete_checkpoints(out) == ["step_2"]  # the SIGQUIT one: the stale request never fired
+    assert [r["signal"] for r in records(out, "checkpoint_requested")] == ["SIGQUIT"]
     warnings = [r["message"] for r in records(out, "warning")]
     assert any("stale checkpoint request removed (trigger SIGTERM)" in w for w in warnings), warnings
     assert not trigger.path.exists()
@@ -223,14 +220,6 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
         state = json.loads((root / f"step_{step}" / "trainer_state.json").read_text())
         assert state["model"]["vocab_size"] == base_vocab + 1  # resized at start for the added token
 
-    # Resume from step 4 in another run directory: the checkpoint has one embedding row more than the base model.
-    other = tmp_path / "other"
-    code, output = train(job, other, "--resume-from-full-state-checkpoint", str(root / "step_4"), "--max-steps", "6")
-    assert code == 0, output
-    got = {r["step"]: r for r in records(other, "step")}
-    want = {r["step"]: r for r in records(out, "step")}
-    assert sorted(got) == [5, 6] and all(got[s][k] == want[s][k] for s in (5, 6) for k in COMPARED)
-
     # Field case B04: newest directory broken, odd entries around; --resume picks step_4.
     b04 = tmp_path / "b04"
     shutil.copytree(root, b04 / "full_state_checkpoints")
@@ -240,10 +229,14 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
     (broken / "optimizer_rank1.pt").unlink()
     (b04 / "full_state_checkpoints" / "step_abc").mkdir()
     (b04 / "full_state_checkpoints" / "notes").mkdir()
-    code, output = train(job, b04, "--resume", "--max-steps", "5", "--checkpoint-every-steps", "5",
-                         "--checkpoint-keep-last", "1")
-    assert code == 0, output
+    code, output = train(job, b04, "--resume", "--max-steps", "6", "--checkpoint-every-steps", "5",
+                         "--checkpoint-keep-last", "1", env={"OSFT_TEST_SIGNAL_AT": "5:after_step:0:SIGTERM"})
+    assert code == EXIT_STOPPED, output
     assert [r["from_step"] for r in records(b04, "resumed")] == [4]
+    # ... bit for bit, with one embedding row more in the checkpoint than in the base model
+    (got,) = records(b04, "step")
+    (want,) = [r for r in records(out, "step") if r["step"] == 5]
+    assert all(got[k] == want[k] for k in COMPARED)
     assert "checkpoint step_8 skipped" in output and "rank 0's file model/.metadata is missing" in output
     assert "step_abc skipped" in output and "notes skipped" in output
     assert complete_checkpoints(b04) == ["step_5", "step_8"]  # step_8 has a manifest, but its files are gone
