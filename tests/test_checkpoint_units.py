@@ -14,13 +14,28 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from osft.trainer.checkpoint.full_state import capture_rng, restore_rng
-from osft.trainer.checkpoint.manifest import CheckpointError, describe_files, read_manifest, verify_files, write_manifest
+from osft.trainer.checkpoint.manifest import (
+    CheckpointError,
+    describe_files,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from osft.trainer.checkpoint.requests import RequestPoller
 from osft.trainer.checkpoint.safe_load import SafeFileSystemReader, load_plain
-from osft.trainer.checkpoint.signals import Action, TriggerDir, action_for_signal, install_handlers, restore_handlers
-from osft.trainer.checkpoint.store import apply_retention, newest_complete, verify_checkpoint
+from osft.trainer.checkpoint.signals import (
+    Action,
+    TriggerDir,
+    action_for_signal,
+    install_handlers,
+    restore_handlers,
+)
+from osft.trainer.checkpoint.store import (
+    apply_retention,
+    newest_complete,
+    verify_checkpoint,
+)
 
 
 @pytest.fixture()

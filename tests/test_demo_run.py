@@ -5,9 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from osft.trainer.cli import main
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.demo
 

@@ -18,7 +18,6 @@ import psutil
 import pytest
 import torch
 from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
-
 from osft.trainer.checkpoint.safe_load import SafeFileSystemReader
 from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
 

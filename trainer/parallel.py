@@ -56,6 +56,12 @@ def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def _osft_options(cfg: TrainConfig, module: nn.Module) -> dict:
+    """Keyword arguments of :class:`.osft.decomposition.OSFTLinear` constructors for ``module``."""
+    return dict(urr=cfg.osft_unfreeze_rank_ratio, tokens_per_micro_batch=cfg.max_tokens_per_gpu,
+                forward_form=cfg.osft_forward, transposed=isinstance(module, Conv1D))
+
+
 def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTModel:
     """Decompose the targets with the SVD spread over the ranks (see the module docstring)."""
     start = time.perf_counter()
@@ -81,8 +87,7 @@ def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTM
     # 3. factors back to rank 0, which builds the real modules; the others build skeletons
     replaced = []
     for i, (name, module, (n, m)) in enumerate(zip(names, modules, shapes)):
-        common = dict(urr=cfg.osft_unfreeze_rank_ratio, tokens_per_micro_batch=cfg.max_tokens_per_gpu,
-                      forward_form=cfg.osft_forward, transposed=isinstance(module, Conv1D))
+        common = _osft_options(cfg, module)
         if env.rank == 0:
             if owner[i] == 0:
                 svd = factors.pop(i)
@@ -109,11 +114,9 @@ def _skeleton_osft(model: nn.Module, cfg: TrainConfig, device: torch.device | st
     replaced = []
     for name in find_target_modules(model, model.config.model_type, cfg.osft_target_patterns):
         module = model.get_submodule(name)
-        transposed = isinstance(module, Conv1D)
-        n, m = module.weight.t().shape if transposed else module.weight.shape
-        new = OSFTLinear.empty(n, m, module.bias is not None, urr=cfg.osft_unfreeze_rank_ratio,
-                               tokens_per_micro_batch=cfg.max_tokens_per_gpu, forward_form=cfg.osft_forward,
-                               transposed=transposed, dtype=module.weight.dtype, device=device)
+        n, m = module.weight.t().shape if isinstance(module, Conv1D) else module.weight.shape
+        new = OSFTLinear.empty(n, m, module.bias is not None, dtype=module.weight.dtype, device=device,
+                               **_osft_options(cfg, module))
         replace_module(model, name, new)
         replaced.append((name, new))
     return OSFTModel(modules=replaced, svd_seconds=0.0)
