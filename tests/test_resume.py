@@ -248,6 +248,12 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
     assert code == 2
     assert "rank 1's file optimizer_rank1.pt is missing" in output
 
+    # Field case B12: another micro-batch budget (another accumulation) is refused before any rank starts.
+    code, output = train(job, tmp_path / "b12", "--resume-from-full-state-checkpoint", str(root / "step_4"),
+                         "--max-tokens-per-gpu", "128")
+    assert code == 2 and not (tmp_path / "b12" / "logs").exists()
+    assert "saved with --max-tokens-per-gpu 64, this run has 128: resume with the same setting" in output
+
     # Field case B13: another world size is refused with both numbers.
     model, data = job
     code = subprocess.run(

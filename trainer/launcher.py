@@ -56,10 +56,12 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     Raises:
         DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count.
-        CheckpointError: the checkpoint to resume from is incomplete or corrupt.
+        CheckpointError: the checkpoint to resume from is incomplete or corrupt, or was saved with
+            another world size, batch setting, data or OSFT setting.
     """
     from dataclasses import replace
 
+    from .checkpoint.resume import check_resume_compatible, read_trainer_state
     from .checkpoint.store import checkpoint_root, newest_complete, verify_checkpoint
     from .data.cache import tokenize_chat_file_cached
     from .data.sampler import check_enough_samples
@@ -70,6 +72,7 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
                                         cache_dir=cfg.data_cache_dir)
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
+    resume = cfg
     if cfg.resume:
         found, skipped = newest_complete(checkpoint_root(cfg.output_dir))
         for line in skipped:
@@ -77,10 +80,13 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
         if found is None:
             console.print(f"resume: no complete checkpoint under {checkpoint_root(cfg.output_dir)}; starting fresh",
                           markup=False, highlight=False, soft_wrap=True)
-        return replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
-    if cfg.resume_from_full_state_checkpoint:
+        resume = replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
+    elif cfg.resume_from_full_state_checkpoint:
         verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
-    return cfg
+    if resume.resume_from_full_state_checkpoint:  # its warnings are logged by the ranks
+        path = Path(resume.resume_from_full_state_checkpoint)
+        check_resume_compatible(read_trainer_state(path), cfg, cfg.nproc_per_node * cfg.nnodes, len(data), path)
+    return resume
 
 
 def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str]:

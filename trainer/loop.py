@@ -8,7 +8,6 @@ batch (all micro-batches of all ranks), so it does not depend on how samples wer
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import time
@@ -25,15 +24,19 @@ from rich.markup import escape
 from transformers import get_scheduler
 
 from .checkpoint.full_state import (
-    TRAINER_STATE,
     Checkpointer,
     capture_rng,
     local_tensor,
     restore_rng,
 )
 from .checkpoint.hf_export import save_hf_model
-from .checkpoint.manifest import CheckpointError
 from .checkpoint.requests import Request, RequestPoller
+from .checkpoint.resume import (
+    RESUME_SETTINGS,
+    RESUME_WARN_SETTINGS,
+    check_resume_compatible,
+    read_trainer_state,
+)
 from .checkpoint.signals import (
     EXIT_STOPPED,
     Action,
@@ -94,39 +97,6 @@ class StepInterrupted(Exception):
     def __init__(self, request: Request) -> None:
         super().__init__(request.signal)
         self.request = request
-
-
-#: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
-RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
-                   "osft_target_patterns", "train_on_all", "overlong")
-#: Settings that may change on resume, with a warning that the trajectory then differs.
-RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
-                        "max_grad_norm")
-
-
-def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, num_samples: int, path: Path) -> list[str]:
-    """Compare a checkpoint's ``trainer_state.json`` with this run (field cases B12, B13).
-
-    Returns:
-        warnings for optimisation settings that changed (the run continues, but not bit-identically).
-
-    Raises:
-        CheckpointError: another world size, batch size, micro-batch budget, seed, data size or
-            OSFT setting; the message gives both values.
-    """
-    if saved["world_size"] != world_size:
-        raise CheckpointError(f"checkpoint {path} was saved with {saved['world_size']} ranks, now {world_size}: "
-                              "a bit-identical resume needs the same world size")
-    if saved["sampler"]["num_samples"] != num_samples:
-        raise CheckpointError(f"checkpoint {path} was saved with {saved['sampler']['num_samples']} training samples, "
-                              f"the data now has {num_samples}: the data position would not match")
-    for key in RESUME_SETTINGS:
-        if saved["settings"][key] != getattr(cfg, key):
-            raise CheckpointError(f"checkpoint {path} was saved with --{key.replace('_', '-')} {saved['settings'][key]}, "
-                                  f"this run has {getattr(cfg, key)}: resume with the same setting")
-    return [f"--{k.replace('_', '-')} changed from {saved['settings'][k]} to {getattr(cfg, k)} since checkpoint "
-            f"{path}: the resumed run will differ from an uninterrupted one"
-            for k in RESUME_WARN_SETTINGS if saved["settings"][k] != getattr(cfg, k)]
 
 
 def resolve_device_dtype(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
@@ -239,7 +209,7 @@ class Trainer:
         resume_dir = self._resolve_resume()
         saved = None
         if resume_dir is not None:
-            saved = json.loads((resume_dir / TRAINER_STATE).read_text())
+            saved = read_trainer_state(resume_dir)
             for message in check_resume_compatible(saved, cfg, self.dist.world_size, len(self.data), resume_dir):
                 if self.dist.rank == 0:
                     self._warn(message)

@@ -13,7 +13,7 @@ One ``step_<N>`` directory (DESIGN.md section 5)::
 
 Per-rank state lives in per-rank files: under one shared DCP key only one rank's copy would be kept
 and every rank would load it back (field case B13). The frozen factors W_high, U_basis and V_basis
-never change during a run: they are written once, to ``frozen_<job_id>/``, and referenced.
+never change during a run: they are written once, to ``frozen_<job_id>-<token>/``, and referenced.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from ..distributed import DistEnv, barrier, is_distributed
+from ..distributed import DistEnv, agree, barrier, is_distributed
 from ..osft.surgery import OSFTModel
 from .manifest import (
     MANIFEST,
@@ -48,6 +49,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
+from .resume import TRAINER_STATE, read_trainer_state
 from .safe_load import SafeFileSystemReader, load_plain
 from .store import versions
 
@@ -56,7 +58,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 #: OSFTLinear parameters that never change during a run (stored once per run).
 FROZEN_PARAMS = ("W_high", "U_basis", "V_basis")
-TRAINER_STATE = "trainer_state.json"
 
 #: Test-only hook (field case B02): "SECONDS" or "SECONDS@STEP": sleep that long after the shards
 #: are written and before the manifest (of every save, or of the save of that step).
@@ -154,8 +155,9 @@ class Checkpointer:
         return {k: v for e in everything for k, v in e.items()}
 
     def _write_frozen(self, frozen: dict) -> int:
-        """Write this run's frozen factors once; returns their bytes."""
-        name = f"frozen_{self.job_id}"
+        """Write this run's frozen factors once, to a new ``frozen_<job_id>-<token>`` (never over a
+        store that older checkpoints of the same job id reference); returns their bytes."""
+        name = f"frozen_{self.job_id}-{agree(lambda: uuid.uuid4().hex[:8], self.env.rank)}"
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         if self.env.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -165,7 +167,6 @@ class Checkpointer:
         files = self._gather(describe_files(tmp, self._my_files(tmp), self.env.rank))
         if self.env.rank == 0:
             write_manifest(tmp, files, kind="frozen_osft_factors", job_id=self.job_id, keys=sorted(frozen))
-            shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         barrier()
         self.frozen_dir = name
@@ -230,7 +231,7 @@ class Checkpointer:
             CheckpointError: a file is missing or holds more than tensors and plain data.
         """
         manifest = read_manifest(step_dir)
-        trainer_state = json.loads((step_dir / TRAINER_STATE).read_text())
+        trainer_state = read_trainer_state(step_dir)
         rest, frozen = self._model_state()
         dcp.load(rest, storage_reader=SafeFileSystemReader(step_dir / "model"), no_dist=not is_distributed())
         ref = manifest.data.get("frozen")

@@ -4,7 +4,7 @@ OSFT factors they share, retention, and the shared-storage check.
 Layout (DESIGN.md section 5)::
 
     full_state_checkpoints/
-      frozen_<job_id>/   W_high, U_basis, V_basis of every OSFT module (DCP) + manifest.json;
+      frozen_<job_id>-<token>/   W_high, U_basis, V_basis of every OSFT module (DCP) + manifest.json;
                          written once per run, referenced by checksum from each step's manifest
       step_<N>/          one complete checkpoint (see :mod:`.full_state`)
       step_<N>.tmp-<job_id>/   being written (or cut off): never resumed from
