@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import backend_device, is_distributed
-from .signals import Action, TriggerDir, action_for_signal, signal_name
+from .signals import Action, TriggerDir, action_for_signal, request_files, signal_name
 
 #: Control-file names and what they ask for.
 CONTROL_ACTIONS = {"checkpoint": Action.CHECKPOINT, "checkpoint-and-exit": Action.CHECKPOINT_AND_EXIT}
@@ -63,20 +63,8 @@ class RequestPoller:
         self._test_hooks = [spec.split(":") for spec in specs.split(",") if spec]
 
     def _control_files(self) -> list[tuple[Path, Action, float]]:
-        if self.control_dir is None:
-            return []
-        found = []
-        try:
-            entries = list(os.scandir(self.control_dir))
-        except FileNotFoundError:
-            return []
-        for entry in entries:
-            if entry.name in CONTROL_ACTIONS:
-                try:
-                    found.append((Path(entry.path), CONTROL_ACTIONS[entry.name], entry.stat().st_mtime))
-                except FileNotFoundError:
-                    continue
-        return found
+        return [(path, CONTROL_ACTIONS[name], mtime) for name, path, mtime in request_files(self.control_dir)
+                if name in CONTROL_ACTIONS]
 
     def _local_code(self) -> int:
         """This rank's strongest pending request, encoded as action * 256 + signal number."""

@@ -69,6 +69,24 @@ def trigger_root() -> Path:
     return base / f"osft-{os.getuid()}"
 
 
+def request_files(directory: Path | None) -> list[tuple[str, Path, float]]:
+    """``(name, path, mtime)`` of the files in ``directory`` (none when it does not exist; files
+    removed while it is read are skipped)."""
+    if directory is None:
+        return []
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        try:
+            found.append((entry.name, Path(entry.path), entry.stat().st_mtime))
+        except FileNotFoundError:
+            continue
+    return found
+
+
 class TriggerDir:
     """The per-job trigger directory ``<trigger_root>/<job_id>`` (mode 0700).
 
@@ -96,17 +114,8 @@ class TriggerDir:
 
     def pending(self) -> list[Trigger]:
         """Recorded requests, oldest first (files that vanish meanwhile are skipped)."""
-        found = []
-        try:
-            entries = list(os.scandir(self.path))
-        except FileNotFoundError:
-            return []
-        for entry in entries:
-            if entry.name.startswith("sig") and entry.name[3:].isdigit():
-                try:
-                    found.append(Trigger(int(entry.name[3:]), Path(entry.path), entry.stat().st_mtime))
-                except FileNotFoundError:
-                    continue
+        found = [Trigger(int(name[3:]), path, mtime) for name, path, mtime in request_files(self.path)
+                 if name.startswith("sig") and name[3:].isdigit()]
         return sorted(found, key=lambda t: t.mtime)
 
     def remove_stale(self, job_start: float) -> list[str]:
