@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-long
 
 $(BIN)/osft-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +24,7 @@ demo: setup
 ## The test suite (CI runs exactly this through .ci/run).
 test: setup
 	$(BIN)/python -m pytest -q
+
+## Acceptance checks that take several minutes each (not in CI).
+test-long: setup
+	$(BIN)/python -m pytest -q -m long

@@ -56,6 +56,7 @@ def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, tmp_path):
         assert tb == ta and b == pytest.approx(a, rel=1e-5)
 
 
+@pytest.mark.long
 def test_demo_on_two_ranks_checkpoints_on_sigusr1_stops_on_sigterm_and_resumes_exactly(demo_assets, tmp_path):
     """The issue's bar for checkpointing, on SmolLM2 and 2 CPU ranks: SIGUSR1 to the launcher after
     step 1 saves a checkpoint and training goes on; SIGTERM in step 3 saves step 2 and stops with

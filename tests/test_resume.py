@@ -20,6 +20,7 @@ import torch
 from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
 from osft.trainer.checkpoint.safe_load import SafeFileSystemReader
 from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
+from osft.trainer.checkpoint.store import newest_complete
 
 STEPS = 8
 #: The schedule of every run unless a test says otherwise: the learning rate changes every step, so
@@ -166,7 +167,11 @@ def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference
     assert records(out, "checkpoint_requested")[0]["signal"] == "SIGUSR1"
     assert_same_steps(out, reference, 1)  # a served request does not change the trajectory
     assert (out / "hf_format" / f"step_{STEPS}" / "model.safetensors").is_file()
-    assert Path(saved["path"]).name == f"step_{saved['step']}"  # resumed from in test_demo_run.py
+    # Resuming from that checkpoint gives the same curve again.
+    again = tmp_path / "again"
+    code, output = train(job, again, "--resume-from-full-state-checkpoint", saved["path"])
+    assert code == 0, output
+    assert_same_steps(again, reference, saved["step"] + 1)
 
 
 def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
@@ -275,11 +280,10 @@ def test_stop_cut_off_by_the_grace_period_leaves_no_usable_checkpoint(job, tmp_p
     assert "killing the worker group" in output
     root = out / "full_state_checkpoints"
     assert complete_checkpoints(out) == ["step_2"]
-    assert list(root.glob("step_3.tmp-*"))
-    code, output = train(job, out, "--resume", "--max-steps", "4")
-    assert code == 0, output
-    assert "incomplete checkpoint step_3 skipped" in output
-    assert [r["from_step"] for r in records(out, "resumed")] == [2]
+    (cut,) = root.glob("step_3.tmp-*")
+    found, skipped = newest_complete(root)  # what --resume picks (test_periodic_... runs it for real)
+    assert found == root / "step_2"
+    assert skipped == [f"incomplete checkpoint step_3 skipped: {cut.name} was never finished"]
 
 
 def test_checkpoint_directory_not_shared_between_nodes_fails_at_start(job, tmp_path):
