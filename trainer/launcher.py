@@ -146,19 +146,18 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
         from .checkpoint.store import VERIFIED_CHECKPOINT_ENV
 
         env[VERIFIED_CHECKPOINT_ENV] = cfg.resume_from_full_state_checkpoint
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    agent = psutil.Process(proc.pid)
-    run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
     deadline: list[float] = []
     stopped_by: list[int] = []
+    started: list[subprocess.Popen] = []
 
     def on_signal(signum: int) -> None:
-        if proc.poll() is not None:
+        if started and started[0].poll() is not None:
             return
         if not cfg.on_demand_checkpointing:
             if signum in STOP_SIGNALS:
                 stopped_by.append(signum)
-                proc.send_signal(signal.SIGTERM)  # no checkpoint to wait for: torchrun stops the ranks
+                if started:
+                    started[0].send_signal(signal.SIGTERM)  # no checkpoint to wait for: torchrun stops the ranks
             else:
                 console.print(f"osft-train: {signal_name(signum)} ignored: on-demand checkpointing is off "
                               "(--on-demand-checkpointing)", markup=False, highlight=False, soft_wrap=True)
@@ -172,7 +171,13 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
             deadline.append(time.monotonic() + cfg.checkpoint_grace_seconds)
             run_dir.update_run_json(state="checkpointing")
 
-    previous = install_handlers(on_signal)
+    previous = install_handlers(on_signal)  # before torchrun starts: a request during start-up is kept
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    started.append(proc)
+    agent = psutil.Process(proc.pid)
+    run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
+    if stopped_by:  # stopped while torchrun was being started
+        proc.send_signal(signal.SIGTERM)
     family: dict[int, psutil.Process] = {}
     killed = False
     try:
@@ -183,7 +188,8 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
                 pass
             if deadline and time.monotonic() > deadline[0]:
                 console.print(f"osft-train: no checkpoint within --checkpoint-grace-seconds "
-                              f"{cfg.checkpoint_grace_seconds}; killing the worker group", markup=False, highlight=False, soft_wrap=True)
+                              f"{cfg.checkpoint_grace_seconds}; killing the worker group",
+                              markup=False, highlight=False, soft_wrap=True)
                 _kill_tree([agent, *family.values()])
                 killed = True
                 break
