@@ -85,20 +85,12 @@ def proj_worker(args) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
 
-    class Stack(nn.Module):
-        def __init__(self, mods):
-            super().__init__()
-            self.mods = nn.ModuleList(mods)
-
-        def forward(self, x):  # pragma: no cover - never called
-            return x
-
     results = {}
     for name, (n, m) in SHAPES.items():
         if args.quick and name != "smollm2_q_proj":
             continue
         mods, grads = _modules(n, m, args.urr, args.modules, seed=0)
-        fully_shard(Stack(mods))
+        fully_shard(nn.Sequential(*mods))  # one FSDP2 root over the modules
         k_high = mods[0].V_basis.shape[0]
         projectors = {mode: Projector([(f"m{i}", x) for i, x in enumerate(mods)], v_form, cache_v_basis=cache)
                       for mode, (v_form, cache) in MODES.items()}

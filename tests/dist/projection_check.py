@@ -35,17 +35,6 @@ def modules():
     return mods
 
 
-class Stack(nn.Module):
-    """The modules under one FSDP2 root (fully_shard needs a module with a forward)."""
-
-    def __init__(self, mods):
-        super().__init__()
-        self.mods = nn.ModuleList(mods)
-
-    def forward(self, x):  # pragma: no cover - never called
-        return x
-
-
 def project(named, v_form, cache):
     projector = Projector(named, v_form, cache_v_basis=cache)
     projector.project_gradients()
@@ -59,7 +48,7 @@ def check(v_form, cache):
     ref_report = project([(f"m{i}", m) for i, m in enumerate(reference)], v_form, cache)
     sharded = modules()
     grads = [(m.U_low.grad, m.V_low.grad) for m in sharded]
-    fully_shard(Stack(sharded))
+    fully_shard(nn.Sequential(*sharded))  # one FSDP2 root over the modules
     for m, (gu, gv) in zip(sharded, grads):  # grads as FSDP would leave them: sharded like the params
         m.U_low.grad = distribute_tensor(gu, m.U_low.device_mesh, m.U_low.placements)
         m.V_low.grad = distribute_tensor(gv, m.V_low.device_mesh, m.V_low.placements)

@@ -46,11 +46,6 @@ class Manifest:
     def files(self) -> dict[str, dict]:
         return self.data["files"]
 
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the listed files (the frozen OSFT factors, stored once per run, not included)."""
-        return sum(f["size"] for f in self.files.values())
-
 
 def write_manifest(root: Path, files: dict[str, dict], **fields: Any) -> Path:
     """Write ``root/manifest.json`` (last, after every listed file is on disk) and return its path."""

@@ -58,7 +58,6 @@ class RequestPoller:
         self.trigger = trigger
         self.control_dir = control_dir if rank == 0 else None
         self.sigusr1_action = sigusr1_action
-        self.rank = rank
         specs = os.environ.get(TEST_SIGNAL_ENV, "") if rank == 0 else ""
         self._test_hooks = [spec.split(":") for spec in specs.split(",") if spec]
 
