@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -92,7 +93,7 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
     run_dir.create()
     job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
     run_dir.update_run_json(
-        argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), torchrun_pids=[],
+        argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
         nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,
     )
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1

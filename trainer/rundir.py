@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
+
+#: Name of a complete checkpoint directory under :attr:`RunDir.checkpoints` (DESIGN.md section 5);
+#: group 1 is the optimizer step it was saved after.
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -40,6 +45,11 @@ class RunDir:
     def metrics(self) -> Path:
         return self.root / "metrics"
 
+    @property
+    def checkpoints(self) -> Path:
+        """``full_state_checkpoints/``: ``step_<N>`` directories, complete only with a manifest."""
+        return self.root / "full_state_checkpoints"
+
     def hf_export(self, step: int) -> Path:
         """``hf_format/step_<N>``: dense Hugging Face export after optimizer step N."""
         return self.root / "hf_format" / f"step_{step}"
@@ -48,6 +58,11 @@ class RunDir:
     def control(self) -> Path:
         """``control/``: requests from a watcher on another host (DESIGN.md section 6)."""
         return self.root / "control"
+
+    def launcher_log(self, node_rank: int) -> Path:
+        """``logs/launcher.node<N>.log``: the output of node N's launcher when osft-tui started it
+        (torchrun's report of failed ranks included)."""
+        return self.root / "logs" / f"launcher.node{node_rank}.log"
 
     @property
     def data_report(self) -> Path:

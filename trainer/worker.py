@@ -32,11 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         trainer.prepare()
         trainer.run()
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
-        trainer.metrics.log("error", message=str(exc))
+        trainer.metrics.log("error", message=str(exc), exit_code=2)
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except BaseException as exc:
-        trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        # An uncaught exception ends the interpreter with exit code 1; the record says so for watchers.
+        code = exc.code if isinstance(exc, SystemExit) else 1
+        trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                            exit_code=code)
         raise
     return 0
 

@@ -13,7 +13,6 @@ Layout (DESIGN.md section 5)::
 from __future__ import annotations
 
 import hashlib
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -22,10 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import is_distributed
+from ..rundir import STEP_DIR, RunDir
 from .manifest import MANIFEST, CheckpointError, Manifest, read_manifest, verify_files
 from .safe_load import SafeFileSystemReader
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 #: Environment variable the launcher sets to the checkpoint it has already verified (checksums),
 #: so rank 0 does not hash it a second time.
@@ -161,7 +159,7 @@ def check_shared(root: Path, rank: int, hostname: str) -> None:
 
 def checkpoint_root(output_dir: str | Path) -> Path:
     """``<output_dir>/full_state_checkpoints``."""
-    return Path(output_dir) / "full_state_checkpoints"
+    return RunDir(output_dir).checkpoints
 
 
 def versions() -> dict[str, str]:
