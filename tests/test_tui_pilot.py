@@ -1,0 +1,347 @@
+"""osft-tui through Textual's Pilot against the fake trainer (tests/fake_trainer.py): real
+processes, real signals, real run-directory files; nothing about signals or files is mocked.
+
+Each test launches the fake run from the new-run form (the dashboard's launcher command is the
+fake trainer), then drives the dashboard with key presses and checks the screen's widgets and
+the run directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.tui.app import OsftTui
+from osft.tui.components.checkpoints import CheckpointTable
+from osft.tui.components.format import fmt_rate
+from osft.tui.components.modals import Choice, LogScreen
+from osft.tui.components.new_run import NewRunScreen
+from osft.tui.components.nodes import NodeTable
+from osft.tui.components.ranks import RankTable
+from osft.tui.components.violations import ViolationCounters
+from textual.widgets import Button, Input, RichLog
+from tui_support import kill_run, no_processes_left, wait_until
+
+FAKE = Path(__file__).with_name("fake_trainer.py")
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="signals and /proc: Linux only")
+
+
+def records(out: Path, name: str = "node0", event: str | None = None) -> list[dict]:
+    path = out / "metrics" / f"{name}.jsonl"
+    if not path.is_file():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [r for r in recs if event is None or r["event"] == event]
+
+
+def signals_received(out: Path, node: int = 0) -> list[str]:
+    path = out / f"fake_signals.node{node}.log"
+    return [line.split()[0] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def run_json(out: Path) -> dict:
+    return json.loads((out / "run.json").read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run(tmp_path: Path, scenario) -> None:
+    """Run ``scenario(app, pilot, out)`` in a dashboard with the fake trainer as its launcher, and
+    kill whatever of the run is left afterwards."""
+    out = tmp_path / "run"
+
+    async def main():
+        app = OsftTui(None, launcher=[sys.executable, str(FAKE)], poll_s=0.1)
+        async with app.run_test(size=(140, 42)) as pilot:
+            await scenario(app, pilot, out)
+
+    try:
+        asyncio.run(main())
+    finally:
+        kill_run(out)
+
+
+async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
+    """Fill the new-run form and launch (ctrl+l); wait for the dashboard and the first step."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    form = await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen) and app.screen, 10, "the form")
+    values = {"model": str(tmp_path / "model"), "data": str(tmp_path / "train.jsonl"), "output_dir": str(out),
+              "nnodes": str(nnodes), "nproc_per_node": str(nproc), "max_steps": str(max_steps),
+              "extra_args": f"--fake-step-seconds 0.1 --checkpoint-grace-seconds 20 {extra}"}
+    for name, value in values.items():
+        form.query_one(f"#field-{name}", Input).value = value
+    await pilot.press("ctrl+l")
+    dash = app.dashboard
+    await wait_until(pilot, lambda: app.screen is dash and dash.run and dash.run.step, 30, "the first step")
+
+
+def test_tables_and_counters_show_the_values_written(tmp_path):
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out, nnodes=2, nproc=2, max_steps=6,
+                     extra="--fake-violations-at 3 --fake-slow-node 1 --fake-slow-factor 0.5")
+        dash = app.dashboard
+        await wait_until(pilot, lambda: dash.run.finished and dash.run.step == 6
+                         and dash.run.nodes[1].step == 6, 60, "the end of the run")
+        await pilot.pause(0.3)
+        table = dash.query_one(NodeTable)
+        for node in (0, 1):
+            last = records(out, f"node{node}", "step")[-1]
+            row = table.get_row(f"node{node}")
+            assert row[0] == str(node) and row[2] == ("0-1" if node == 0 else "2-3")
+            assert row[3] == "6"
+            assert row[4] == fmt_rate(last["node_tokens_per_s"])
+            assert row[6] == f"{last['loss']:.4f}"
+            assert row[10] == ("[b red]straggler[/]" if node == 1 else "")
+        steps = records(out, "node0", "step")
+        total = steps[-1]["ortho_violations_total"]
+        assert total > 0 and total == sum(r["ortho_violations"] for r in steps)
+        counters = dash.query_one(ViolationCounters)
+        assert counters.has_class("alert")
+        assert f"total [b]{total}[/b]" in str(counters.content)
+        worst = max(r["ortho_max_dev_deg"] for r in steps)
+        assert f"{worst:.3f}°" in str(counters.content)
+        assert len(dash.query_one(RankTable).rows) == 4
+        assert dash.run.state == "completed"
+
+    run(tmp_path, scenario)
+
+
+def test_c_sends_exactly_one_sigusr1_and_the_checkpoint_is_listed_then_s_stops(tmp_path):
+    """`c` with the focus on the rank table, then the Checkpoint button, then `s`."""
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out)
+        dash = app.dashboard
+        await wait_until(pilot, lambda: dash.run.step >= 2, 20, "step 2")
+        dash.query_one(RankTable).focus()  # keys work whatever has the focus
+        await pilot.press("c")
+        await wait_until(pilot, lambda: any(e.complete for e in dash.run.checkpoints), 20, "a checkpoint")
+        saved = records(out, event="checkpoint_saved")
+        assert len(saved) == 1
+        await pilot.pause(0.5)
+        assert signals_received(out) == ["SIGUSR1"]
+        table = dash.query_one(CheckpointTable)
+        assert table.get_row(saved[0]["path"])[0] == str(saved[0]["step"])
+        assert table.get_row(saved[0]["path"])[3] == "complete"
+        written = f"checkpoint of step {saved[0]['step']} written to {saved[0]['path']}"
+        def events_with_save() -> str | None:
+            text = "\n".join(line.text for line in dash.query_one("#events", RichLog).lines)
+            return text if written in text else None
+
+        log_text = await wait_until(pilot, events_with_save, 10, "the event line of the save")
+        assert "checkpoint requested at step" in log_text and "SIGUSR1 sent to launcher of node 0" in log_text
+        launcher = run_json(out)["launcher_pid"]
+        step = dash.run.step
+        await wait_until(pilot, lambda: dash.run.step >= step + 2, 20, "training to go on")
+        assert alive(launcher) and dash.run.state == "running"
+
+        await pilot.click("#button-checkpoint")  # the same through its button
+        await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) == 2, 20, "the second checkpoint")
+        assert signals_received(out) == ["SIGUSR1", "SIGUSR1"]
+
+        await pilot.press("s")
+        await wait_until(pilot, lambda: dash.run.state == "stopped", 30, "the stop")
+        assert signals_received(out) == ["SIGUSR1", "SIGUSR1", "SIGUSR2"]
+        assert run_json(out)["exit_code"] == EXIT_STOPPED
+        assert await no_processes_left(out)
+
+    run(tmp_path, scenario)
+
+
+def test_r_resumes_from_the_selected_checkpoint_with_the_resume_flag(tmp_path):
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out)
+        dash = app.dashboard
+        table = dash.query_one(CheckpointTable)
+        for _ in range(2):  # two checkpoints; the older one is resumed from
+            done = len(records(out, event="checkpoint_saved"))
+            step = dash.run.step
+            await wait_until(pilot, lambda: dash.run.step > step, 20, "a step")
+            await pilot.press("c")
+            await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done, 20, "a checkpoint")
+        first = records(out, event="checkpoint_saved")[0]
+        await wait_until(pilot, lambda: table.select_step(first["step"]), 10, "the first checkpoint listed")
+        old_launcher = run_json(out)["launcher_pid"]
+
+        await pilot.press("r")  # the run is live: confirmation first
+        modal = await wait_until(pilot, lambda: isinstance(app.screen, Choice) and app.screen, 10, "the confirmation")
+        body = str(modal.query_one(".dialog-body Static").content)
+        assert f"SIGUSR2 (checkpoint and stop) to pid {old_launcher}" in body
+        assert signals_received(out) == ["SIGUSR1", "SIGUSR1"]  # nothing sent before the answer
+        await pilot.click("#resume")
+        resumed = await wait_until(pilot, lambda: records(out, event="resumed"), 40, "the resumed run")
+        assert signals_received(out) == ["SIGUSR1", "SIGUSR1", "SIGUSR2"]
+        assert resumed[0]["from_step"] == first["step"] and resumed[0]["path"] == first["path"]
+        argv = run_json(out)["argv"]
+        assert argv[argv.index("--resume-from-full-state-checkpoint") + 1] == first["path"]
+        assert run_json(out)["launcher_pid"] != old_launcher
+        job = resumed[0]["job_id"]
+        after = await wait_until(pilot, lambda: [r["step"] for r in records(out, event="step") if r["job_id"] == job],
+                                 20, "steps after the resume")
+        assert after[0] == first["step"] + 1
+
+    run(tmp_path, scenario)
+
+
+def test_q_detach_leaves_the_run_running(tmp_path):
+    pids = {}
+
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out)
+        dash = app.dashboard
+        await wait_until(pilot, lambda: len(dash.run.ranks) == 2, 10, "both ranks")
+        pids["all"] = [run_json(out)["launcher_pid"], *(r.pid for r in dash.run.ranks.values())]
+        await pilot.press("q")
+        modal = await wait_until(pilot, lambda: isinstance(app.screen, Choice) and app.screen, 10, "the question")
+        assert [b.id for b in modal.query(Button)] == ["detach", "stop", "kill", "cancel"]
+        await pilot.press("enter")  # detach has the focus
+        await pilot.pause(0.2)
+
+    out = tmp_path / "run"
+    try:
+        async def main():
+            app = OsftTui(None, launcher=[sys.executable, str(FAKE)], poll_s=0.1)
+            async with app.run_test(size=(140, 42)) as pilot:
+                await scenario(app, pilot, out)
+            assert app.return_value == 0
+            step = records(out, event="step")[-1]["step"]
+            await asyncio.sleep(1.0)
+            assert all(alive(pid) for pid in pids["all"])  # the dashboard is gone, the run is not
+            assert records(out, event="step")[-1]["step"] > step
+            os.kill(pids["all"][0], signal.SIGUSR2)
+            assert await no_processes_left(out)
+
+        asyncio.run(main())
+    finally:
+        kill_run(out)
+
+
+def test_kill_lists_every_pid_and_leaves_no_process(tmp_path):
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out, nproc=2)
+        dash = app.dashboard
+        await wait_until(pilot, lambda: len(dash.run.ranks) == 2, 10, "both ranks")
+        pids = [run_json(out)["launcher_pid"], *(r.pid for r in dash.run.ranks.values())]
+        await pilot.press("K")
+        modal = await wait_until(pilot, lambda: isinstance(app.screen, Choice) and app.screen, 10, "the confirmation")
+        body = str(modal.query_one(".dialog-body Static").content)
+        for pid in pids:
+            assert f"SIGKILL to pid {pid}" in body
+        assert all(alive(pid) for pid in pids)
+        await pilot.click("#kill")
+        await wait_until(pilot, lambda: not any(alive(pid) for pid in pids), 10, "every process to go")
+        assert await no_processes_left(out)
+        assert signals_received(out) == []  # SIGKILL cannot be caught: nothing else was sent
+
+    run(tmp_path, scenario)
+
+
+def test_readonly_removes_every_key_that_signals(tmp_path):
+    out = tmp_path / "run"
+    proc = psutil.Popen([sys.executable, str(FAKE), "--output-dir", str(out), "--nproc-per-node", "1",
+                         "--max-steps", "300", "--fake-step-seconds", "0.1", "--on-demand-checkpointing"],
+                        start_new_session=True)
+
+    async def main():
+        app = OsftTui(out, readonly=True, poll_s=0.1)
+        async with app.run_test(size=(140, 42)) as pilot:
+            dash = app.dashboard
+            await wait_until(pilot, lambda: dash.run.step, 20, "the first step")
+            for key in ("c", "s", "K", "r"):
+                await pilot.press(key)
+            await pilot.pause(0.5)
+            assert signals_received(out) == [] and isinstance(app.screen, type(dash))
+            shown = {key for key, active in app.screen.active_bindings.items() if active.enabled}
+            assert {"c", "s", "K", "r"}.isdisjoint(shown) and {"l", "q"} <= shown
+            buttons = {b.id for b in dash.query(Button)}
+            assert "button-checkpoint" not in buttons and "button-logs" in buttons
+            titles = {c.title for c in app.get_system_commands(dash)}
+            assert "Checkpoint" not in titles and "Rank logs" in titles
+            await pilot.press("q")  # readonly: quits at once, the run goes on
+        assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.send_signal(signal.SIGUSR2)
+        proc.wait(30)
+        kill_run(out)
+
+
+def test_a_run_on_another_host_is_asked_through_the_control_directory(tmp_path):
+    out = tmp_path / "remote"
+    (out / "metrics").mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"job_id": "j", "launcher_pid": os.getpid(), "hostname": "gpu-node-7.example",
+                                              "state": "running", "start_time": 1.0, "config": {"max_steps": 10}}))
+    (out / "metrics" / "node0.jsonl").write_text(json.dumps(
+        {"ts": 2.0, "event": "run_started", "node_rank": 0, "rank": 0, "local_rank": 0, "world_size": 1,
+         "hostname": "gpu-node-7.example", "job_id": "j", "pid": os.getpid()}) + "\n")
+
+    async def main():
+        app = OsftTui(out, poll_s=0.1)
+        async with app.run_test(size=(140, 42)) as pilot:
+            await pilot.pause(0.3)
+            await pilot.press("c")
+            await pilot.pause(0.2)
+            assert (out / "control" / "checkpoint").is_file()
+            await pilot.press("s")
+            await pilot.pause(0.2)
+            assert (out / "control" / "checkpoint-and-exit").is_file()
+            log_text = "\n".join(line.text for line in app.dashboard.query_one("#events", RichLog).lines)
+            assert f"no process of the run on this host: wrote {out / 'control' / 'checkpoint'}" in log_text
+            await pilot.press("K")
+            await pilot.pause(0.2)
+            assert not isinstance(app.screen, Choice)  # nothing of the run is here to kill
+
+    asyncio.run(main())
+
+
+def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out, nproc=2, max_steps=50, extra="--fake-crash-rank 1 --fake-crash-step 3")
+        dash = app.dashboard
+        await wait_until(pilot, lambda: dash.run.state == "failed", 30, "the failure")
+        await pilot.pause(0.3)
+        ranks = dash.query_one(RankTable)
+        state = ranks.get_row("rank1")[5]
+        assert state.startswith("[b red]failed (exit code 3)[/]: RuntimeError: fake crash of rank 1 at step 3")
+        ranks.focus()
+        ranks.move_cursor(row=1)
+        await pilot.press("l")
+        screen = await wait_until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen, 10, "the logs")
+        assert screen.title_text.endswith("exit code 3")
+        assert any(line.startswith("RuntimeError: fake crash of rank 1 at step 3") for line in screen.lines)
+        assert any("Traceback (most recent call last)" in line for line in screen.lines)
+        await pilot.press("escape")
+        assert await no_processes_left(out)
+
+    run(tmp_path, scenario)
+
+
+def test_the_command_palette_stops_the_run(tmp_path):
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out, nproc=1)
+        dash = app.dashboard
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.3)
+        await pilot.press(*"checkpoint & stop")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: dash.run.state == "stopped", 30, "the stop")
+        assert signals_received(out) == ["SIGUSR2"]
+        assert run_json(out)["exit_code"] == EXIT_STOPPED
+
+    run(tmp_path, scenario)

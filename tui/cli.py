@@ -1,0 +1,45 @@
+"""``osft-tui``: the command line.
+
+``osft-tui`` opens the new-run form (prefilled with the demo job); ``osft-tui RUN_DIR`` attaches
+to a run directory. Exit codes: 0 quit; 2 bad arguments; 128 + N ended by signal N (SIGTERM,
+SIGHUP), after restoring the terminal and leaving the run running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="osft-tui", description="Launch, watch, checkpoint and resume osft training runs.")
+    parser.add_argument("run_dir", nargs="?", type=Path, help="run directory (--output-dir of a run) to attach to")
+    parser.add_argument("--readonly", action="store_true", help="watch only: no key sends a signal")
+    parser.add_argument("--poll-interval", type=float, default=0.25, metavar="S",
+                        help="seconds between reads of the run directory (default 0.25)")
+    parser.add_argument("--launcher", default=None, metavar="CMD",
+                        help="command that runs osft-train when launching or resuming (default: this Python's "
+                             "osft-train), e.g. a wrapper script")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``osft-tui``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.run_dir is not None and not args.run_dir.is_dir():
+        parser.error(f"{args.run_dir}: not a directory (a run's --output-dir)")
+    if not args.poll_interval > 0:
+        parser.error("--poll-interval must be positive")
+    from .app import OsftTui
+
+    app = OsftTui(args.run_dir, shlex.split(args.launcher) if args.launcher else None, args.readonly, args.poll_interval)
+    code = app.run()
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The dashboard's panels and modal screens, one per module."""

@@ -1,0 +1,53 @@
+"""The checkpoint list of the run directory: step, time, size, complete or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.markup import escape
+from textual.widgets import DataTable
+
+from ..run_state import CheckpointEntry
+from .format import fmt_bytes, fmt_clock
+
+
+class CheckpointTable(DataTable):
+    """One row per directory under ``full_state_checkpoints/`` (key: its path), newest first."""
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        for name, width in (("step", 6), ("time", 8), ("size", 9), ("status", 24)):
+            self.add_column(name, key=name, width=width)  # fixed: the header never lags the rows
+        self._shown: list[CheckpointEntry] = []
+
+    def show(self, entries: list[CheckpointEntry]) -> None:
+        """Redraw when the list changed, keeping the selected checkpoint selected."""
+        if entries == self._shown:
+            return
+        selected = self.selected()
+        self.clear()
+        for e in entries:
+            status = "complete" if e.complete else f"[yellow]incomplete[/]: {escape(e.note)}"
+            self.add_row(str(e.step), fmt_clock(e.mtime), fmt_bytes(e.bytes), status, key=str(e.path))
+        self._shown = list(entries)
+        if selected is not None:
+            for i, e in enumerate(entries):
+                if e.path == selected.path:
+                    self.move_cursor(row=i)
+
+    def selected(self) -> CheckpointEntry | None:
+        """The checkpoint under the cursor, if any."""
+        if not self._shown or not 0 <= self.cursor_row < len(self._shown):
+            return None
+        return self._shown[self.cursor_row]
+
+    def select_step(self, step: int) -> bool:
+        """Put the cursor on the complete checkpoint of ``step``; False when there is none."""
+        for i, e in enumerate(self._shown):
+            if e.step == step and e.complete:
+                self.move_cursor(row=i)
+                return True
+        return False
+
+    def paths(self) -> list[Path]:
+        return [e.path for e in self._shown]

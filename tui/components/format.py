@@ -1,0 +1,40 @@
+"""How numbers look on the dashboard: bytes, rates, durations, clock times."""
+
+from __future__ import annotations
+
+import time
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1.5 GB`` (decimal units), ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def fmt_rate(x: float | None) -> str:
+    """A rate per second with three significant digits, ``-`` for None."""
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def fmt_duration(s: float | None) -> str:
+    """``1h02m03s`` / ``2m03s`` / ``3s``; ``-`` for None."""
+    if s is None:
+        return "-"
+    s = int(round(s))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    if h:
+        return f"{h}h{m:02d}m{sec:02d}s"
+    return f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+def fmt_clock(ts: float | None) -> str:
+    """Local ``HH:MM:SS`` of a unix time; ``-`` for None."""
+    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"

@@ -1,0 +1,67 @@
+"""Per-rank table: pid, host, state (running, exited with its code), CPU % and RSS from psutil."""
+
+from __future__ import annotations
+
+from osft.trainer.checkpoint.signals import signal_name
+from rich.markup import escape
+from textual.widgets import DataTable
+
+from ..processes import ProcStats
+from ..run_state import RankInfo
+from .format import fmt_bytes
+
+COLUMNS = ("rank", "node", "local", "pid", "host", "state", "CPU %", "RSS")
+#: Column widths (fixed, so the header never lags rows that arrive later).
+WIDTHS = (4, 4, 5, 8, 10, 20, 6, 9)
+
+
+class RankTable(DataTable):
+    """One row per rank of the current job (key ``rank<R>``)."""
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        for name, width in zip(COLUMNS, WIDTHS):
+            self.add_column(name, key=name, width=width)
+        self._order: list[int] = []
+
+    def show(self, ranks: list[RankInfo], stats: dict[int, ProcStats | None]) -> None:
+        """Redraw; ``stats[rank]`` is None for a rank on another host."""
+        for info in ranks:
+            s = stats.get(info.rank)
+            row = (str(info.rank), str(info.node_rank), str(info.local_rank), str(info.pid), escape(info.hostname),
+                   rank_state(info, s), "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
+                   fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-")
+            key = f"rank{info.rank}"
+            if key in self.rows:
+                for name, value in zip(COLUMNS, row):
+                    if self.get_cell(key, name) != value:  # an unchanged cell costs a redraw too
+                        self.update_cell(key, name, value)
+            else:
+                self.add_row(*row, key=key)
+                self._order.append(info.rank)
+
+    def selected_rank(self) -> int | None:
+        """The rank under the cursor, if any."""
+        if not self._order or not 0 <= self.cursor_row < len(self._order):
+            return None
+        return self._order[self.cursor_row]
+
+
+def rank_state(info: RankInfo, stats: ProcStats | None) -> str:
+    """``running``, ``exited (code N)``, ``[red]failed: message``, or ``remote`` (another host)."""
+    if stats is None:
+        return "remote" if info.exit_code is None else f"exited (code {info.exit_code})"
+    if stats.alive:
+        return "running"
+    if info.error:
+        code = "" if info.exit_code is None else f" (exit code {info.exit_code})"
+        return f"[b red]failed{code}[/]: {escape(info.error[:60])}"
+    if info.exit_code is not None and info.exit_code < 0:
+        try:
+            by = signal_name(-info.exit_code)
+        except ValueError:
+            by = f"signal {-info.exit_code}"
+        return f"[b red]killed by {by}[/] (exit code {info.exit_code})"
+    if info.exit_code is not None:
+        return f"exited (code {info.exit_code})" if info.exit_code in (0, 75) else f"[b red]exited (code {info.exit_code})[/]"
+    return "[b red]gone[/] (no exit record)"

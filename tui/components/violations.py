@@ -1,0 +1,18 @@
+"""Orthogonality-violation counters: this step, total, worst deviation; alert state when non-zero."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+from ..run_state import Violations
+
+
+class ViolationCounters(Static):
+    """Shows :class:`~osft.tui.run_state.Violations`; has CSS class ``alert`` while any count is
+    non-zero (the trainer re-projects each step, so a violation means the frozen subspace moved)."""
+
+    def show(self, v: Violations) -> None:
+        worst = "-" if v.worst_dev_deg is None else f"{v.worst_dev_deg:.3f}°"
+        self.update(f"orthogonality violations  this step [b]{v.this_step}[/b]  total [b]{v.total}[/b]"
+                    f"  worst deviation from 90° [b]{worst}[/b]", layout=False)  # height 1 (CSS)
+        self.set_class(v.alert, "alert")

@@ -1,0 +1,176 @@
+"""Reading a run directory in a process of its own.
+
+A run can write tens of thousands of metrics records and log lines per second (field case B29).
+Parsing them on the dashboard's UI thread would take the CPU the UI needs to answer a key press,
+and a thread would not help (the GIL). So a child process runs the :class:`~.run_state.RunWatcher`
+and sends the UI, once per poll, a snapshot of the :class:`~.run_state.RunModel` (a few KB) and at
+most :data:`EVENTS_PER_UPDATE` event lines and :data:`LOG_LINES_PER_UPDATE` log lines: the UI's
+work per poll no longer grows with the run's output.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .run_state import Event, RunModel, RunWatcher
+
+#: Event lines (run events, warnings, errors, malformed-line reports) per update at most.
+EVENTS_PER_UPDATE = 40
+#: Rank log lines per update at most.
+LOG_LINES_PER_UPDATE = 40
+#: Frame header on the pipe: the pickle's length in bytes.
+_HEADER = struct.Struct(">Q")
+
+
+@dataclass
+class Update:
+    """What the reader sends after a poll.
+
+    Attributes:
+        model: the run as known now.
+        events: the newest event and log lines (capped).
+        dropped_events: event lines left out by the cap (all are in ``metrics/*.jsonl``).
+        dropped_logs: log lines left out by the cap (``l`` shows a rank's log).
+        saved: every ``checkpoint_saved`` record read (never dropped: requests wait for them).
+        read_s: seconds the reader spent on the polls merged here (s).
+    """
+
+    model: RunModel
+    events: list[Event] = field(default_factory=list)
+    dropped_events: int = 0
+    dropped_logs: int = 0
+    saved: list[dict] = field(default_factory=list)
+    read_s: float = 0.0
+
+    def cap(self) -> Update:
+        """Keep the newest :data:`EVENTS_PER_UPDATE` events and :data:`LOG_LINES_PER_UPDATE` log
+        lines, counting the rest."""
+        infos = [e for e in self.events if e.level != "log"]
+        logs = [e for e in self.events if e.level == "log"]
+        self.dropped_events += max(0, len(infos) - EVENTS_PER_UPDATE)
+        self.dropped_logs += max(0, len(logs) - LOG_LINES_PER_UPDATE)
+        self.events = infos[-EVENTS_PER_UPDATE:] + logs[-LOG_LINES_PER_UPDATE:]
+        return self
+
+
+class Reader:
+    """A child process (``python -m osft.tui.reader``) that polls ``root`` every ``poll_s``
+    seconds and sends :class:`Update` s through a pipe (length-prefixed pickles; both ends are
+    this program).
+
+    The child exits when the dashboard goes: a write to the closed pipe fails, and it also checks
+    its parent pid each poll, so even a SIGKILLed dashboard leaves no reader behind.
+
+    Args:
+        root: the run directory.
+        poll_s: seconds between polls (s).
+    """
+
+    def __init__(self, root: Path, poll_s: float) -> None:
+        self._stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "osft.tui.reader", str(root), str(poll_s), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr)
+        assert self.process.stdout is not None
+        self._fd = self.process.stdout.fileno()
+        os.set_blocking(self._fd, False)
+        self._buffer = bytearray()
+
+    def _frames(self) -> list[Update]:
+        """Read what the pipe holds; return the complete updates in it.
+
+        Raises:
+            RuntimeError: the reader process ended (with the last line of its stderr).
+        """
+        ended = False
+        while True:
+            try:
+                chunk = os.read(self._fd, 1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                ended = True
+                break
+            self._buffer += chunk
+        updates = []
+        while len(self._buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buffer)
+            if len(self._buffer) < _HEADER.size + size:
+                break
+            updates.append(pickle.loads(self._buffer[_HEADER.size : _HEADER.size + size]))
+            del self._buffer[: _HEADER.size + size]
+        if ended and not updates:
+            self._stderr.seek(0)
+            lines = self._stderr.read().decode(errors="replace").strip().splitlines()
+            raise RuntimeError(f"the run-directory reader stopped (exit code {self.process.wait()})"
+                               + (f": {lines[-1]}" if lines else ""))
+        return updates
+
+    def receive(self) -> Update | None:
+        """Every update sent since the last call, merged into one (the newest model, events capped);
+        None when nothing arrived.
+
+        Raises:
+            RuntimeError: the reader process ended.
+        """
+        merged: Update | None = None
+        for update in self._frames():
+            if merged is None:
+                merged = update
+            else:
+                merged.model = update.model
+                merged.events += update.events
+                merged.dropped_events += update.dropped_events
+                merged.dropped_logs += update.dropped_logs
+                merged.saved += update.saved
+                merged.read_s += update.read_s
+        return merged.cap() if merged else None
+
+    def close(self) -> None:
+        """Stop the reader process and wait for it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(2)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        self._stderr.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The reader process: ``python -m osft.tui.reader ROOT POLL_S PARENT_PID``."""
+    root, poll_s, parent = (argv if argv is not None else sys.argv[1:])[:3]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the dashboard
+    out = sys.stdout.buffer
+    watcher = RunWatcher(root)
+    while os.getppid() == int(parent):
+        start = time.monotonic()
+        result = watcher.poll()
+        update = Update(watcher.model, result.events, saved=result.saved, read_s=time.monotonic() - start)
+        data = pickle.dumps(update.cap(), pickle.HIGHEST_PROTOCOL)
+        try:
+            out.write(_HEADER.pack(len(data)) + data)  # blocks while the dashboard is behind
+            out.flush()
+        except (BrokenPipeError, OSError):
+            return 0
+        time.sleep(max(0.0, float(poll_s) - (time.monotonic() - start)))
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the importable module's main, so the pickled Update is osft.tui.reader.Update, not __main__.Update.
+    from osft.tui.reader import main as module_main
+
+    sys.exit(module_main())

@@ -1,0 +1,514 @@
+"""What the dashboard knows about a run, built only from its run directory (DESIGN.md sections 3-5).
+
+:class:`RunWatcher` polls ``run.json`` (and ``run.node<N>.json``), tails every metrics file and
+every rank's stderr incrementally, and lists the checkpoints. It imports nothing that trains (no
+torch), so it reads runs started by hand, by ``osft-train``, by the dashboard or on a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from osft.trainer.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest, verify_files
+from osft.trainer.rundir import STEP_DIR, RunDir
+
+from .tail import JsonlTail, LogTail
+
+#: Points kept in each throughput and loss history (one per step record).
+HISTORY = 120
+#: A node whose tokens/s is below this fraction of the other nodes' mean is a straggler.
+STRAGGLER_FRACTION = 0.8
+#: run.json states after which nothing runs any more.
+FINAL_STATES = ("stopped", "completed", "failed")
+
+_RUN_NODE_JSON = re.compile(r"^run(?:\.node(\d+))?\.json$")
+#: One failure in torchrun's report of a failed worker group (torch.distributed.elastic
+#: ``ChildFailedError``): global rank, exit code (negative: killed by that signal) and pid.
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+_TMP_DIR = re.compile(r"^step_(\d+)\.tmp-")
+
+
+@dataclass
+class LauncherInfo:
+    """One node's launcher, from ``run.json`` / ``run.node<N>.json``."""
+
+    node_rank: int
+    data: dict
+
+    @property
+    def pid(self) -> int | None:
+        return self.data.get("launcher_pid")
+
+    @property
+    def hostname(self) -> str | None:
+        return self.data.get("hostname")
+
+    @property
+    def state(self) -> str:
+        return self.data.get("state") or "unknown"
+
+
+@dataclass
+class RankInfo:
+    """One rank, from its ``run_started`` record (and its ``error``/``run_finished`` records)."""
+
+    rank: int
+    node_rank: int
+    local_rank: int
+    pid: int | None
+    hostname: str
+    job_id: str
+    started: float
+    error: str | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class NodeStats:
+    """One node's latest step record and its histories.
+
+    Attributes:
+        tokens_per_s: this node's ranks' tokens/s in the latest step (``node_tokens_per_s``).
+        samples_per_s: the job's samples/s in the latest step (the schema has no per-node value).
+        rss_bytes: the reporting rank's resident memory (bytes), from the record.
+        gpu_mem_bytes: its GPU memory (bytes), None on CPU.
+    """
+
+    node_rank: int
+    hostname: str = "?"
+    step: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    rss_bytes: int | None = None
+    gpu_mem_bytes: int | None = None
+    step_times: deque = field(default_factory=lambda: deque(maxlen=10))
+    last_ts: float = 0.0
+    steps_seen: int = 0
+    tokens_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    loss_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+
+
+@dataclass
+class Violations:
+    """Orthogonality-violation counters (DESIGN.md section 4).
+
+    Attributes:
+        this_step: violations found in the latest checked step.
+        total: the run's total (carried across resume by the trainer).
+        worst_dev_deg: the worst deviation from 90° seen in any step read (degrees).
+        records_sum: sum of ``ortho_violations`` over every step record read (a consistency check:
+            equals ``total`` for a run read from its start).
+    """
+
+    this_step: int = 0
+    total: int = 0
+    worst_dev_deg: float | None = None
+    records_sum: int = 0
+
+    @property
+    def alert(self) -> bool:
+        return self.this_step > 0 or self.total > 0
+
+
+@dataclass
+class CheckpointEntry:
+    """A directory under ``full_state_checkpoints/``.
+
+    Attributes:
+        complete: it has a manifest whose files are all there with their recorded sizes (checksums
+            are verified by the trainer when it resumes, not here).
+        note: why it is not complete.
+        bytes: size of the files it lists (its own files, not the shared frozen store).
+        mtime: time of its manifest (or of the directory), unix s.
+    """
+
+    step: int
+    path: Path
+    complete: bool
+    bytes: int
+    mtime: float
+    note: str = ""
+
+
+@dataclass
+class Event:
+    """A line for the event pane: unix time, level (info, warning, error, log) and text."""
+
+    ts: float
+    level: str
+    text: str
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def describe(record: dict) -> Event | None:
+    """The event-pane line of a metrics record other than ``step`` (None for ``step``)."""
+    ev = record.get("event")
+    ts = float(record.get("ts") or time.time())
+    who = f"rank {record.get('rank')}"
+    if ev == "step":
+        return None
+    if ev == "run_started":
+        return Event(ts, "info", f"{who} started (pid {record.get('pid')} on {record.get('hostname')}, node {record.get('node_rank')})")
+    if ev == "checkpoint_requested":
+        return Event(ts, "info", f"checkpoint requested at step {record.get('step')} ({record.get('signal')}, {record.get('point', 'safe point')})")
+    if ev == "checkpoint_saved":
+        return Event(ts, "info", f"checkpoint of step {record.get('step')} written to {record.get('path')} "
+                                 f"({_fmt_bytes(record.get('bytes'))} in {float(record.get('seconds') or 0):.1f} s)")
+    if ev == "resumed":
+        return Event(ts, "info", f"resumed from step {record.get('from_step')} ({record.get('path')})")
+    if ev in ("warning", "error"):
+        return Event(ts, ev, f"{who}: {ev}: {record.get('message')}")
+    if ev == "run_finished":
+        level = "info" if record.get("exit_code") in (0, 75) else "error"
+        return Event(ts, level, f"node {record.get('node_rank')}: run {record.get('reason')} at step {record.get('step')} "
+                                f"(exit code {record.get('exit_code')})")
+    return Event(ts, "info", f"{who}: {ev}")
+
+
+@dataclass
+class PollResult:
+    """What changed in one :meth:`RunWatcher.poll`: event lines, ``checkpoint_saved`` records,
+    and the number of records read."""
+
+    events: list[Event] = field(default_factory=list)
+    saved: list[dict] = field(default_factory=list)
+    records: int = 0
+
+
+class RunModel:
+    """What is known about a run: built by :class:`RunWatcher` from its files, read by the UI.
+
+    Plain data (it pickles), so the reading can run in another process (:mod:`.reader`).
+
+    Attributes:
+        launchers: node rank -> its launcher's ``run.json`` / ``run.node<N>.json``.
+        ranks: global rank -> its latest ``run_started`` (and error/exit records).
+        nodes: node rank -> its latest step record and histories.
+        records_read: metrics file name -> records read from it so far.
+        log_paths: ``(node rank, local rank)`` -> the rank's ``stderr.log``.
+        consumed_bytes: path of each file read -> bytes taken in so far (the rest is backlog).
+        event_counts: event lines produced so far, by level (before the UI's caps).
+        log_buffers: ``node<N>/local<L>`` -> lines kept, their cap, and bytes skipped by a flood.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.launchers: dict[int, LauncherInfo] = {}
+        self.ranks: dict[int, RankInfo] = {}
+        self.nodes: dict[int, NodeStats] = {}
+        self.violations = Violations()
+        self.checkpoints: list[CheckpointEntry] = []
+        self.loss_history: deque = deque(maxlen=HISTORY)
+        self.max_steps: int | None = None
+        self.step: int | None = None
+        self.problems: list[str] = []
+        self.records_read: dict[str, int] = {}
+        self.log_paths: dict[tuple[int, int], Path] = {}
+        self.consumed_bytes: dict[str, int] = {}
+        self.event_counts: dict[str, int] = {}
+        self.log_buffers: dict[str, dict[str, int]] = {}
+
+    @property
+    def run(self) -> dict:
+        """``run.json`` (node 0's launcher), or {} before it exists."""
+        node0 = self.launchers.get(0)
+        return node0.data if node0 else {}
+
+    @property
+    def job_id(self) -> str | None:
+        return self.run.get("job_id")
+
+    @property
+    def state(self) -> str:
+        """The run's state: node 0's, unless another node failed."""
+        states = [info.state for info in self.launchers.values()]
+        if not states:
+            return "no run.json"
+        return "failed" if "failed" in states else self.run.get("state", states[0])
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.launchers) and all(info.state in FINAL_STATES for info in self.launchers.values())
+
+    def elapsed_s(self, now: float | None = None) -> float | None:
+        """Seconds since the launcher started (until its last update once finished)."""
+        start = self.run.get("start_time")
+        if start is None:
+            return None
+        end = self.run.get("updated_at", start) if self.finished else (now or time.time())
+        return max(0.0, end - start)
+
+    def eta_s(self) -> float | None:
+        """Seconds to ``max_steps`` at the mean step time of the last 10 steps."""
+        node = self.nodes.get(0)
+        if node is None or self.step is None or not self.max_steps or not node.step_times:
+            return None
+        return max(0, self.max_steps - self.step) * statistics.fmean(node.step_times)
+
+    def rank_of(self, node_rank: int, local_rank: int) -> int:
+        """Global rank of a node's local rank (``nproc_per_node`` from run.json)."""
+        nproc = int(self.run.get("nproc_per_node") or 1)
+        return node_rank * nproc + local_rank
+
+    def stragglers(self) -> set[int]:
+        """Nodes whose latest tokens/s is more than 20% below the mean of the other nodes'."""
+        rates = {n: s.tokens_per_s for n, s in self.nodes.items() if s.tokens_per_s}
+        slow = set()
+        for n, rate in rates.items():
+            others = [r for m, r in rates.items() if m != n]
+            if others and rate < STRAGGLER_FRACTION * statistics.fmean(others):
+                slow.add(n)
+        return slow
+
+    def set_launcher(self, node_rank: int, data: dict) -> None:
+        """A new ``run.json`` (node 0) or ``run.node<N>.json``."""
+        self.launchers[node_rank] = LauncherInfo(node_rank, data)
+        steps = (data.get("config") or {}).get("max_steps")
+        if node_rank == 0 and steps:
+            self.max_steps = int(steps)
+
+    def apply(self, record: dict, result: PollResult) -> None:
+        """Take in one metrics record; its event line and checkpoint saves go to ``result``."""
+        ev = record.get("event")
+        rank = record.get("rank")
+        if ev == "step":
+            self._apply_step(record)
+            return
+        if ev == "run_started" and isinstance(rank, int):
+            self.ranks[rank] = RankInfo(rank, int(record.get("node_rank", 0)), int(record.get("local_rank", 0)),
+                                        record.get("pid"), str(record.get("hostname")), str(record.get("job_id")),
+                                        float(record.get("ts", 0)))
+            cfg = record.get("config") or {}
+            if not self.max_steps and cfg.get("max_steps"):
+                self.max_steps = int(cfg["max_steps"])
+        elif ev == "error" and rank in self.ranks:
+            self.ranks[rank].error = str(record.get("message"))
+            if record.get("exit_code") is not None:
+                self.ranks[rank].exit_code = record["exit_code"]
+        elif ev == "run_finished" and rank in self.ranks:
+            self.ranks[rank].exit_code = record.get("exit_code")
+        elif ev == "checkpoint_saved":
+            result.saved.append(record)
+        event = describe(record)
+        if event:
+            result.events.append(event)
+
+    def _apply_step(self, record: dict) -> None:
+        node_rank = int(record.get("node_rank", 0))
+        node = self.nodes.setdefault(node_rank, NodeStats(node_rank))
+        node.hostname = str(record.get("hostname", node.hostname))
+        node.step = record.get("step")
+        node.loss = record.get("loss")
+        node.tokens_per_s = record.get("node_tokens_per_s", record.get("tokens_per_s"))
+        node.samples_per_s = record.get("samples_per_s")
+        node.rss_bytes = record.get("rss_bytes")
+        node.gpu_mem_bytes = record.get("gpu_mem_bytes")
+        if record.get("step_time_s"):
+            node.step_times.append(float(record["step_time_s"]))
+        node.last_ts = float(record.get("ts", 0))
+        node.steps_seen += 1
+        if node.tokens_per_s is not None:
+            node.tokens_history.append(float(node.tokens_per_s))
+        if node.loss is not None:
+            node.loss_history.append(float(node.loss))
+        if node_rank == 0:
+            self.step = node.step
+            if node.loss is not None:
+                self.loss_history.append(float(node.loss))
+            this = int(record.get("ortho_violations") or 0)
+            v = self.violations
+            v.this_step = this
+            v.records_sum += this
+            v.total = int(record.get("ortho_violations_total") or 0)
+            dev = record.get("ortho_max_dev_deg")
+            if dev is not None and (v.worst_dev_deg is None or dev > v.worst_dev_deg):
+                v.worst_dev_deg = float(dev)
+
+
+class RunWatcher:
+    """Reads a run directory incrementally into :attr:`model`; call :meth:`poll` a few times per
+    second.
+
+    Args:
+        root: the run directory (``--output-dir``).
+        log_lines: lines of each rank's stderr kept in memory.
+    """
+
+    def __init__(self, root: str | Path, log_lines: int = 200) -> None:
+        self.model = RunModel(root)
+        self.root = Path(root)
+        self.rundir = RunDir(self.root)
+        self.log_lines = log_lines
+        self._tails: dict[Path, JsonlTail] = {}
+        self._logs: dict[tuple[int, int], LogTail] = {}
+        self._launcher_logs: dict[int, LogTail] = {}
+        self._json_mtimes: dict[Path, float] = {}
+        self._ckpt_cache: dict[Path, tuple[float, CheckpointEntry]] = {}
+
+    def _read_run_jsons(self) -> None:
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
+            return
+        for path in entries:
+            m = _RUN_NODE_JSON.match(path.name)
+            if not m:
+                continue
+            try:
+                mtime = path.stat().st_mtime
+                if self._json_mtimes.get(path) == mtime:
+                    continue
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # being replaced; the next poll reads it
+            self._json_mtimes[path] = mtime
+            self.model.set_launcher(int(m.group(1) or 0), data)
+
+    def _log_files(self) -> dict[tuple[int, int], Path]:
+        """``(node rank, local rank) -> stderr.log`` of each node's newest torchrun run id."""
+        found: dict[tuple[int, int], Path] = {}
+        logs = self.root / "logs"
+        try:
+            nodes = [p for p in logs.iterdir() if p.is_dir() and p.name.startswith("node") and p.name[4:].isdigit()]
+        except FileNotFoundError:
+            return found
+        for node_dir in nodes:
+            runs = sorted((p for p in node_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+            if not runs:
+                continue
+            attempts = sorted(runs[-1].glob("attempt_*"), key=lambda p: p.name)
+            if not attempts:
+                continue
+            for local_dir in attempts[-1].iterdir():
+                if local_dir.name.isdigit():
+                    found[(int(node_dir.name[4:]), int(local_dir.name))] = local_dir / "stderr.log"
+        return found
+
+    def _checkpoint(self, path: Path, step: int) -> CheckpointEntry:
+        mtime = _mtime(path) or 0.0
+        manifest_mtime = _mtime(path / MANIFEST)
+        key = manifest_mtime or mtime
+        cached = self._ckpt_cache.get(path)
+        if cached and cached[0] == key:
+            return cached[1]
+        if _TMP_DIR.match(path.name):
+            entry = CheckpointEntry(step, path, False, _du(path), mtime, "being written, or abandoned")
+        else:
+            try:
+                manifest = read_manifest(path)
+                verify_files(manifest, checksums=False)
+                size = sum(int(f["size"]) for f in manifest.files.values())
+                entry = CheckpointEntry(step, path, True, size, manifest_mtime or mtime)
+            except CheckpointError as exc:
+                entry = CheckpointEntry(step, path, False, _du(path), mtime, str(exc))
+        self._ckpt_cache[path] = (key, entry)
+        return entry
+
+    def _read_checkpoints(self) -> None:
+        root = self.rundir.checkpoints
+        try:
+            entries = [p for p in root.iterdir() if p.is_dir()]
+        except FileNotFoundError:
+            self.model.checkpoints = []
+            return
+        found = []
+        for p in entries:
+            m = STEP_DIR.match(p.name) or _TMP_DIR.match(p.name)
+            if m:
+                found.append(self._checkpoint(p, int(m.group(1))))
+        self.model.checkpoints = sorted(found, key=lambda e: (e.step, e.complete), reverse=True)
+
+    def poll(self, checkpoints: bool = True) -> PollResult:
+        """Read what changed since the last poll; ``checkpoints`` also rescans the checkpoint list."""
+        model = self.model
+        result = PollResult()
+        self._read_run_jsons()
+        try:
+            for path in self.rundir.metrics.glob("*.jsonl"):
+                self._tails.setdefault(path, JsonlTail(path))
+        except OSError:
+            pass
+        for tail in self._tails.values():
+            batch = tail.poll()
+            result.records += len(batch.records)
+            for record in batch.records:
+                model.apply(record, result)
+            model.records_read[tail.path.name] = tail.records_read
+            for problem in batch.problems:
+                model.problems.append(problem)
+                result.events.append(Event(time.time(), "warning", problem))
+        result.events.sort(key=lambda e: e.ts)  # files are read one after the other
+        model.log_paths = self._log_files()
+        for key, path in model.log_paths.items():
+            tail = self._logs.get(key)
+            if tail is None or tail.path != path:
+                tail = self._logs[key] = LogTail(path, self.log_lines)
+            rank = model.rank_of(*key)
+            new = tail.poll()
+            result.events.extend(Event(time.time(), "log", f"[rank {rank}] {line}") for line in new[-self.log_lines :])
+        self._read_launcher_logs()
+        if checkpoints:
+            self._read_checkpoints()
+        for event in result.events:
+            model.event_counts[event.level] = model.event_counts.get(event.level, 0) + 1
+        model.consumed_bytes = {str(t.path): t.consumed for t in [*self._tails.values(), *self._logs.values()]}
+        model.log_buffers = {f"node{n}/local{lr}": {"lines": len(t.lines), "max_lines": t.lines.maxlen or 0,
+                                                     "skipped_bytes": t.skipped_bytes}
+                             for (n, lr), t in sorted(self._logs.items())}
+        return result
+
+    def _read_launcher_logs(self) -> None:
+        """Exit codes of ranks that died without a record, from torchrun's report in the output of
+        launchers the dashboard started (``logs/launcher.node<N>.log``)."""
+        for node_rank in self.model.launchers:
+            tail = self._launcher_logs.get(node_rank)
+            if tail is None:
+                tail = self._launcher_logs[node_rank] = LogTail(self.rundir.launcher_log(node_rank), 400)
+            if not tail.poll():
+                continue
+            for rank, (code, pid) in torchrun_failures("\n".join(tail.lines)).items():
+                info = self.model.ranks.get(rank)
+                if info is not None and info.pid == pid and info.exit_code is None:
+                    info.exit_code = code
+
+
+def torchrun_failures(text: str) -> dict[int, tuple[int, int]]:
+    """``rank -> (exit code, pid)`` from torchrun's failure report in a launcher's output. A rank
+    killed by a signal (the kernel's OOM killer, SIGSEGV) writes no record of its own; this report
+    is the only place its exit code appears."""
+    return {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in _TORCHRUN_FAILURE.finditer(text)}
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _du(path: Path) -> int:
+    """Bytes of the regular files under ``path`` (files that vanish meanwhile count 0)."""
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total

@@ -1,0 +1,154 @@
+"""Incremental readers for files that other processes append to (metrics JSONL, rank logs).
+
+Each poll reads only the bytes added since the last one (the way ``tail -f`` and toolong do), at
+most a fixed number of bytes per poll, so a file that grows by megabytes per second never blocks
+the UI thread for long and never makes memory grow: what a poll did not reach is read by the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Bytes one poll reads from one file at most (4 MiB: tens of thousands of metrics records).
+READ_CHUNK = 4 * 1024 * 1024
+
+
+@dataclass
+class JsonlBatch:
+    """What one poll of a :class:`JsonlTail` found.
+
+    Attributes:
+        records: complete, well-formed records (JSON objects), in file order.
+        problems: one message per malformed complete line, naming the file and line number.
+    """
+
+    records: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+class JsonlTail:
+    """Reads the complete new lines of a JSONL file, one poll at a time.
+
+    A partly written last line (no newline yet) is held back until its writer finishes it; a
+    complete line that is not a JSON object is reported once, with its 1-based line number, and
+    skipped. A file that shrinks or is replaced (new inode) is read again from its start.
+
+    Args:
+        path: the file; it need not exist yet.
+        chunk: bytes read per poll at most.
+    """
+
+    def __init__(self, path: Path, chunk: int = READ_CHUNK) -> None:
+        self.path = Path(path)
+        self.chunk = chunk
+        self.offset = 0
+        self.line_no = 0
+        self.records_read = 0
+        self._held = b""
+        self._inode: int | None = None
+
+    @property
+    def consumed(self) -> int:
+        """Bytes of the file taken in as complete lines."""
+        return self.offset - len(self._held)
+
+    def poll(self) -> JsonlBatch:
+        """Read what was appended since the last poll (at most ``chunk`` bytes)."""
+        batch = JsonlBatch()
+        for line in self._new_lines():
+            self.line_no += 1
+            try:
+                record = json.loads(line)
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                batch.problems.append(f"{self.path}:{self.line_no}: malformed record skipped ({exc})")
+                continue
+            if not isinstance(record, dict):
+                batch.problems.append(f"{self.path}:{self.line_no}: malformed record skipped (not a JSON object)")
+                continue
+            batch.records.append(record)
+        self.records_read += len(batch.records)
+        return batch
+
+    def _new_lines(self) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size < self.offset:  # new or truncated file
+                    self._inode, self.offset, self.line_no, self._held = st.st_ino, 0, 0, b""
+                if st.st_size == self.offset:
+                    return []
+                f.seek(self.offset)
+                data = f.read(self.chunk)
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self._held + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._held = data
+            return []
+        self._held = data[end + 1 :]
+        return [line for line in data[:end].split(b"\n") if line.strip()]
+
+
+class LogTail:
+    """Keeps the last ``max_lines`` lines of a growing text file (a rank's stderr or stdout).
+
+    When more than ``chunk`` bytes arrived since the last poll, the older part is skipped (and
+    counted in :attr:`skipped_bytes`): a flooding log costs one bounded read per poll, and memory
+    is bounded by ``max_lines``.
+
+    Args:
+        path: the file; it need not exist yet.
+        max_lines: lines kept.
+        chunk: bytes read per poll at most.
+    """
+
+    def __init__(self, path: Path, max_lines: int = 200, chunk: int = 256 * 1024) -> None:
+        self.path = Path(path)
+        self.chunk = chunk
+        self.lines: deque[str] = deque(maxlen=max_lines)
+        self.offset = 0
+        self.skipped_bytes = 0
+        self._held = b""
+        self._inode: int | None = None
+
+    @property
+    def consumed(self) -> int:
+        """Bytes of the file read or skipped, up to the last complete line."""
+        return self.offset - len(self._held)
+
+    def poll(self) -> list[str]:
+        """Read the new complete lines (the newest ``max_lines`` of them), keep and return them."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size < self.offset:
+                    self._inode, self.offset, self._held = st.st_ino, 0, b""
+                    self.lines.clear()
+                if st.st_size - self.offset > self.chunk:
+                    skip_to = st.st_size - self.chunk
+                    self.skipped_bytes += skip_to - self.offset
+                    self.offset, self._held = skip_to, b""
+                    f.seek(self.offset)
+                    f.readline()  # resynchronise on a line start
+                    self.skipped_bytes += f.tell() - self.offset
+                    self.offset = f.tell()
+                f.seek(self.offset)
+                data = f.read(self.chunk)
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self._held + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._held = data
+            return []
+        self._held = data[end + 1 :]
+        new = data[:end].decode("utf-8", errors="replace").split("\n")[-self.lines.maxlen :]
+        self.lines.extend(new)
+        return new
