@@ -17,6 +17,30 @@ from pathlib import Path
 READ_CHUNK = 4 * 1024 * 1024
 
 
+class _Tail:
+    """Offset bookkeeping shared by the tails: bytes read so far and a held partial last line."""
+
+    offset: int
+    _held: bytes
+
+    @property
+    def consumed(self) -> int:
+        """Bytes of the file taken in as complete lines (read or skipped)."""
+        return self.offset - len(self._held)
+
+    def _complete_lines(self, data: bytes) -> list[bytes]:
+        """Account for ``data`` just read; return the lines it completes (without newlines) and
+        hold back a trailing partial line for the next read."""
+        self.offset += len(data)
+        data = self._held + data
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._held = data
+            return []
+        self._held = data[end + 1 :]
+        return data[:end].split(b"\n")
+
+
 @dataclass
 class JsonlBatch:
     """What one poll of a :class:`JsonlTail` found.
@@ -30,7 +54,7 @@ class JsonlBatch:
     problems: list[str] = field(default_factory=list)
 
 
-class JsonlTail:
+class JsonlTail(_Tail):
     """Reads the complete new lines of a JSONL file, one poll at a time.
 
     A partly written last line (no newline yet) is held back until its writer finishes it; a
@@ -50,11 +74,6 @@ class JsonlTail:
         self.records_read = 0
         self._held = b""
         self._inode: int | None = None
-
-    @property
-    def consumed(self) -> int:
-        """Bytes of the file taken in as complete lines."""
-        return self.offset - len(self._held)
 
     def poll(self) -> JsonlBatch:
         """Read what was appended since the last poll (at most ``chunk`` bytes)."""
@@ -85,17 +104,10 @@ class JsonlTail:
                 data = f.read(self.chunk)
         except FileNotFoundError:
             return []
-        self.offset += len(data)
-        data = self._held + data
-        end = data.rfind(b"\n")
-        if end < 0:
-            self._held = data
-            return []
-        self._held = data[end + 1 :]
-        return [line for line in data[:end].split(b"\n") if line.strip()]
+        return [line for line in self._complete_lines(data) if line.strip()]
 
 
-class LogTail:
+class LogTail(_Tail):
     """Keeps the last ``max_lines`` lines of a growing text file (a rank's stderr or stdout).
 
     When more than ``chunk`` bytes arrived since the last poll, the older part is skipped (and
@@ -117,11 +129,6 @@ class LogTail:
         self._held = b""
         self._inode: int | None = None
 
-    @property
-    def consumed(self) -> int:
-        """Bytes of the file read or skipped, up to the last complete line."""
-        return self.offset - len(self._held)
-
     def poll(self) -> list[str]:
         """Read the new complete lines (the newest ``max_lines`` of them), keep and return them."""
         try:
@@ -142,13 +149,7 @@ class LogTail:
                 data = f.read(self.chunk)
         except FileNotFoundError:
             return []
-        self.offset += len(data)
-        data = self._held + data
-        end = data.rfind(b"\n")
-        if end < 0:
-            self._held = data
-            return []
-        self._held = data[end + 1 :]
-        new = data[:end].decode("utf-8", errors="replace").split("\n")[-self.lines.maxlen :]
+        complete = self._complete_lines(data)[-self.lines.maxlen :]
+        new = [line.decode("utf-8", errors="replace") for line in complete]
         self.lines.extend(new)
         return new
