@@ -173,6 +173,7 @@ def test_r_resumes_from_the_selected_checkpoint_with_the_resume_flag(tmp_path):
             await pilot.press("c")
             await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done, 20, "a checkpoint")
         first = records(out, event="checkpoint_saved")[0]
+        await wait_until(pilot, lambda: sum(e.complete for e in dash.run.checkpoints) == 2, 10, "both listed")
         await wait_until(pilot, lambda: table.select_step(first["step"]), 10, "the first checkpoint listed")
         old_launcher = run_json(out)["launcher_pid"]
 
@@ -180,6 +181,8 @@ def test_r_resumes_from_the_selected_checkpoint_with_the_resume_flag(tmp_path):
         modal = await wait_until(pilot, lambda: isinstance(app.screen, Choice) and app.screen, 10, "the confirmation")
         body = str(modal.query_one(".dialog-body Static").content)
         assert f"SIGUSR2 (checkpoint and stop) to pid {old_launcher}" in body
+        second = records(out, event="checkpoint_saved")[1]["step"]
+        assert f"Newer checkpoints stay (step {second}, and the one the stop writes)" in body
         assert signals_received(out) == ["SIGUSR1", "SIGUSR1"]  # nothing sent before the answer
         await pilot.click("#resume")
         resumed = await wait_until(pilot, lambda: records(out, event="resumed"), 40, "the resumed run")

@@ -19,8 +19,10 @@ import pytest
 from osft.trainer.checkpoint.manifest import describe_files, write_manifest
 from osft.tui.app import OsftTui
 from osft.tui.components.new_run import NewRunScreen
+from osft.tui.components.ranks import RankTable
 from osft.tui.components.violations import ViolationCounters
-from textual.widgets import Input
+from osft.tui.dashboard import SAMPLE_S
+from textual.widgets import Input, RichLog, Sparkline
 from tui_support import wait_until
 
 SNAPSHOTS = Path(__file__).with_name("snapshots")
@@ -54,15 +56,16 @@ def assert_snapshot(svg: str, name: str, tmp_path: Path) -> None:
 
 
 async def settled_screenshot(app, pilot, must_show: str) -> str:
-    """The SVG screenshot once it shows ``must_show`` and two in a row, 0.3 s apart, are equal
-    (the footer and tables render a moment after the data they show arrives)."""
+    """The SVG screenshot once it shows ``must_show`` and two in a row, taken longer apart than the
+    dashboard's slow redraw tier (SAMPLE_S), are equal: the footer, tables, sparklines and event
+    pane render a moment after the data they show arrives."""
     last = None
-    for _ in range(50):
+    for _ in range(20):
         svg = app.export_screenshot()
         if svg == last and must_show in svg:
             return svg
         last = svg
-        await pilot.pause(0.3)
+        await pilot.pause(SAMPLE_S + 0.3)
     raise AssertionError(f"the screen did not settle showing {must_show!r}")
 
 
@@ -117,8 +120,11 @@ def write_two_node_run(root: Path, violation_at: int | None) -> None:
 async def _dashboard_svg(root: Path) -> tuple[str, bool]:
     app = OsftTui(root, poll_s=0.1)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.dashboard.run.step == 12 and app.dashboard.run.nodes.get(1), 10,
-                         "the records")
+        dash = app.dashboard
+        await wait_until(pilot, lambda: dash.run.step == 12 and dash.run.nodes.get(1)
+                         and all(s.data for s in dash.query(Sparkline)) and len(dash.query(Sparkline)) == 3
+                         and len(dash.query_one(RankTable).rows) == 4 and dash.query_one("#events", RichLog).lines,
+                         10, "every panel drawn")
         alert = app.dashboard.query_one(ViolationCounters).has_class("alert")
         return await settled_screenshot(app, pilot, "palette"), alert
 

@@ -277,8 +277,12 @@ class Dashboard(Screen):
         if not argvs or not all(argvs):
             self.notify("run.json has no command line to relaunch", severity="error")
             return
+        newer = sorted(e.step for e in self.run.checkpoints if e.complete and e.step > entry.step)
+        caveat = (f"Newer checkpoints stay (step {', '.join(map(str, newer))}, and the one the stop writes): "
+                  "a later --resume picks the newest complete checkpoint, whichever run wrote it.") if newer else ""
         if self.view.any_alive():
             pids = [f"SIGUSR2 (checkpoint and stop) to pid {t.pid}: {t.role}" for t in self.view.request_targets()]
+            pids += [caveat] if caveat else []
 
             def done(answer: str | None) -> None:
                 if answer == "resume":
@@ -288,6 +292,8 @@ class Dashboard(Screen):
                                         [("cancel", "cancel", "primary"), ("resume", "stop and resume", "warning")]),
                                  done)
         else:
+            if caveat:
+                self.notify(caveat, severity="warning")
             self._relaunch(entry.path, argvs)
 
     async def _stop_then_resume(self, checkpoint: Path, argvs: list[list[str]]) -> None:
