@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass
 
 import psutil
@@ -200,21 +199,3 @@ def kill(targets: list[Target], timeout_s: float = 10.0) -> list[int]:
             continue
     _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return [p.pid for p in alive]
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> bool:
-    """Wait until none of ``pids`` runs (zombies count as gone); True if all went in time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(_alive(pid) for pid in pids):
-            return True
-        time.sleep(0.1)
-    return not any(_alive(pid) for pid in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-

@@ -18,6 +18,7 @@ from pathlib import Path
 from osft.trainer.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest, verify_files
 from osft.trainer.rundir import STEP_DIR, RunDir
 
+from .components.format import fmt_bytes
 from .tail import JsonlTail, LogTail
 
 #: Points kept in each throughput and loss history (one per step record).
@@ -146,16 +147,6 @@ class Event:
     text: str
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
 def describe(record: dict) -> Event | None:
     """The event-pane line of a metrics record other than ``step`` (None for ``step``)."""
     ev = record.get("event")
@@ -169,7 +160,7 @@ def describe(record: dict) -> Event | None:
         return Event(ts, "info", f"checkpoint requested at step {record.get('step')} ({record.get('signal')}, {record.get('point', 'safe point')})")
     if ev == "checkpoint_saved":
         return Event(ts, "info", f"checkpoint of step {record.get('step')} written to {record.get('path')} "
-                                 f"({_fmt_bytes(record.get('bytes'))} in {float(record.get('seconds') or 0):.1f} s)")
+                                 f"({fmt_bytes(record.get('bytes'))} in {float(record.get('seconds') or 0):.1f} s)")
     if ev == "resumed":
         return Event(ts, "info", f"resumed from step {record.get('from_step')} ({record.get('path')})")
     if ev in ("warning", "error"):
@@ -183,12 +174,10 @@ def describe(record: dict) -> Event | None:
 
 @dataclass
 class PollResult:
-    """What changed in one :meth:`RunWatcher.poll`: event lines, ``checkpoint_saved`` records,
-    and the number of records read."""
+    """What changed in one :meth:`RunWatcher.poll`: event lines and ``checkpoint_saved`` records."""
 
     events: list[Event] = field(default_factory=list)
     saved: list[dict] = field(default_factory=list)
-    records: int = 0
 
 
 class RunModel:
@@ -446,7 +435,6 @@ class RunWatcher:
             pass
         for tail in self._tails.values():
             batch = tail.poll()
-            result.records += len(batch.records)
             for record in batch.records:
                 model.apply(record, result)
             model.records_read[tail.path.name] = tail.records_read

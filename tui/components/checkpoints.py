@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich.markup import escape
 from textual.widgets import DataTable
 
@@ -48,6 +46,3 @@ class CheckpointTable(DataTable):
                 self.move_cursor(row=i)
                 return True
         return False
-
-    def paths(self) -> list[Path]:
-        return [e.path for e in self._shown]
