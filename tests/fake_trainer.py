@@ -56,7 +56,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -85,7 +84,7 @@ from osft.trainer.checkpoint.signals import (
     request_files,
     signal_name,
 )
-from osft.trainer.rundir import RunDir, write_json_atomic
+from osft.trainer.rundir import STEP_DIR, RunDir, write_json_atomic
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -99,7 +98,6 @@ CONTROL_ACTIONS = {"checkpoint": Action.CHECKPOINT, "checkpoint-and-exit": Actio
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Plain trainer state inside a checkpoint (the real file name).
 TRAINER_STATE = "trainer_state.json"
-STEP_DIR = re.compile(r"^step_(\d+)$")
 STEPS_PER_EPOCH = 10
 #: Launcher poll interval and rank wait tick, s.
 LAUNCHER_POLL_S = 0.05
@@ -163,10 +161,6 @@ def job_id_for(args: argparse.Namespace) -> str:
         return uuid.uuid4().hex[:12]
     key = f"{Path(args.output_dir).resolve()}|{args.rdzv_endpoint}"
     return hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "full_state_checkpoints"
 
 
 def sync_file(output_dir: str | Path, kind: str, job_id: str) -> Path:
@@ -309,9 +303,9 @@ class Launcher:
         """The checkpoint the ranks resume from ("" for none), verified before any rank starts."""
         args = self.args
         if args.resume:
-            found = newest_complete(checkpoint_root(args.output_dir), self.world_size)
+            found = newest_complete(RunDir(args.output_dir).checkpoints, self.world_size)
             if found is None:
-                say(f"resume: no complete checkpoint under {checkpoint_root(args.output_dir)}; starting fresh")
+                say(f"resume: no complete checkpoint under {RunDir(args.output_dir).checkpoints}; starting fresh")
             return str(found or "")
         if args.resume_from_full_state_checkpoint:
             verify_resumable(Path(args.resume_from_full_state_checkpoint), self.world_size)
@@ -723,7 +717,7 @@ class Rank:
     def save(self) -> dict:
         """Write ``step_<N>.tmp-<job>`` (files, then the manifest) and rename it to ``step_<N>``."""
         start = time.perf_counter()
-        root = checkpoint_root(self.out)
+        root = RunDir(self.out).checkpoints
         final, tmp = root / f"step_{self.step}", root / f"step_{self.step}.tmp-{self.job_id}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -62,7 +62,7 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from dataclasses import replace
 
     from .checkpoint.resume import check_resume_compatible, read_trainer_state
-    from .checkpoint.store import checkpoint_root, newest_complete, verify_checkpoint
+    from .checkpoint.store import newest_complete, verify_checkpoint
     from .data.cache import tokenize_chat_file_cached
     from .data.sampler import check_enough_samples
     from .model_loading import load_tokenizer
@@ -74,11 +74,11 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
     resume = cfg
     if cfg.resume:
-        found, skipped = newest_complete(checkpoint_root(cfg.output_dir))
+        found, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
         for line in skipped:
             console.print(f"resume: {line}", markup=False, highlight=False, soft_wrap=True)
         if found is None:
-            console.print(f"resume: no complete checkpoint under {checkpoint_root(cfg.output_dir)}; starting fresh",
+            console.print(f"resume: no complete checkpoint under {RunDir(cfg.output_dir).checkpoints}; starting fresh",
                           markup=False, highlight=False, soft_wrap=True)
         resume = replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
     elif cfg.resume_from_full_state_checkpoint:

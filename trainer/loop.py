@@ -49,7 +49,6 @@ from .checkpoint.store import (
     VERIFIED_CHECKPOINT_ENV,
     apply_retention,
     check_shared,
-    checkpoint_root,
     newest_complete,
     verify_checkpoint,
 )
@@ -240,7 +239,7 @@ class Trainer:
         self.scheduler = get_scheduler(
             cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
         )
-        root = checkpoint_root(cfg.output_dir)
+        root = RunDir(cfg.output_dir).checkpoints
         if cfg.checkpointing or resume_dir is not None:
             self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
         if cfg.checkpointing:
@@ -268,7 +267,7 @@ class Trainer:
                 path = Path(cfg.resume_from_full_state_checkpoint)
                 verify_checkpoint(path, checksums=os.environ.get(VERIFIED_CHECKPOINT_ENV) != str(path))
                 return str(path), []
-            path, skipped = newest_complete(checkpoint_root(cfg.output_dir))
+            path, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
             return (str(path) if path else None), skipped
 
         found, skipped = agree(resolve, self.dist.rank)
@@ -276,7 +275,7 @@ class Trainer:
             if self.dist.rank == 0:
                 self._warn(message)
         if found is None:
-            self._say(f"resume: no complete checkpoint under {checkpoint_root(cfg.output_dir)}; starting fresh")
+            self._say(f"resume: no complete checkpoint under {RunDir(cfg.output_dir).checkpoints}; starting fresh")
             return None
         return Path(found)
 

@@ -81,6 +81,7 @@ class Dashboard(Screen):
         self.view: ProcessView | None = None
         self._stats: dict[int, ProcStats | None] = {}
         self._queued = Update(RunModel("."))
+        self._live = False
         self._sampled = float("-inf")
         self.started: list[subprocess.Popen] = []
         self.pending: list[tuple[str, int | None]] = []
@@ -155,6 +156,7 @@ class Dashboard(Screen):
         slow = now - self._sampled >= SAMPLE_S  # the costly redraws: once per SAMPLE_S
         if slow:
             self._stats, self._sampled = self._sample(), now
+            self._live = self.view.any_alive()
             self._write_events()
         run, stats = self.run, self._stats
         usage: dict[int, tuple[float | None, int | None]] = {}
@@ -165,7 +167,7 @@ class Dashboard(Screen):
             cpu, rss = usage.get(node, (0.0, 0))
             usage[node] = ((cpu or 0.0) + (s.cpu_percent or 0.0), (rss or 0) + (s.rss_bytes or 0))
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
-        self.query_one(RunHeader).show(run, self.view.any_alive() if here else None)
+        self.query_one(RunHeader).show(run, self._live if here else None)
         self.query_one(ViolationCounters).show(run.violations)
         self.query_one(NodeTable).show(run, usage)
         if slow:
@@ -179,15 +181,7 @@ class Dashboard(Screen):
     def _queue_events(self, update: Update) -> None:
         """Keep the update's lines for the next write (the newest :data:`EVENT_LINES` event lines
         and :data:`LOG_LINES` log lines; the others are counted)."""
-        q = self._queued
-        q.dropped_events += update.dropped_events
-        q.dropped_logs += update.dropped_logs
-        q.events += update.events
-        infos = [e for e in q.events if e.level != "log"]
-        logs = [e for e in q.events if e.level == "log"]
-        q.dropped_events += max(0, len(infos) - EVENT_LINES)
-        q.dropped_logs += max(0, len(logs) - LOG_LINES)
-        q.events = infos[-EVENT_LINES:] + logs[-LOG_LINES:]
+        self._queued.merge(update).cap(EVENT_LINES, LOG_LINES)
 
     def _write_events(self) -> None:
         """Append the queued lines to the event pane in one write (one render, one scroll)."""
@@ -200,7 +194,7 @@ class Dashboard(Screen):
         lines += [Text(e.text, LEVEL_STYLE[e.level]) for e in q.events]
         if lines:
             self.query_one("#events", RichLog).write(Text("\n").join(lines))
-        q.events, q.dropped_events, q.dropped_logs = [], 0, 0
+        q.events, q.dropped_events, q.dropped_logs, q.saved = [], 0, 0, []  # saves are answered per poll
 
     def _sample(self) -> dict[int, ProcStats | None]:
         """psutil stats of each rank on this host (None for a rank on another host)."""

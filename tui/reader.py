@@ -51,14 +51,23 @@ class Update:
     saved: list[dict] = field(default_factory=list)
     read_s: float = 0.0
 
-    def cap(self) -> Update:
-        """Keep the newest :data:`EVENTS_PER_UPDATE` events and :data:`LOG_LINES_PER_UPDATE` log
-        lines, counting the rest."""
+    def cap(self, events: int = EVENTS_PER_UPDATE, logs: int = LOG_LINES_PER_UPDATE) -> Update:
+        """Keep the newest ``events`` event lines and ``logs`` log lines, counting the rest."""
         infos = [e for e in self.events if e.level != "log"]
-        logs = [e for e in self.events if e.level == "log"]
-        self.dropped_events += max(0, len(infos) - EVENTS_PER_UPDATE)
-        self.dropped_logs += max(0, len(logs) - LOG_LINES_PER_UPDATE)
-        self.events = infos[-EVENTS_PER_UPDATE:] + logs[-LOG_LINES_PER_UPDATE:]
+        lines = [e for e in self.events if e.level == "log"]
+        self.dropped_events += max(0, len(infos) - events)
+        self.dropped_logs += max(0, len(lines) - logs)
+        self.events = infos[-events:] + lines[-logs:]
+        return self
+
+    def merge(self, later: Update) -> Update:
+        """Take in an update sent after this one: its model, and its lines and saves after ours."""
+        self.model = later.model
+        self.events += later.events
+        self.dropped_events += later.dropped_events
+        self.dropped_logs += later.dropped_logs
+        self.saved += later.saved
+        self.read_s += later.read_s
         return self
 
 
@@ -124,15 +133,7 @@ class Reader:
         """
         merged: Update | None = None
         for update in self._frames():
-            if merged is None:
-                merged = update
-            else:
-                merged.model = update.model
-                merged.events += update.events
-                merged.dropped_events += update.dropped_events
-                merged.dropped_logs += update.dropped_logs
-                merged.saved += update.saved
-                merged.read_s += update.read_s
+            merged = update if merged is None else merged.merge(update)
         return merged.cap() if merged else None
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import is_distributed
-from ..rundir import STEP_DIR, RunDir
+from ..rundir import STEP_DIR
 from .manifest import MANIFEST, CheckpointError, Manifest, read_manifest, verify_files
 from .safe_load import SafeFileSystemReader
 
@@ -155,11 +155,6 @@ def check_shared(root: Path, rank: int, hostname: str) -> None:
             f"checkpoint directory {root} is not visible from {', '.join(blind)}: it must be on storage shared by "
             "every node (a file rank 0 wrote there could not be read)"
         )
-
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    """``<output_dir>/full_state_checkpoints``."""
-    return RunDir(output_dir).checkpoints
 
 
 def versions() -> dict[str, str]:
