@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -36,11 +35,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from machine import machine_info
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_step.json"
 METHODS = ("osft", "full_ft", "peft_osf")
 METHOD_LABELS = {"osft": "OSFT (ours)", "full_ft": "full FT (ours, --no-osft)", "peft_osf": "PEFT OSF"}
-TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODELS = ("tiny", "smollm2")
 
 #: Goals reported (never asserted): OSFT step time at most this multiple of our full fine-tuning.
@@ -96,92 +96,34 @@ class _PeftRunner:
     """PEFT's OSF on the same model, data, batch, loss and AdamW settings as our trainer."""
 
     def __init__(self, spec: dict) -> None:
-        import torch
-        from peft import OSFConfig, get_peft_model
-        from transformers import get_scheduler
+        from peft_baselines import PeftTrainer, check_osf_split, osf_config
 
         from osft.trainer.config import TrainConfig
-        from osft.trainer.data.tokenize import tokenize_chat_file
-        from osft.trainer.loop import seed_everything, shifted_loss_tokens
-        from osft.trainer.model_loading import load_model, load_tokenizer
-        from osft.trainer.osft.decomposition import rank_split
 
         cfg = TrainConfig(**_train_config_kwargs(spec), osft=False)
-        self.cfg = cfg
-        seed_everything(cfg.seed)
-        tokenizer = load_tokenizer(cfg.model_name_or_path)
-        self.data = tokenize_chat_file(cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
-        self.lengths = self.data.lengths
-        self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
-        model = load_model(cfg.model_name_or_path, torch.float32, "cpu")
-        model.train()
+        split = {}
 
-        # Rank split: PEFT's effective_rank is the *preserved* (frozen) rank. A float in (0, 1] is a
-        # fraction of min(out, in), resolved per module as int(min_dim * value); an int is absolute.
-        # Ours freezes k_high = floor(rank * (1 - URR)), so the fraction is 1 - URR; modules where
-        # the two roundings could differ get an exact integer through rank_pattern.
-        fraction = 1.0 - cfg.osft_unfreeze_rank_ratio
-        targets = {name: mod for name, mod in model.named_modules()
-                   if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGET_NAMES}
-        want = {name: rank_split(*mod.weight.shape, cfg.osft_unfreeze_rank_ratio).k_high
-                for name, mod in targets.items()}
-        overrides = {f"^{name.replace('.', '[.]')}$": k for name, k in want.items()
-                     if int(min(targets[name].weight.shape) * fraction) != k}
-        start = time.perf_counter()
-        self.model = get_peft_model(model, OSFConfig(effective_rank=fraction, target_modules=list(TARGET_NAMES),
-                                                     rank_pattern=overrides or None))
-        self.svd_s = time.perf_counter() - start
-        from peft.tuners.osf.layer import OSFLayer
+        def make_config(model):
+            config, split["want"] = osf_config(model, cfg.osft_unfreeze_rank_ratio)
+            split["overrides"] = len(config.rank_pattern or {})
+            return config
 
-        layers = {name.removeprefix("base_model.model."): mod for name, mod in self.model.named_modules()
-                  if isinstance(mod, OSFLayer)}
-        got = {name: layers[name].effective_rank["default"] for name in layers}
-        if got != want:
-            raise RuntimeError(f"PEFT rank split differs from ours: {len(got)} vs {len(want)} modules, "
-                               f"e.g. {sorted(set(got.items()) ^ set(want.items()))[:4]}")
-        if spec["peft_trainable"] == "matched":
-            # Train what our trainer trains: the OSF factors and every non-target parameter
-            # (embeddings, norms, head); only the targets' dense base weights stay frozen.
-            for name, p in self.model.named_parameters():
-                p.requires_grad_("osf_svd_params" in name or ".base_layer." not in name)
-        self.extra = {"peft_effective_rank": fraction, "peft_rank_pattern_overrides": len(overrides),
-                      "osft_modules": len(layers), "peft_trainable": spec["peft_trainable"]}
-        self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                                           eps=cfg.eps, weight_decay=cfg.weight_decay)
-        self.scheduler = get_scheduler(cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps,
-                                       num_training_steps=10**6)
+        # "matched": train what our trainer trains, the OSF factors and every non-target parameter
+        # (embeddings, norms, head); only the targets' dense base weights stay frozen.
+        matched = spec["peft_trainable"] == "matched"
+        self.trainer = PeftTrainer(cfg, make_config,
+                                   (lambda name: "osf_svd_params" in name or ".base_layer." not in name) if matched
+                                   else None)
+        self.model, self.lengths, self.svd_s = self.trainer.model, self.trainer.lengths, self.trainer.wrap_s
+        self.extra = {"peft_effective_rank": 1.0 - cfg.osft_unfreeze_rank_ratio,
+                      "peft_rank_pattern_overrides": split["overrides"],
+                      "osft_modules": check_osf_split(self.model, split["want"]),
+                      "peft_trainable": spec["peft_trainable"]}
 
     def step(self, step: int, indices: list[int]) -> dict:
-        """Forward/backward every packed micro-batch (PEFT's hooks project the gradients during
-        backward), clip, AdamW step. Same loss as our trainer: summed CE / loss tokens of the batch."""
-        import numpy as np
-        import torch
-        import torch.nn.functional as F
-
-        from osft.trainer.data.collate import collate_packed
-        from osft.trainer.data.packing import plan_micro_batches
-        from osft.trainer.data.tokenize import IGNORE_INDEX
-
-        idx = np.asarray(indices, dtype=np.int64)
-        total_loss_tokens = int(self.loss_tokens[idx].sum())
-        plan = plan_micro_batches(self.lengths[idx], self.cfg.max_tokens_per_gpu, 1)[0]
-        loss_sum, num_tokens = 0.0, 0
-        for micro in plan:
-            batch = collate_packed([self.data[int(idx[i])] for i in micro])
-            logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                use_cache=False).logits
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch["labels"].view(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-            (loss / total_loss_tokens).backward()
-            loss_sum += float(loss.detach())
-            num_tokens += int(batch["num_tokens"])
-        torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum / total_loss_tokens, "num_tokens": num_tokens}
+        """One optimizer step of :class:`peft_baselines.PeftTrainer`; returns loss and token count."""
+        record = self.trainer.step(step, indices)
+        return {"loss": record["loss"], "num_tokens": record["num_tokens"]}
 
 
 def _train_config_kwargs(spec: dict) -> dict:
@@ -521,28 +463,6 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
             startup_others_cpu_share=ours["startup_others_cpu_share"])
     section["goals"] = goals
     return section
-
-
-def machine_info() -> dict:
-    """CPU count, platform and library versions; torch threads as the workers saw them."""
-    import peft
-    import psutil
-    import torch
-    import transformers
-
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return dict(cpu_count=os.cpu_count(), cpu_count_physical=psutil.cpu_count(logical=False), cpu_model=cpu_model,
-                memory_bytes=psutil.virtual_memory().total, platform=platform.platform(),
-                python=platform.python_version(), torch_version=torch.__version__,
-                torch_threads=torch.get_num_threads(), transformers_version=transformers.__version__,
-                peft_version=peft.__version__)
 
 
 def print_report(result: dict, console) -> None:

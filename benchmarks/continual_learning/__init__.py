@@ -1,0 +1,1 @@
+"""Parts of ``benchmarks/continual.py``: task data (trivia, WordNet), methods, measurements, report."""
