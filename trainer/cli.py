@@ -1,10 +1,16 @@
 """``osft-train``: the command line.
 
 ``osft-train [flags]`` trains; ``osft-train fetch-demo [--dir DIR]`` prepares the demo model and
-data; ``osft-train demo [flags]`` prepares them and trains on them with demo-sized defaults.
+data; ``osft-train demo [flags]`` prepares them and trains on them with demo-sized defaults;
+``osft-train plot RUN_DIR [--out PNG]`` draws a run's metrics (:mod:`.plot`);
+``osft-train slurm-script [flags]`` and ``osft-train k8s-manifest [flags]`` print a multi-node job
+for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`).
 
-Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, data, model path,
-checkpoint to resume from), reported on one line (data problems: one line per problem) before any
+``--config FILE`` reads flag values from a YAML file (:mod:`.config_file`); ``--print-config``
+prints the resolved config as such a file and exits with code 0.
+
+Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, config file, data, model
+path, checkpoint to resume from), reported on one line (data problems: one line per problem) before any
 training starts; 75 stopped on request after writing a complete full-state checkpoint (resume
 with ``--resume``); 128 + N stopped by signal N without a checkpoint (``--on-demand-checkpointing``
 off, several ranks).
@@ -27,6 +33,7 @@ from rich.markup import escape
 
 from .checkpoint.signals import EXIT_STOPPED
 from .config import build_parser, check_config, config_from_args
+from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -55,6 +62,28 @@ def _fetch_demo(argv: list[str], console: Console):
 
 class InputError(Exception):
     """Bad flags, data or model path, found before training starts (exit code 2)."""
+
+
+def _plot(argv: list[str], console: Console) -> None:
+    """``osft-train plot RUN_DIR [--out PNG]``.
+
+    Raises:
+        InputError: no metrics to plot in RUN_DIR, or matplotlib is missing.
+    """
+    from .plot import PlotError, plot_run
+
+    parser = argparse.ArgumentParser(prog="osft-train plot", description="Plot a run's metrics (loss, learning rate, "
+                                     "tokens/s per node, orthogonality; checkpoints and resumes marked) into a PNG.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (--output-dir of the run)")
+    parser.add_argument("--out", metavar="PNG", type=Path, default=None, help="PNG to write (default: RUN_DIR/plot.png)")
+    args = parser.parse_args(argv)
+    try:
+        out, data = plot_run(args.run_dir, args.out)
+    except PlotError as exc:
+        raise InputError(str(exc)) from exc
+    for problem in data.problems:
+        console.print(f"warning: {problem}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"plot: {out}", markup=False, highlight=False, soft_wrap=True)
 
 
 DEMO_PROMPT = "Hi! What do you like to do on the weekend?"
@@ -87,10 +116,12 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
     from .data.validate import DataValidationError
     from .launcher import launch, preflight
     from .loop import Trainer
-    from .rundir import RunDir
+    from .rundir import RunDir, write_text_atomic
 
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     run_dir.create()
+    if cfg.node_rank == 0:
+        write_text_atomic(run_dir.config_yaml, config_to_yaml(cfg))
     job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
     run_dir.update_run_json(
         argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
@@ -163,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["fetch-demo"]:
             _fetch_demo(argv[1:], console)
             return EXIT_COMPLETED
+        if argv[:1] == ["plot"]:
+            _plot(argv[1:], console)
+            return EXIT_COMPLETED
+        if argv[:1] == ["slurm-script"]:
+            from .slurm import main as slurm_script
+
+            return slurm_script(argv[1:])
+        if argv[:1] == ["k8s-manifest"]:
+            from .kubernetes import main as k8s_manifest
+
+            return k8s_manifest(argv[1:])
         demo = argv[:1] == ["demo"]
         if demo:
             parser = build_parser("osft-train demo", require_paths=False)
@@ -172,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                 demo_dir, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
             assets = _fetch_demo(["--dir", demo_dir] if demo_dir else [], console)
             parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path), **DEMO_DEFAULTS)
-            args = parser.parse_args(argv[1:])
+            args = parse_with_config_file(parser, argv[1:])
         else:
-            args = build_parser().parse_args(argv)
+            args = parse_with_config_file(build_parser(), argv)
         cfg = config_from_args(args)
+        if args.print_config:
+            sys.stdout.write(config_to_yaml(cfg))
+            return EXIT_COMPLETED
         try:
             check_config(cfg)
         except ValueError as exc:
@@ -184,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if demo and export_dir:
             _demo_reply(export_dir, console)
         return code
-    except InputError as exc:
+    except (InputError, ConfigFileError) as exc:
         console.print("[bold red]osft-train: error:[/bold red]", escape(str(exc)), highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT
 

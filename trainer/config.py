@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .trackers import REPORT_TO_CHOICES, check_available
+
 
 @dataclass
 class TrainConfig:
@@ -59,6 +61,7 @@ class TrainConfig:
     # outputs
     hf_export_every_steps: int = 0
     logging_steps: int = 1
+    report_to: list[str] | None = None
     # full-state checkpoints (DESIGN.md sections 5 and 6)
     on_demand_checkpointing: bool = False
     resume_from_full_state_checkpoint: str | None = None
@@ -141,10 +144,18 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     p = argparse.ArgumentParser(
         prog=prog,
         description="Fine-tune a Hugging Face causal LM on chat data (messages jsonl) with Orthogonal "
-        "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`.",
+        "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`, "
+        "`osft-train plot RUN_DIR`, `osft-train slurm-script`, `osft-train k8s-manifest` (multi-node jobs).",
         formatter_class=_HelpFormatter,
     )
     d = TrainConfig("", "", "")
+    g = p.add_argument_group("config file")
+    g.add_argument("--config", metavar="FILE",
+                   help="YAML file of flag values, keyed by flag name with underscores (learning_rate: 1e-5, "
+                   "osft: false); flags given on the command line override it")
+    g.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML (a --config file) and exit without training")
+
     g = p.add_argument_group("model and data")
     g.add_argument("--model-name-or-path", required=require_paths, help="HF model directory or a .gguf file")
     g.add_argument("--data-path", required=require_paths, help="training data: jsonl, one {\"messages\": [...]} per line")
@@ -204,6 +215,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--hf-export-every-steps", type=_non_negative_int, default=d.hf_export_every_steps,
                    help="also export hf_format/step_N every N steps (0: only at the end)")
     g.add_argument("--logging-steps", type=_positive_int, default=d.logging_steps, help="console update interval, steps")
+    g.add_argument("--report-to", nargs="+", choices=REPORT_TO_CHOICES, default=d.report_to, metavar="TRACKER",
+                   help="global rank 0 also sends the metrics to these trackers: none, tensorboard "
+                   "(<output_dir>/tensorboard; pip install 'osft[tensorboard]'), wandb (offline run in "
+                   "<output_dir>/wandb; pip install 'osft[wandb]')")
 
     g = p.add_argument_group("full-state checkpoints (model shards, optimizer, scheduler, data position, RNG)")
     g.add_argument("--on-demand-checkpointing", action="store_true",
@@ -262,7 +277,8 @@ def check_config(cfg: TrainConfig) -> None:
     """Cross-flag checks the parser cannot do alone.
 
     Raises:
-        ValueError: a sample could not fit into one micro-batch, or an input path is missing.
+        ValueError: a sample could not fit into one micro-batch, an input path is missing, or a
+            ``--report-to`` tracker is not installed.
     """
     if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
@@ -282,3 +298,4 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--resume-from-full-state-checkpoint {cfg.resume_from_full_state_checkpoint}: no such directory")
     if not Path(cfg.model_name_or_path).exists():
         raise ValueError(f"--model-name-or-path {cfg.model_name_or_path}: no such file or directory (models load from disk only)")
+    check_available(cfg.report_to)

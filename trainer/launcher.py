@@ -12,7 +12,10 @@ poll at their safe points; torchrun's agent is never signalled with them (it has
 handler, and it treats every signal it handles as "kill the job"). After a stop request the ranks
 have ``--checkpoint-grace-seconds`` to finish the checkpoint; then the launcher kills the worker
 group, torchrun and every rank (ranks run in sessions of their own), so nothing is left behind.
-Without on-demand checkpointing SIGINT, SIGTERM and SIGHUP stop the job at once.
+Without on-demand checkpointing SIGINT, SIGTERM and SIGHUP stop the job at once. A scheduler that
+signals every process of the job (SLURM) reaches torchrun too: it runs with the checkpoint signals it
+has no handler for ignored, and its failure on a SIGTERM after the ranks stopped with a checkpoint
+still gives exit code 75.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from .rundir import RunDir
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds between the launcher's checks of its worker group.
 POLL_S = 0.2
+#: Checkpoint signals torchrun's agent has no handler for (it handles SIGTERM, SIGINT, SIGHUP and
+#: SIGQUIT), whose default action would kill it. It is started with them ignored, so a scheduler
+#: that signals every process of the job (srun's signal forwarding and ``scancel --signal`` reach
+#: every process of a SLURM job step) leaves it running; the launcher and the ranks handle them.
+AGENT_IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
 
 
 def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
@@ -119,6 +127,13 @@ def _finished_code(run_dir: RunDir, node_rank: int, job_id: str) -> int | None:
     return code
 
 
+def _ignore_agent_signals() -> None:
+    """In the forked child, before torchrun starts: ignore :data:`AGENT_IGNORED_SIGNALS` (an
+    ignored disposition survives exec; the ranks install their own handlers)."""
+    for signum in AGENT_IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _kill_tree(procs: list[psutil.Process]) -> None:
     """SIGKILL every process in ``procs`` that still runs, and wait for them."""
     alive = []
@@ -172,7 +187,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
             run_dir.update_run_json(state="checkpointing")
 
     previous = install_handlers(on_signal)  # before torchrun starts: a request during start-up is kept
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_ignore_agent_signals)
     started.append(proc)
     agent = psutil.Process(proc.pid)
     run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
@@ -203,6 +218,9 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
         trigger.remove()
     if stopped_by:
         return 128 + stopped_by[0]
-    if killed or code != 0:
+    stopped = _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED
+    # A scheduler that signals every process of the job (SLURM's scancel and time limit send SIGTERM)
+    # also stops torchrun's agent, which then fails even though the ranks saved and stopped.
+    if killed or (code != 0 and not (deadline and stopped)):
         return 1
-    return EXIT_STOPPED if _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED else 0
+    return EXIT_STOPPED if stopped else 0

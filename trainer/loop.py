@@ -74,6 +74,7 @@ from .osft.surgery import dense_state_dict, full_state_dict
 from .parallel import build_model, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
+from .trackers import open_trackers
 
 
 @dataclass
@@ -150,7 +151,8 @@ class Trainer:
         self.run_dir = RunDir(cfg.output_dir)
         self.run_dir.create()
         self.job_id = job_id or os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
-        self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id)
+        trackers = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_json(), self.job_id) if self.dist.rank == 0 else []
+        self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id, sinks=trackers)
         self.device, self.dtype = resolve_device_dtype(cfg)
         self.trigger = TriggerDir(self.job_id)
         self.poller: RequestPoller | None = None

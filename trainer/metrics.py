@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from .distributed import DistEnv
+
+if TYPE_CHECKING:
+    from .trackers import Tracker
 
 #: Events every rank records, whatever its local rank.
 ALWAYS_RECORDED = frozenset({"warning", "error", "run_started"})
@@ -33,18 +37,21 @@ class MetricsLogger:
         metrics_dir: ``<output_dir>/metrics``.
         dist: this process's place in the job.
         job_id: identifier shared by every rank of the job.
+        sinks: experiment trackers (:mod:`.trackers`) that get every record written, closed with the logger.
     """
 
-    def __init__(self, metrics_dir: Path, dist: DistEnv, job_id: str) -> None:
+    def __init__(self, metrics_dir: Path, dist: DistEnv, job_id: str, sinks: Sequence[Tracker] = ()) -> None:
         self.dist = dist
         self.job_id = job_id
+        self.sinks = list(sinks)
         metrics_dir.mkdir(parents=True, exist_ok=True)
         name = f"node{dist.node_rank}.jsonl" if dist.is_local_main else f"rank{dist.rank}.jsonl"
         self.path = metrics_dir / name
         self._file: IO[str] | None = None
 
     def log(self, event: str, **fields: Any) -> None:
-        """Append one record; on a non-zero local rank only :data:`ALWAYS_RECORDED` events are kept."""
+        """Append one record and hand it to the sinks; on a non-zero local rank only
+        :data:`ALWAYS_RECORDED` events are kept."""
         if not self.dist.is_local_main and event not in ALWAYS_RECORDED:
             return
         record = {
@@ -62,9 +69,44 @@ class MetricsLogger:
             self._file = open(self.path, "a", encoding="utf-8")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        for sink in self.sinks:
+            sink.record(record)
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Close the file and the sinks (idempotent)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def read_records(path: Path) -> tuple[list[dict], list[str]]:
+    """Read a whole metrics JSONL file, as DESIGN.md section 4 asks of readers.
+
+    A partly written last line (no newline yet) is left out; a complete line that is not a JSON
+    object is skipped and reported.
+
+    Returns:
+        ``(records in file order, one message per malformed line naming the file and line number)``.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    lines = Path(path).read_bytes().split(b"\n")[:-1]  # the last piece is empty or still being written
+    records: list[dict] = []
+    problems: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            problems.append(f"{path}:{number}: malformed record skipped ({exc})")
+            continue
+        if not isinstance(record, dict):
+            problems.append(f"{path}:{number}: malformed record skipped (not a JSON object)")
+            continue
+        records.append(record)
+    return records, problems

@@ -17,12 +17,17 @@ from typing import Any
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` through a temporary sibling and ``os.replace``, so readers never see
-    a half-written file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` through a temporary sibling and ``os.replace``, so readers never
+    see a half-written file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` atomically (see :func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 class RunDir:
@@ -40,6 +45,12 @@ class RunDir:
     @property
     def run_json(self) -> Path:
         return self.root / ("run.json" if self.node_rank == 0 else f"run.node{self.node_rank}.json")
+
+    @property
+    def config_yaml(self) -> Path:
+        """``config.yaml``: the resolved config of the latest launch, written by node 0's launcher;
+        ``osft-train --config <run>/config.yaml`` launches the same run again."""
+        return self.root / "config.yaml"
 
     @property
     def metrics(self) -> Path:

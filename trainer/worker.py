@@ -13,6 +13,7 @@ import traceback
 from rich.console import Console
 
 from .config import build_parser, check_config, config_from_args
+from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     from .data.validate import DataValidationError
     from .loop import Trainer
 
-    cfg = config_from_args(build_parser("osft.trainer.worker").parse_args(argv))
     console = Console(stderr=True)
+    try:
+        args = parse_with_config_file(build_parser("osft.trainer.worker"), sys.argv[1:] if argv is None else argv)
+    except ConfigFileError as exc:
+        console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    cfg = config_from_args(args)
+    if args.print_config:
+        sys.stdout.write(config_to_yaml(cfg))
+        return 0
     try:
         check_config(cfg)
         trainer = Trainer(cfg, console)

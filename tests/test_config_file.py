@@ -1,0 +1,162 @@
+"""`osft-train --config FILE` and `--print-config` (trainer/config_file.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from helpers import QA, chat, write_jsonl
+from osft.trainer import worker
+from osft.trainer.cli import main
+from osft.trainer.config import TrainConfig, build_parser, config_from_args
+from osft.trainer.config_file import ConfigFileError, parse_with_config_file, read_config_file
+
+PATHS = ["--model-name-or-path", "m", "--data-path", "d.jsonl", "--output-dir", "out"]
+
+
+def write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def resolve(argv) -> TrainConfig:
+    return config_from_args(parse_with_config_file(build_parser(), argv))
+
+
+def test_print_config_round_trips_to_the_same_config(tmp_path, capsys):
+    flags = [*PATHS, "--no-osft", "--no-data-cache", "--train-on-all", "--learning-rate", "3.3e-5", "--eps", "1e-7",
+             "--osft-target-patterns", "q_proj$", "v_proj$", "--max-steps", "7", "--lr-scheduler", "cosine",
+             "--rdzv-endpoint", "h:1", "--seed", "0"]
+    assert main([*flags, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    path = write(tmp_path, printed)
+    expected = config_from_args(build_parser().parse_args(flags))
+    assert resolve(["--config", str(path)]) == expected
+    assert main(["--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
+    assert worker.main(["--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
+    data = yaml.safe_load(printed)
+    assert data["osft"] is False and data["data_cache"] is False and data["max_steps"] == 7
+    assert data["osft_target_patterns"] == ["q_proj$", "v_proj$"] and data["data_cache_dir"] is None
+
+
+def test_command_line_overrides_the_file_and_the_file_the_defaults(tmp_path):
+    path = write(tmp_path, "model_name_or_path: m\ndata_path: d.jsonl\noutput_dir: out\nlearning_rate: 1e-4\n"
+                           "batch_size: 8\nosft_target_patterns: [a]\n")
+    cfg = resolve(["--config", str(path), "--learning-rate", "2e-4", "--osft-target-patterns", "b", "c",
+                   "--output-dir", "other"])
+    assert (cfg.learning_rate, cfg.batch_size, cfg.osft_target_patterns) == (2e-4, 8, ["b", "c"])
+    assert (cfg.model_name_or_path, cfg.output_dir, cfg.max_seq_len) == ("m", "other", TrainConfig("", "", "").max_seq_len)
+
+
+def test_switches_lists_numbers_and_null(tmp_path):
+    path = write(tmp_path, """\
+model_name_or_path: m
+data_path: d.jsonl
+output_dir: out
+learning_rate: 1e-5        # a string to PyYAML (YAML 1.1), a float to the flag
+eps: 1.0e-7
+weight_decay: 0
+osft: false
+data_cache: false
+train_on_all: true
+on_demand_checkpointing: yes
+osft_target_patterns:
+  - q_proj$
+  - o_proj$
+max_steps: null
+seed: -3
+data_cache_dir: 2024-01-01
+""")
+    cfg = resolve(["--config", str(path)])
+    assert (cfg.learning_rate, cfg.eps, cfg.weight_decay, cfg.seed) == (1e-5, 1e-7, 0.0, -3)
+    assert (cfg.osft, cfg.data_cache, cfg.train_on_all, cfg.on_demand_checkpointing) == (False, False, True, True)
+    assert cfg.osft_target_patterns == ["q_proj$", "o_proj$"] and cfg.max_steps is None
+    assert cfg.data_cache_dir == "2024-01-01"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model_name_or_path: m\n\nlearnin_rate: 1e-5\n", ":3: unknown key 'learnin_rate'; did you mean 'learning_rate'?"),
+        ("no_osft: true\n", ":1: unknown key 'no_osft'; did you mean 'osft: false'?"),
+        ("max-tokens-per-gpu: 512\n", ":1: unknown key 'max-tokens-per-gpu'; did you mean 'max_tokens_per_gpu'?"),
+        ("zzz: 1\n", ":1: unknown key 'zzz'"),
+        ("seed: 1\nseed: 2\n", ":2: 'seed' given twice (also on line 1)"),
+    ],
+)
+def test_unknown_keys_name_the_file_line_and_closest_key(tmp_path, capsys, text, message):
+    path = write(tmp_path, text)
+    assert main(["--config", str(path), *PATHS]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}{message}" in err.replace("\n", "")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rate: -1", "learning_rate: must be in (0, inf), got '-1'"),
+        ("lr_scheduler: cosin", "lr_scheduler: invalid choice 'cosin' (choose from constant, linear, cosine)"),
+        ("batch_size: 2.5", "batch_size: expected a positive integer, got '2.5'"),
+        ("osft_unfreeze_rank_ratio: 1.5", "osft_unfreeze_rank_ratio: must be in (0, 1], got '1.5'"),
+        ("seed: abc", "seed: expected int value, got 'abc'"),
+        ("train_on_all: 'true'", "train_on_all: expected true or false, got 'true'"),
+        ("osft: 0", "osft: expected true or false, got 0"),
+        ("osft_target_patterns: q_proj$", "osft_target_patterns: expected a non-empty list, got 'q_proj$'"),
+        ("osft_target_patterns: []", "osft_target_patterns: expected a non-empty list, got a list"),
+        ("max_seq_len: [1, 2]", "max_seq_len: expected a single value, got a list"),
+        ("batch_size: null", "batch_size: needs a value, got null"),
+    ],
+)
+def test_bad_values_name_the_file_line_key_and_what_is_allowed(tmp_path, capsys, text, message):
+    path = write(tmp_path, f"# comment\n{text}\n")
+    assert main(["--config", str(path), *PATHS]) == 2
+    assert f"{path}:2: {message}" in capsys.readouterr().err.replace("\n", "")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("seed: [1\n", ":2:1: invalid YAML: expected ',' or ']'"),
+        ("- seed: 1\n", ":1: expected a mapping of flag names to values"),
+    ],
+)
+def test_malformed_files(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigFileError, match="^" + str(path) + message.replace("[", r"\[").replace("(", r"\(")):
+        read_config_file(path, build_parser())
+
+
+def test_missing_file_and_empty_file(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "nope.yaml"), *PATHS]) == 2
+    assert f"--config {tmp_path / 'nope.yaml'}: No such file or directory" in capsys.readouterr().err.replace("\n", "")
+    assert resolve(["--config", str(write(tmp_path, "# nothing\n")), *PATHS]) == resolve(PATHS)
+    assert worker.main(["--config", str(tmp_path / "nope.yaml"), *PATHS]) == 2
+
+
+def test_demo_takes_a_config_file(tmp_path, capsys, monkeypatch):
+    assets = SimpleNamespace(model_dir=tmp_path / "model", train_path=tmp_path / "train.jsonl")
+    monkeypatch.setattr("osft.trainer.cli._fetch_demo", lambda argv, console: assets)
+    path = write(tmp_path, "max_steps: 5\nlearning_rate: 1e-4\n")
+    assert main(["demo", "--config", str(path), "--batch-size", "2", "--print-config"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert (data["max_steps"], data["learning_rate"], data["batch_size"]) == (5, 1e-4, 2)
+    assert (data["model_name_or_path"], data["lr_scheduler"], data["output_dir"]) == (str(assets.model_dir), "cosine", "runs/demo")
+
+
+def test_a_run_writes_its_config_and_relaunches_from_it(tiny_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]] * 2)
+    out = tmp_path / "run"
+    path = write(tmp_path, f"model_name_or_path: {tiny_model_dir}\ndata_path: {data}\noutput_dir: {out}\n"
+                           "batch_size: 4\nmax_tokens_per_gpu: 96\nmax_seq_len: 64\nmax_steps: 1\nosft: false\n")
+    assert main(["--config", str(path), "--learning-rate", "1e-3"]) == 0
+    written = (out / "config.yaml").read_text()
+    expected = resolve(["--config", str(path), "--learning-rate", "1e-3"])
+    assert resolve(["--config", str(out / "config.yaml")]) == expected
+    assert expected.learning_rate == 1e-3 and expected.max_steps == 1
+    capsys.readouterr()
+    assert main(["--config", str(out / "config.yaml"), "--print-config"]) == 0
+    assert capsys.readouterr().out == written
+    assert not list(out.glob(".config.yaml.tmp*"))

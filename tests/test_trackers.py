@@ -1,0 +1,115 @@
+"""`--report-to`: the step metrics and events of the JSONL also go to TensorBoard / W&B (global rank 0)."""
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+from helpers import QA, chat, write_jsonl
+from osft.trainer import trackers
+from osft.trainer.cli import main
+from osft.trainer.config import TrainConfig, build_parser, config_from_args, config_to_argv
+from osft.trainer.metrics import read_records
+from osft.trainer.plot import run_series
+
+
+@pytest.fixture()
+def chat_file(tmp_path):
+    return write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]] * 3)
+
+
+def tiny_run(model_dir, data, out, *flags):
+    return main([
+        "--model-name-or-path", str(model_dir), "--data-path", str(data), "--output-dir", str(out),
+        "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "3",
+        "--report-to", "tensorboard", *flags,
+    ])
+
+
+def test_tensorboard_gets_the_jsonl_steps_and_events_and_a_resume_replaces_the_replayed_step(
+        tiny_model_dir, chat_file, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert tiny_run(tiny_model_dir, chat_file, out, "--checkpoint-every-steps", "2") == 0
+    assert tiny_run(tiny_model_dir, chat_file, out, "--resume") == 0  # from step 2: step 3 is replayed
+    records, problems = read_records(out / "metrics" / "node0.jsonl")
+    assert not problems
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 3]
+    assert [r["from_step"] for r in records if r["event"] == "resumed"] == [2]
+
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    latest = {r["step"]: r for r in steps}  # the resumed run's step 3 wins
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [s for s, _ in loss] == [1, 2, 3]
+    assert [v for _, v in loss] == pytest.approx([latest[s]["loss"] for s in (1, 2, 3)], rel=1e-6)
+    for tag, field in [("train/lr", "lr"), ("train/grad_norm", "grad_norm"), ("train/tokens_per_s", "tokens_per_s"),
+                       ("train/node0_tokens_per_s", "node_tokens_per_s"), ("osft/ortho_violations", "ortho_violations"),
+                       ("osft/ortho_max_dev_deg", "ortho_max_dev_deg")]:
+        assert [e.value for e in acc.Scalars(tag)] == pytest.approx([latest[s][field] for s in (1, 2, 3)], rel=1e-6), tag
+    texts = {tag.split("/")[1] for tag in acc.Tags()["tensors"] if tag.startswith("events/")}
+    assert {"run_started", "checkpoint_saved", "resumed", "run_finished"} <= texts
+    # osft-train plot reads the two segments the same way.
+    assert run_series(out).loss.steps == [1, 2, 3]
+    assert run_series(out).loss.values == [latest[s]["loss"] for s in (1, 2, 3)]
+
+
+def test_missing_tracker_package_is_an_input_error_naming_the_extra(tiny_model_dir, chat_file, tmp_path, capsys,
+                                                                    monkeypatch):
+    base = ["--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(tmp_path / "r")]
+    assert main([*base, "--report-to", "wandb"]) == 2  # wandb is not installed here
+    err = capsys.readouterr().err
+    assert "--report-to wandb: the wandb package is not installed" in err and "pip install 'osft[wandb]'" in err
+    real = trackers.find_spec
+    monkeypatch.setattr(trackers, "find_spec", lambda name: None if name == "tensorboard" else real(name))
+    assert main([*base, "--report-to", "tensorboard"]) == 2
+    assert "pip install 'osft[tensorboard]'" in capsys.readouterr().err
+    assert main([*base, "--report-to", "none", "tensorboard"]) == 2
+    assert "--report-to none excludes other trackers" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "metrics").exists()  # nothing started
+
+
+def test_report_to_parses_and_round_trips_to_worker_flags():
+    parser = build_parser()
+    paths = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]
+    assert config_from_args(parser.parse_args(paths)).report_to is None
+    cfg = config_from_args(parser.parse_args([*paths, "--report-to", "tensorboard", "wandb"]))
+    assert cfg.report_to == ["tensorboard", "wandb"]
+    assert config_from_args(parser.parse_args(config_to_argv(cfg))) == cfg
+
+
+class FakeRun:
+    def __init__(self, **kwargs):
+        self.init, self.logged, self.finished = kwargs, [], False
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_tracker_logs_offline_with_the_config_and_never_goes_back_a_step(monkeypatch, tmp_path):
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = FakeRun
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = TrainConfig("m", "d", str(tmp_path), report_to=["wandb"]).to_json()
+    (tracker,) = trackers.open_trackers(["wandb"], tmp_path, config, "job1")
+    common = {"ts": 1.0, "node_rank": 0, "rank": 0, "local_rank": 0, "world_size": 1, "hostname": "h", "job_id": "job1"}
+    tracker.record({**common, "event": "resumed", "from_step": 4, "path": "p"})
+    tracker.record({**common, "event": "step", "step": 5, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 10.0,
+                    "node_tokens_per_s": 10.0, "ortho_violations": 0, "ortho_max_dev_deg": None})
+    tracker.record({**common, "event": "checkpoint_requested", "step": 3, "signal": "SIGUSR1"})
+    tracker.close()
+    run = tracker.run
+    assert run.init == {"mode": "offline", "dir": str(tmp_path), "project": "osft", "name": "job1", "config": config}
+    assert run.logged == [
+        (4, {"events/resumed": '{"from_step": 4, "path": "p"}'}),
+        (5, {"train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tokens_per_s": 10.0,
+             "osft/ortho_violations": 0.0, "train/node0_tokens_per_s": 10.0}),
+        (5, {"events/checkpoint_requested": '{"signal": "SIGUSR1", "step": 3}'}),
+    ]
+    assert run.finished

@@ -1,0 +1,173 @@
+"""Config files of ``osft-train``: ``--config run.yaml`` and ``--print-config``.
+
+A config file is a YAML mapping from training flag names, with underscores (the
+:class:`~.config.TrainConfig` field names: ``learning_rate``, ``osft: false`` for ``--no-osft``),
+to values. Each value goes through the parser's own ``type`` function and ``choices``, as on the
+command line; command-line flags override the file. :func:`config_to_yaml` writes the fully
+resolved config in the same format, so that it reads back into an equal ``TrainConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import TrainConfig
+
+#: First line of every file :func:`config_to_yaml` writes.
+HEADER = "# osft-train --config file: flag names with underscores; command-line flags override these values\n"
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read, is not valid YAML, or holds an unknown key or a bad value;
+    the message starts with ``file:line:`` where there is a line to point at."""
+
+
+def _nullable_fields() -> set[str]:
+    """``TrainConfig`` fields that may be None (null in a config file)."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {name for name, hint in hints.items() if type(None) in typing.get_args(hint)}
+
+
+def _describe(value: Any) -> str:
+    return {list: "a list", dict: "a mapping"}.get(type(value), repr(value))
+
+
+def _convert_one(action: argparse.Action, value: Any) -> Any:
+    """One value as the command line would parse it: the action's ``type`` on its text, then its ``choices``.
+
+    Raises:
+        ValueError: the value is rejected; the message says what is allowed.
+    """
+    if isinstance(value, (list, dict)):
+        raise ValueError(f"expected a single value, got {_describe(value)}")
+    text = str(value)  # as on the command line; PyYAML reads 1e-5 as a string (YAML 1.1)
+    try:
+        converted = action.type(text) if action.type else text
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(str(exc)) from None
+    except (TypeError, ValueError):
+        raise ValueError(f"expected {getattr(action.type, '__name__', 'a valid')} value, got {text!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ValueError(f"invalid choice {text!r} (choose from {', '.join(map(str, action.choices))})")
+    return converted
+
+
+def _convert(action: argparse.Action, value: Any, nullable: bool) -> Any:
+    """The setting that ``value`` from the file gives the flag of ``action``.
+
+    Switches take a YAML boolean (the field's value: ``osft: false`` is ``--no-osft``), flags with
+    several values a list, others one scalar; null is allowed where the field may be None.
+
+    Raises:
+        ValueError: the value is rejected; the message says what is allowed.
+    """
+    if action.nargs == 0:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {_describe(value)}")
+        return value
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError("needs a value, got null")
+    if action.nargs in ("+", "*"):
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"expected a non-empty list, got {_describe(value)}")
+        return [_convert_one(action, item) for item in value]
+    return _convert_one(action, value)
+
+
+def _suggestion(key: str, actions: dict[str, argparse.Action]) -> str:
+    """``; did you mean ...?`` for an unknown key: the flag it spells as an option name
+    (``learning-rate``, ``no_osft``), else the closest key; empty when nothing is close."""
+    spelled = key.lstrip("-").replace("-", "_")
+    for dest, action in actions.items():
+        for option in action.option_strings:
+            if option.lstrip("-").replace("-", "_") == spelled:
+                hint = dest if spelled == dest else f"{dest}: {str(action.const).lower()}"
+                return f"; did you mean '{hint}'?"
+    close = difflib.get_close_matches(spelled, actions, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Read a config file and check every key and value against ``parser``'s training flags.
+
+    Returns:
+        the settings by field name, converted as the command line converts them.
+
+    Raises:
+        ConfigFileError: the file cannot be read or is not a YAML mapping; a key is no training
+            flag (the closest one is suggested) or appears twice; a value is rejected by the flag's
+            type or choices. The message names the file and line.
+    """
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    actions = {a.dest: a for a in parser._actions if a.dest in fields}
+    nullable = _nullable_fields()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"--config {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        loader = yaml.SafeLoader(text)
+        root = loader.get_single_node()
+        if root is None:
+            return {}
+        if not isinstance(root, yaml.MappingNode):
+            raise ConfigFileError(f"{path}:{root.start_mark.line + 1}: expected a mapping of flag names to values "
+                                  "(key: value lines)")
+        settings: dict[str, Any] = {}
+        lines: dict[str, int] = {}
+        for key_node, value_node in root.value:
+            line = key_node.start_mark.line + 1
+            key = str(loader.construct_object(key_node)) if isinstance(key_node, yaml.ScalarNode) else "(not a name)"
+            if key not in actions:
+                raise ConfigFileError(f"{path}:{line}: unknown key '{key}'{_suggestion(key, actions)}")
+            if key in lines:
+                raise ConfigFileError(f"{path}:{line}: '{key}' given twice (also on line {lines[key]})")
+            try:
+                settings[key] = _convert(actions[key], loader.construct_object(value_node, deep=True), key in nullable)
+            except ValueError as exc:
+                raise ConfigFileError(f"{path}:{line}: {key}: {exc}") from None
+            lines[key] = line
+        return settings
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        reason = getattr(exc, "problem", None) or getattr(exc, "context", None) or exc
+        raise ConfigFileError(f"{where}: invalid YAML: {reason}") from None
+
+
+def parse_with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with the settings of ``--config FILE`` (if given) as defaults, so
+    command-line flags override the file, and the file overrides the parser's own defaults. Flags
+    the file sets are no longer required on the command line (``parser`` is changed in place).
+
+    Raises:
+        ConfigFileError: see :func:`read_config_file`.
+        SystemExit: a bad flag on the command line (argparse's own error, exit code 2).
+    """
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--config")
+    try:
+        path = pre.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # e.g. --config without a value: the full parser reports it
+        path = None
+    if path is not None:
+        settings = read_config_file(path, parser)
+        for action in parser._actions:
+            if settings.get(action.dest) is not None:
+                action.required = False
+        parser.set_defaults(**settings)
+    return parser.parse_args(argv)
+
+
+def config_to_yaml(cfg: TrainConfig) -> str:
+    """``cfg`` as a config file: every field, in declaration order, after :data:`HEADER`."""
+    return HEADER + yaml.safe_dump(cfg.to_json(), sort_keys=False, default_flow_style=False)

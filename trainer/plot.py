@@ -1,0 +1,208 @@
+"""``osft-train plot RUN_DIR [--out PNG]``: a PNG of a run's metrics over its optimizer steps.
+
+Panels: loss, learning rate, tokens/s of each node, and the worst orthogonality deviation with the
+violating steps marked; every panel has vertical markers at the checkpoints saved and the steps
+resumed from. A resumed run appends to the same ``metrics/node<N>.jsonl`` files, so a step can
+appear in several segments: the latest segment wins, as a resume from step K supersedes whatever
+an earlier segment logged after K (its steps and checkpoints). :func:`run_series` returns exactly
+what the picture draws. matplotlib is optional (``pip install 'osft[plot]'``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .metrics import read_records
+
+#: Figure size (inches) and resolution: the PNG is 1000 x 1000 pixels.
+FIGSIZE_IN = (10.0, 10.0)
+DPI = 100
+_NODE_FILE = re.compile(r"^node(\d+)\.jsonl$")
+
+
+class PlotError(ValueError):
+    """The run directory has no metrics to plot, or matplotlib is missing."""
+
+
+@dataclass
+class Series:
+    """Values over optimizer steps (``steps[i]`` -> ``values[i]``), steps ascending."""
+
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+
+@dataclass
+class NodeTimeline:
+    """One node's metrics file reduced to its latest segment: step records by step, the steps of
+    the checkpoints saved and of the resumes, and the last ``run_started`` config."""
+
+    steps: dict[int, dict] = field(default_factory=dict)
+    checkpoints: list[int] = field(default_factory=list)
+    resumes: list[int] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    def _supersede(self, after: int) -> None:
+        """Forget what an earlier segment logged for steps after ``after``."""
+        self.steps = {s: r for s, r in self.steps.items() if s <= after}
+        self.checkpoints = [s for s in self.checkpoints if s <= after]
+        self.resumes = [s for s in self.resumes if s <= after]
+
+    def add(self, record: dict) -> None:
+        """Take in the next record of the file: a ``resumed`` from step K supersedes the steps
+        after K; a ``step`` at or below the last step kept (a fresh restart) supersedes those from it on."""
+        event = record.get("event")
+        if event == "run_started":
+            self.config = record.get("config") or {}
+        elif event == "resumed":
+            self._supersede(int(record["from_step"]))
+            self.resumes.append(int(record["from_step"]))
+        elif event == "step":
+            step = int(record["step"])
+            if self.steps and step <= max(self.steps):
+                self._supersede(step - 1)
+            self.steps[step] = record
+        elif event == "checkpoint_saved" and int(record["step"]) not in self.checkpoints:
+            self.checkpoints.append(int(record["step"]))
+
+
+@dataclass
+class RunSeries:
+    """Everything the plot draws.
+
+    Attributes:
+        loss, lr: token-mean loss and learning rate (from the lowest node's file; the same on every node).
+        node_tokens_per_s: node rank -> that node's tokens/s.
+        ortho_max_dev_deg: worst deviation from 90 degrees, degrees (steps with a check only).
+        violation_steps: steps with at least one orthogonality violation.
+        checkpoints, resumes: steps of the checkpoints saved and of the steps resumed from.
+        ortho_margin_deg: the run's violation threshold, degrees (None when unknown).
+        problems: malformed lines skipped while reading.
+    """
+
+    loss: Series
+    lr: Series
+    node_tokens_per_s: dict[int, Series]
+    ortho_max_dev_deg: Series
+    violation_steps: list[int]
+    checkpoints: list[int]
+    resumes: list[int]
+    ortho_margin_deg: float | None
+    problems: list[str]
+
+
+def _series(steps: dict[int, dict], key: str) -> Series:
+    """The non-null values of ``key`` in the step records, by ascending step."""
+    out = Series()
+    for step in sorted(steps):
+        value = steps[step].get(key)
+        if value is not None:
+            out.steps.append(step)
+            out.values.append(float(value))
+    return out
+
+
+def run_series(run_dir: str | Path) -> RunSeries:
+    """Read ``RUN_DIR/metrics/node<N>.jsonl`` and return the series the plot draws.
+
+    Raises:
+        PlotError: ``run_dir`` is not a directory, or it has no node metrics file with a step record.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PlotError(f"{run_dir}: not a directory (expected a run directory, the --output-dir of a run)")
+    files = {int(m.group(1)): p for p in (run_dir / "metrics").glob("node*.jsonl") if (m := _NODE_FILE.match(p.name))}
+    nodes: dict[int, NodeTimeline] = {}
+    problems: list[str] = []
+    for node in sorted(files):
+        records, bad = read_records(files[node])
+        problems += bad
+        timeline = NodeTimeline()
+        for record in records:
+            timeline.add(record)
+        if timeline.steps:
+            nodes[node] = timeline
+    if not nodes:
+        raise PlotError(f"{run_dir}: no step records in {run_dir / 'metrics'}/node<N>.jsonl (no metrics to plot)")
+    first = nodes[min(nodes)]
+    dev = _series(first.steps, "ortho_max_dev_deg")
+    margin = first.config.get("ortho_margin_deg")
+    return RunSeries(
+        loss=_series(first.steps, "loss"),
+        lr=_series(first.steps, "lr"),
+        node_tokens_per_s={node: _series(t.steps, "node_tokens_per_s") for node, t in nodes.items()},
+        ortho_max_dev_deg=dev,
+        violation_steps=[s for s in sorted(first.steps) if (first.steps[s].get("ortho_violations") or 0) > 0],
+        checkpoints=sorted(first.checkpoints),
+        resumes=sorted(first.resumes),
+        ortho_margin_deg=float(margin) if margin is not None else None,
+        problems=problems,
+    )
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[Path, RunSeries]:
+    """Draw the run's metrics into a PNG of 1000 x 1000 pixels.
+
+    Args:
+        run_dir: the run directory (``--output-dir`` of a run).
+        out: the PNG to write (default ``RUN_DIR/plot.png``); its directory is created.
+
+    Returns:
+        ``(path of the PNG, the series drawn)``.
+
+    Raises:
+        PlotError: matplotlib is not installed, or see :func:`run_series`.
+    """
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as exc:
+        raise PlotError("osft-train plot needs matplotlib; install it with: pip install 'osft[plot]'") from exc
+    data = run_series(run_dir)
+    out = Path(out) if out is not None else Path(run_dir) / "plot.png"
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    ax_loss, ax_lr, ax_tps, ax_dev = fig.subplots(4, 1, sharex=True)
+    fig.suptitle(f"osft run {Path(run_dir).resolve().name}")
+    ax_loss.plot(data.loss.steps, data.loss.values, color="tab:blue")
+    ax_loss.set_ylabel("loss")
+    ax_lr.plot(data.lr.steps, data.lr.values, color="tab:purple")
+    ax_lr.set_ylabel("learning rate")
+    for node, series in data.node_tokens_per_s.items():
+        ax_tps.plot(series.steps, series.values, label=f"node {node}")
+    ax_tps.set_ylabel("tokens/s per node")
+    ax_tps.set_ylim(bottom=0)
+    ax_tps.legend(loc="lower right", fontsize="small")
+    _draw_orthogonality(ax_dev, data)
+    ax_dev.set_xlabel("optimizer step")
+    ax_dev.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (ax_loss, ax_lr, ax_tps, ax_dev):
+        for i, step in enumerate(data.checkpoints):
+            ax.axvline(step, color="tab:green", linestyle=":", label="checkpoint saved" if i == 0 and ax is ax_loss else None)
+        for i, step in enumerate(data.resumes):
+            ax.axvline(step, color="tab:orange", linestyle="--", label="resumed from" if i == 0 and ax is ax_loss else None)
+        ax.grid(alpha=0.3)
+    if data.checkpoints or data.resumes:
+        ax_loss.legend(loc="best", fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    return out, data
+
+
+def _draw_orthogonality(ax, data: RunSeries) -> None:
+    """Worst deviation from 90 degrees (log scale), the margin, and the violating steps as red crosses."""
+    ax.set_ylabel("orthogonality: max dev., deg")
+    if not data.ortho_max_dev_deg.steps:
+        ax.text(0.5, 0.5, "no orthogonality checks (--no-osft)", transform=ax.transAxes, ha="center", va="center")
+        return
+    ax.plot(data.ortho_max_dev_deg.steps, data.ortho_max_dev_deg.values, color="tab:gray", label="max deviation")
+    ax.set_yscale("log", nonpositive="clip")
+    if data.ortho_margin_deg is not None:
+        ax.axhline(data.ortho_margin_deg, color="tab:red", linestyle="--", linewidth=1, label="margin")
+    dev = dict(zip(data.ortho_max_dev_deg.steps, data.ortho_max_dev_deg.values))
+    marked = [s for s in data.violation_steps if s in dev]
+    if marked:
+        ax.plot(marked, [dev[s] for s in marked], "x", color="tab:red", markersize=8,
+                label=f"steps with violations: {len(data.violation_steps)}")
+    ax.legend(loc="best", fontsize="small")

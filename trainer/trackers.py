@@ -1,0 +1,172 @@
+"""Experiment trackers (``--report-to``): global rank 0 sends every metrics record it writes to
+TensorBoard and/or Weights & Biases as well.
+
+:class:`.metrics.MetricsLogger` hands each record it writes to its sinks (:class:`Tracker`
+instances, opened by :func:`open_trackers` on global rank 0 only), so the trackers get exactly the
+JSONL records of DESIGN.md section 4: ``step`` records become scalars, every other event a text
+entry. Neither package is a dependency; :func:`check_available` names the extra to install.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+#: ``--report-to`` choices: tracker name -> module that must be importable.
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+REPORT_TO_CHOICES = ("none", *TRACKER_MODULES)
+
+#: ``step`` record field -> tracker scalar name (the node's tokens/s is added per node).
+STEP_SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "ortho_violations": "osft/ortho_violations",
+    "ortho_max_dev_deg": "osft/ortho_max_dev_deg",
+}
+#: Fields every record has (DESIGN.md section 4); left out of event text.
+COMMON_FIELDS = frozenset({"ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id"})
+
+
+def requested(report_to: list[str] | None) -> list[str]:
+    """The trackers asked for by ``--report-to`` (``none`` and None mean none)."""
+    return [name for name in dict.fromkeys(report_to or []) if name != "none"]
+
+
+def check_available(report_to: list[str] | None) -> None:
+    """Check that every requested tracker can be used, without importing it.
+
+    Raises:
+        ValueError: ``none`` given with a tracker, or a tracker's package is not installed (the
+            message names the extra to install, e.g. ``pip install 'osft[tensorboard]'``).
+    """
+    names = requested(report_to)
+    if names and "none" in (report_to or []):
+        raise ValueError(f"--report-to none excludes other trackers, got {' '.join(report_to)}")
+    for name in names:
+        if find_spec(TRACKER_MODULES[name]) is None:
+            raise ValueError(f"--report-to {name}: the {TRACKER_MODULES[name]} package is not installed; "
+                             f"install it with: pip install 'osft[{name}]'")
+
+
+def step_scalars(record: dict) -> dict[str, float]:
+    """Scalars of one ``step`` record: :data:`STEP_SCALARS` plus ``train/node<N>_tokens_per_s``
+    (tokens/s of the node that wrote the record); null fields are left out."""
+    scalars = {name: record.get(field) for field, name in STEP_SCALARS.items()}
+    scalars[f"train/node{record.get('node_rank', 0)}_tokens_per_s"] = record.get("node_tokens_per_s")
+    return {name: float(value) for name, value in scalars.items() if value is not None}
+
+
+class Tracker:
+    """A sink of metrics records; subclasses implement :meth:`scalars`, :meth:`event` and :meth:`close`.
+
+    Records other than ``step`` are placed at their own ``step`` (``from_step`` for ``resumed``),
+    else at the latest step seen.
+    """
+
+    def __init__(self) -> None:
+        self.last_step = 0
+
+    def record(self, record: dict) -> None:
+        """Send one metrics record (a dict as written to the JSONL) to the tracker."""
+        event = record["event"]
+        if event == "step":
+            self.last_step = int(record["step"])
+            self.scalars(self.last_step, step_scalars(record), record["ts"])
+            return
+        step = record.get("step", record.get("from_step"))
+        fields = {k: v for k, v in record.items() if k not in COMMON_FIELDS}
+        self.event(self.last_step if step is None else int(step), event, fields, record["ts"])
+
+    def scalars(self, step: int, values: dict[str, float], ts: float) -> None:
+        """Record ``values`` at optimizer step ``step`` (``ts``: unix time, s)."""
+        raise NotImplementedError
+
+    def event(self, step: int, event: str, fields: dict[str, Any], ts: float) -> None:
+        """Record a non-step event with its fields at ``step`` (``ts``: unix time, s)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush and close the tracker."""
+        raise NotImplementedError
+
+
+class TensorBoardTracker(Tracker):
+    """Writes ``<output_dir>/tensorboard/`` with ``torch.utils.tensorboard.SummaryWriter``, flushed
+    after every record. Events are text entries ``events/<event>``. On ``resumed`` it starts a new
+    event file that purges the steps after the resumed one, so TensorBoard shows the replayed steps
+    of the resumed run only (as ``osft-train plot`` does)."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        super().__init__()
+        self.log_dir = Path(output_dir) / "tensorboard"
+        self.writer = self._open(purge_step=None)
+
+    def _open(self, purge_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.log_dir), purge_step=purge_step)
+
+    def scalars(self, step: int, values: dict[str, float], ts: float) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, global_step=step, walltime=ts)
+        self.writer.flush()
+
+    def event(self, step: int, event: str, fields: dict[str, Any], ts: float) -> None:
+        if event == "resumed":
+            self.writer.close()
+            self.writer = self._open(purge_step=step + 1)
+        self.writer.add_text(f"events/{event}", f"`{json.dumps(fields, sort_keys=True)}`", global_step=step, walltime=ts)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    """An offline Weights & Biases run in ``<output_dir>/wandb/`` (``wandb sync`` uploads it),
+    with the training config as its config. Events are logged as JSON strings ``events/<event>``;
+    steps never go back within a W&B run, so an event is placed at the latest step at least."""
+
+    def __init__(self, output_dir: str | Path, config: dict, name: str | None = None) -> None:
+        import wandb
+
+        super().__init__()
+        self.run = wandb.init(mode="offline", dir=str(output_dir), project="osft", name=name, config=config)
+        self._logged_step = 0
+
+    def _log(self, step: int, values: dict[str, Any]) -> None:
+        self._logged_step = max(self._logged_step, step)
+        self.run.log(values, step=self._logged_step)
+
+    def scalars(self, step: int, values: dict[str, float], ts: float) -> None:
+        self._log(step, values)
+
+    def event(self, step: int, event: str, fields: dict[str, Any], ts: float) -> None:
+        self._log(step, {f"events/{event}": json.dumps(fields, sort_keys=True)})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_trackers(report_to: list[str] | None, output_dir: str | Path, config: dict,
+                  name: str | None = None) -> list[Tracker]:
+    """Open the trackers asked for by ``--report-to`` (call on global rank 0 only).
+
+    Args:
+        report_to: tracker names (``none`` and None: no tracker).
+        output_dir: the run directory; each tracker writes under it.
+        config: the training config (``TrainConfig.to_json()``), kept by W&B.
+        name: run name shown by W&B (the job id).
+
+    Raises:
+        ValueError: see :func:`check_available`.
+    """
+    check_available(report_to)
+    trackers: list[Tracker] = []
+    for tracker in requested(report_to):
+        trackers.append(TensorBoardTracker(output_dir) if tracker == "tensorboard" else WandbTracker(output_dir, config, name))
+    return trackers
