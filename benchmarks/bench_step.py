@@ -289,12 +289,9 @@ def _prepare_tiny(root: Path, seed: int) -> tuple[Path, Path, dict]:
 
 def _prepare_smollm2(root: Path, demo_dir: str | None, data_lines: int) -> tuple[Path, Path, dict]:
     """The demo SmolLM2-135M-Instruct dir and the first ``data_lines`` chit-chat conversations."""
-    from osft.trainer.demo_assets import fetch_demo
+    from assets import demo_assets
 
-    if demo_dir is None and not os.environ.get("OSFT_DEMO_DIR"):
-        cached = REPO / ".pytest_cache" / "d" / "osft-demo"  # where the test suite keeps them
-        demo_dir = str(cached) if (cached / ".complete").exists() else None
-    assets = fetch_demo(Path(demo_dir) if demo_dir else None)
+    assets = demo_assets(demo_dir)
     data = root / "chitchat-subset.jsonl"
     with open(assets.train_path, encoding="utf-8") as src:
         lines = [line for _, line in zip(range(data_lines), src)]

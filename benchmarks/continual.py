@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -111,22 +110,14 @@ def _quick_model(root: Path) -> Path:
     return path
 
 
-def _demo_assets(demo_dir: Path | None):
-    from osft.trainer.demo_assets import fetch_demo
-
-    if demo_dir is None and not os.environ.get("OSFT_DEMO_DIR"):
-        cached = REPO / ".pytest_cache" / "d" / "osft-demo"  # where the test suite keeps them
-        demo_dir = cached if (cached / ".complete").exists() else None
-    return fetch_demo(demo_dir)
-
-
 def prepare_data(args, work: Path, console) -> dict:
     """Write the task files into ``work`` and gather the eval texts; returns paths, texts and stats."""
     import platformdirs
+    from assets import demo_assets
     from continual_learning import trivia, wordnet
 
     data_dir = args.data_dir or Path(platformdirs.user_cache_dir("osft")) / "continual"
-    assets = _demo_assets(args.demo_dir)
+    assets = demo_assets(args.demo_dir)
     with open(assets.train_path, encoding="utf-8") as fh:
         a_train = [line for _, line in zip(range(4 * args.steps_a * args.batch_a), fh)]
     a_eval = _spread(assets.eval_path.read_text(encoding="utf-8").splitlines(keepends=True), args.eval_a)

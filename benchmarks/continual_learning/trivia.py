@@ -115,7 +115,8 @@ def build_trivia(data_dir: Path, eval_percent: int = EVAL_PERCENT) -> TriviaData
     Raises:
         TriviaError: download failed (pip's error quoted) or a list is malformed.
     """
-    from osft.trainer.demo_assets import DemoFetchError, pip_download, split_of, write_text_atomic
+    from osft.trainer.demo_assets import DemoFetchError, pip_download, split_of
+    from osft.trainer.rundir import write_text_atomic
 
     out = Path(data_dir) / "trivia"
     data = TriviaData(out / "train.jsonl", out / "eval.jsonl", out / "eval_answers.jsonl", {})
