@@ -85,7 +85,7 @@ def test_committed_example_is_a_fresh_render(capsys):
     (["--termination-grace-seconds", "300"], "must be longer than --checkpoint-grace-seconds 300"),
     (["--job-name", "My_Job"], "--job-name 'My_Job': lowercase letters"),
     (["--node-rank", "1"], "--node-rank is set by the generated job"),
-    (["--nodes", "0"], "--nodes: expected an integer >= 1"),
+    (["--nodes", "0"], "--nodes: expected a positive integer"),
 ])
 def test_bad_flags_exit_2(capsys, flags, message):
     base = {"--nodes": "2", "--gpus-per-node": "1", "--image": "i"}

@@ -122,7 +122,7 @@ def test_time_formats(text, seconds):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--nodes", "0", "--gpus-per-node", "1", "--time", "60"], "--nodes: expected an integer >= 1"),
+    (["--nodes", "0", "--gpus-per-node", "1", "--time", "60"], "--nodes: expected a positive integer"),
     (["--nodes", "2", "--gpus-per-node", "-1", "--time", "60"], "--gpus-per-node: expected an integer >= 0"),
     (["--nodes", "2", "--gpus-per-node", "1", "--time", "1h"], "--time '1h': expected minutes"),
     (["--nodes", "2", "--gpus-per-node", "1", "--time", "0"], "must be longer than 0"),

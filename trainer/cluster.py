@@ -14,7 +14,7 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-from .config import TrainConfig, build_parser, config_from_args
+from .config import TrainConfig, build_parser, config_from_args, non_negative_int, positive_int
 from .config_file import ConfigFileError, parse_with_config_file
 
 #: Seconds added to ``--checkpoint-grace-seconds`` for the scheduler's warning time (SLURM
@@ -54,25 +54,6 @@ class TrainJob:
         rank = ["--node-rank", node_rank] if node_rank is not None else []
         return ["--nnodes", nnodes, *rank, "--nproc-per-node", str(self.config.nproc_per_node),
                 "--rdzv-endpoint", rdzv_endpoint, *ADDED_FLAGS]
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (raises ``argparse.ArgumentTypeError`` otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (raises ``argparse.ArgumentTypeError`` otherwise)."""
-    value = non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def cluster_parser(prog: str, description: str) -> argparse.ArgumentParser:

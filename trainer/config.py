@@ -86,7 +86,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (raises ``argparse.ArgumentTypeError`` otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -96,7 +97,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (raises ``argparse.ArgumentTypeError`` otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -160,7 +162,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--model-name-or-path", required=require_paths, help="HF model directory or a .gguf file")
     g.add_argument("--data-path", required=require_paths, help="training data: jsonl, one {\"messages\": [...]} per line")
     g.add_argument("--output-dir", required=require_paths, help="run directory (metrics, exports, checkpoints)")
-    g.add_argument("--max-seq-len", type=_positive_int, default=d.max_seq_len, help="longest sample, tokens")
+    g.add_argument("--max-seq-len", type=positive_int, default=d.max_seq_len, help="longest sample, tokens")
     g.add_argument("--overlong", choices=["drop", "error", "truncate"], default=d.overlong,
                    help="what to do with samples longer than --max-seq-len (always reported)")
     g.add_argument("--train-on-all", action="store_true", help="train on every token, not only assistant turns")
@@ -169,8 +171,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--no-data-cache", dest="data_cache", action="store_false", help="always re-tokenize")
 
     g = p.add_argument_group("batching")
-    g.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="global batch size, samples per optimizer step")
-    g.add_argument("--max-tokens-per-gpu", type=_positive_int, default=d.max_tokens_per_gpu,
+    g.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="global batch size, samples per optimizer step")
+    g.add_argument("--max-tokens-per-gpu", type=positive_int, default=d.max_tokens_per_gpu,
                    help="token budget of one packed micro-batch; the step accumulates as many as needed")
 
     g = p.add_argument_group("optimisation (AdamW)")
@@ -183,11 +185,11 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="decoupled weight decay on every trainable parameter")
     g.add_argument("--lr-scheduler", choices=["constant", "linear", "cosine"], default=d.lr_scheduler,
                    help="learning-rate schedule after warmup")
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=d.warmup_steps, help="linear warmup from 0, steps")
+    g.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps, help="linear warmup from 0, steps")
     g.add_argument("--max-grad-norm", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.max_grad_norm,
                    help="clip the global gradient norm to this")
-    g.add_argument("--num-epochs", type=_positive_int, default=d.num_epochs, help="passes over the data (unless --max-steps)")
-    g.add_argument("--max-steps", type=_positive_int, default=d.max_steps, help="optimizer steps to train; overrides --num-epochs")
+    g.add_argument("--num-epochs", type=positive_int, default=d.num_epochs, help="passes over the data (unless --max-steps)")
+    g.add_argument("--max-steps", type=positive_int, default=d.max_steps, help="optimizer steps to train; overrides --num-epochs")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the data order and every RNG")
 
     g = p.add_argument_group("OSFT")
@@ -204,7 +206,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="forward formulation per module; auto picks the one with fewer FLOPs")
     g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
                    help="a deviation from 90 degrees above this is an orthogonality violation")
-    g.add_argument("--ortho-check-every", type=_positive_int, default=d.ortho_check_every, help="steps between checks")
+    g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every, help="steps between checks")
 
     g = p.add_argument_group("precision, device and outputs")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
@@ -212,9 +214,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="training dtype; auto = float32 on CPU, bfloat16 on GPU")
     g.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=d.save_dtype,
                    help="dtype of the HF export")
-    g.add_argument("--hf-export-every-steps", type=_non_negative_int, default=d.hf_export_every_steps,
+    g.add_argument("--hf-export-every-steps", type=non_negative_int, default=d.hf_export_every_steps,
                    help="also export hf_format/step_N every N steps (0: only at the end)")
-    g.add_argument("--logging-steps", type=_positive_int, default=d.logging_steps, help="console update interval, steps")
+    g.add_argument("--logging-steps", type=positive_int, default=d.logging_steps, help="console update interval, steps")
     g.add_argument("--report-to", nargs="+", choices=REPORT_TO_CHOICES, default=d.report_to, metavar="TRACKER",
                    help="global rank 0 also sends the metrics to these trackers: none, tensorboard "
                    "(<output_dir>/tensorboard; pip install 'osft[tensorboard]'), wandb (offline run in "
@@ -226,11 +228,11 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    "SIGTERM, SIGINT, SIGUSR2, SIGXCPU, SIGHUP, SIGQUIT (checkpoint, then exit with code 75)")
     g.add_argument("--sigusr1-action", choices=["checkpoint", "checkpoint-and-exit"], default=d.sigusr1_action,
                    help="what SIGUSR1 asks for; checkpoint-and-exit suits schedulers that send it before preemption")
-    g.add_argument("--checkpoint-every-steps", type=_non_negative_int, default=d.checkpoint_every_steps,
+    g.add_argument("--checkpoint-every-steps", type=non_negative_int, default=d.checkpoint_every_steps,
                    help="also save a full-state checkpoint every N optimizer steps (0: never)")
-    g.add_argument("--checkpoint-keep-last", type=_non_negative_int, default=d.checkpoint_keep_last,
+    g.add_argument("--checkpoint-keep-last", type=non_negative_int, default=d.checkpoint_keep_last,
                    help="keep only the newest K complete checkpoints (0: keep all; the newest is never removed)")
-    g.add_argument("--checkpoint-grace-seconds", type=_positive_int, default=d.checkpoint_grace_seconds,
+    g.add_argument("--checkpoint-grace-seconds", type=positive_int, default=d.checkpoint_grace_seconds,
                    help="after a stop request, how long the launcher waits for the checkpoint before it kills the ranks, s")
     g.add_argument("--resume-from-full-state-checkpoint", metavar="STEP_DIR", default=None,
                    help="resume from this checkpoint (a full_state_checkpoints/step_N directory)")
@@ -238,10 +240,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="resume from the newest complete checkpoint under --output-dir, if there is one")
 
     g = p.add_argument_group("distributed launch (torchrun worker group; FSDP2, gloo on CPU, NCCL on GPU)")
-    g.add_argument("--nproc-per-node", type=_positive_int, default=d.nproc_per_node,
+    g.add_argument("--nproc-per-node", type=positive_int, default=d.nproc_per_node,
                    help="ranks on this node; 1 (with --nnodes 1) trains in this process")
-    g.add_argument("--nnodes", type=_positive_int, default=d.nnodes, help="number of nodes")
-    g.add_argument("--node-rank", type=_non_negative_int, default=d.node_rank, help="this node's index")
+    g.add_argument("--nnodes", type=positive_int, default=d.nnodes, help="number of nodes")
+    g.add_argument("--node-rank", type=non_negative_int, default=d.node_rank, help="this node's index")
     g.add_argument("--rdzv-endpoint", default=d.rdzv_endpoint, metavar="HOST:PORT",
                    help="c10d rendezvous endpoint shared by all nodes (required with --nnodes > 1)")
     return p

@@ -145,7 +145,7 @@ rdzv_port={port}
 # A job id for each start of this SLURM job: the metrics tell the attempts apart, and a request
 # left over from an earlier attempt never fires.
 export OSFT_JOB_ID="slurm-$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"
-echo "osft: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST," \
+echo "osft: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST," \\
     "rendezvous $rdzv_host:$rdzv_port"
 
 train=(

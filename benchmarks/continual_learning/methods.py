@@ -14,7 +14,6 @@ continual-learning recipe: what the model knows after A becomes the frozen high-
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +99,7 @@ def _trainer_phase(method: Method, cfg) -> dict:
     from rich.console import Console
 
     from osft.trainer.loop import Trainer
+    from osft.trainer.metrics import read_records
     from osft.trainer.rundir import RunDir
 
     start = time.perf_counter()
@@ -110,7 +110,7 @@ def _trainer_phase(method: Method, cfg) -> dict:
     result = trainer.run()
     del trainer
     records = [r for f in sorted(RunDir(cfg.output_dir).metrics.glob("*.jsonl"))
-               for r in map(json.loads, f.read_text().splitlines()) if r["event"] == "step"]
+               for r in read_records(f)[0] if r["event"] == "step"]
     return {"model_dir": Path(result.export_dir), "setup_s": setup_s, "svd_s": svd_s,
             "train_s": time.perf_counter() - start - setup_s, "ortho_violations": result.violations_total,
             "steps": [{k: r[k] for k in ("step", "loss", "lr", "num_tokens", "step_time_s")} for r in records]}
