@@ -273,18 +273,13 @@ def _synthetic_chats(n: int, seed: int) -> list[dict]:
 def _prepare_tiny(root: Path, seed: int) -> tuple[Path, Path, dict]:
     """Save the tiny random Llama (+ tiny tokenizer) and a synthetic chat jsonl under ``root``."""
     sys.path.insert(0, str(REPO / "tests"))
-    from helpers import tiny_chat_tokenizer, tiny_llama  # the project's own offline test helpers
+    from helpers import save_tiny_model  # the project's own offline test helpers
 
-    tokenizer = tiny_chat_tokenizer()
-    model = tiny_llama(len(tokenizer), seed=seed, **TINY_CONFIG)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model_dir = root / "tiny-llama"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_tiny_model(root / "tiny-llama", seed=seed, **TINY_CONFIG)
     data = root / "tiny-chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _synthetic_chats(128, seed)))
-    return model_dir, data, dict(TINY_CONFIG, vocab_size=len(tokenizer), weights="random")
+    return model_dir, data, dict(TINY_CONFIG, vocab_size=json.loads((model_dir / "config.json").read_text())["vocab_size"],
+                                     weights="random")
 
 
 def _prepare_smollm2(root: Path, demo_dir: str | None, data_lines: int) -> tuple[Path, Path, dict]:

@@ -96,18 +96,9 @@ def _by_hash(items: list, key, n: int) -> list:
 
 def _quick_model(root: Path) -> Path:
     sys.path.insert(0, str(REPO / "tests"))
-    from helpers import tiny_chat_tokenizer, tiny_llama  # the project's own offline test helpers
+    from helpers import save_tiny_model  # the project's own offline test helpers
 
-    tokenizer = tiny_chat_tokenizer()
-    model = tiny_llama(len(tokenizer), **QUICK_MODEL)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    path = root / "tiny-llama"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_model(root / "tiny-llama", generation_ids=True, **QUICK_MODEL)
 
 
 def prepare_data(args, work: Path, console) -> dict:

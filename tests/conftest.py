@@ -48,13 +48,6 @@ def data_cache_dir(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama (hidden 64, 2 layers) and the tiny chat tokenizer, saved as an HF directory."""
-    from helpers import tiny_chat_tokenizer, tiny_llama
+    from helpers import save_tiny_model
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = tiny_chat_tokenizer()
-    model = tiny_llama(len(tokenizer), hidden_size=64, intermediate_size=128)
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), hidden_size=64, intermediate_size=128)

@@ -212,3 +212,19 @@ def write_tiny_gguf(path, model, tokenizer) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def save_tiny_model(path: Path, seed: int = 0, generation_ids: bool = False, **overrides) -> Path:
+    """Save :func:`tiny_llama` (``overrides`` go to its config) with :func:`tiny_chat_tokenizer` as
+    an HF model directory at ``path``; the model config gets the tokenizer's eos and pad ids, and with
+    ``generation_ids`` its generation config too (so ``generate`` stops at ``<|im_end|>``)."""
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=seed, **overrides)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if generation_ids:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)

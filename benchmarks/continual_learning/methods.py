@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("osft", "full_ft", "lora", "peft_osf")
+#: Fields of each step record kept in the results (the same for our trainer and PEFT's).
+STEP_KEYS = ("step", "loss", "lr", "num_tokens", "step_time_s")
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def _trainer_phase(method: Method, cfg) -> dict:
                for r in read_records(f)[0] if r["event"] == "step"]
     return {"model_dir": Path(result.export_dir), "setup_s": setup_s, "svd_s": svd_s,
             "train_s": time.perf_counter() - start - setup_s, "ortho_violations": result.violations_total,
-            "steps": [{k: r[k] for k in ("step", "loss", "lr", "num_tokens", "step_time_s")} for r in records]}
+            "steps": [{k: r[k] for k in STEP_KEYS} for r in records]}
 
 
 def _peft_phase(method: Method, cfg, out_dir: Path) -> dict:
@@ -139,7 +141,7 @@ def _peft_phase(method: Method, cfg, out_dir: Path) -> dict:
     del trainer
     return {"model_dir": model_dir, "setup_s": setup_s, "svd_s": wrap_s if method.kind == "peft_osf" else None,
             "train_s": time.perf_counter() - start - setup_s, "ortho_violations": None,
-            "steps": [{k: r[k] for k in ("step", "loss", "lr", "num_tokens", "step_time_s")} for r in records]}
+            "steps": [{k: r[k] for k in STEP_KEYS} for r in records]}
 
 
 def train_phase(method: Method, phase: Phase, model_dir: Path, out_dir: Path, cache_dir: Path) -> dict:
