@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-long
+.PHONY: setup demo test test-unit test-long
 
 $(BIN)/osft-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,14 @@ setup: $(BIN)/osft-train
 demo: setup
 	$(BIN)/osft-train demo --output-dir runs/demo
 
-## The test suite (CI runs exactly this through .ci/run).
+## The test suite (CI runs exactly this through .ci/run); tiers and the time budget: tests/README.md.
 test: setup
 	$(BIN)/python -m pytest -q
+
+## The inner loop: tests that start no process (no torchrun, tmux, reader, benchmark, demo model).
+UNIT_TIER := not long and not demo and not bench and not torchrun and not tui_process and not subprocess
+test-unit: setup
+	OSFT_TEST_TIER=unit $(BIN)/python -m pytest -q -m '$(UNIT_TIER)'
 
 ## Acceptance checks that take several minutes each (not in CI).
 test-long: setup

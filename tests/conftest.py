@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+#: One intra-op thread for the test process and every process it starts (set before torch is
+#: imported; torchrun gives each rank one thread anyway). On a 2-core machine with other work
+#: running, two threads made the tiny-model tests 2-5x slower and the in-process demo run over
+#: 10x slower (OpenMP threads spinning for a core). A value set by the caller is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def demo_assets(request, tmp_path_factory):
@@ -51,3 +57,68 @@ def tiny_model_dir(tmp_path_factory):
     from helpers import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), hidden_size=64, intermediate_size=128)
+
+
+# --- Test tiers and the time budget (tests/README.md) -------------------------------------------
+
+#: ``make test-unit`` sets this: a test of that tier must start no process (the guard below fails it).
+TIER_ENV = "OSFT_TEST_TIER"
+
+
+@pytest.fixture(autouse=True)
+def _no_processes_in_the_unit_tier(monkeypatch):
+    """In the unit tier, starting a subprocess or a multiprocessing child fails the test with the
+    markers it needs (so `make test-unit` stays free of process start-up)."""
+    if os.environ.get(TIER_ENV) != "unit":
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("this test starts a process: mark it torchrun, tui_process, subprocess, bench or demo "
+                           "(tests/README.md), so that it runs in `make test` and not in `make test-unit`")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+#: This session's test times: nodeid -> seconds (setup + call + teardown), and nodeid -> kind.
+_DURATIONS: dict[str, float] = {}
+_KINDS: dict[str, str] = {}
+_SESSION_START: list[float] = []
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _SESSION_START.append(time.time())
+
+
+def pytest_collection_modifyitems(config, items):
+    from durations_budget import kind_of
+
+    _KINDS.update({item.nodeid: kind_of({m.name for m in item.iter_markers()}) for item in items})
+
+
+def pytest_runtest_logreport(report):
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Write this session's durations to .pytest_cache/osft-durations.json and print the report."""
+    import json
+    import time
+
+    from durations_budget import DEFAULT_FILE, report
+
+    if not _DURATIONS or not _SESSION_START:
+        return
+    data = {
+        "tier": "unit" if os.environ.get(TIER_ENV) == "unit" else "full",
+        "wall_s": time.time() - _SESSION_START[0],
+        "tests": [{"nodeid": n, "kind": _KINDS.get(n, "unit"), "seconds": round(s, 3)} for n, s in _DURATIONS.items()],
+    }
+    DEFAULT_FILE.parent.mkdir(parents=True, exist_ok=True)
+    DEFAULT_FILE.write_text(json.dumps(data, indent=1))
+    for line in report(data):
+        terminalreporter.write_line(line)

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench
 def test_bench_checkpoint_quick_measures_sizes_and_startup(tmp_path):
     out = tmp_path / "c.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_checkpoint.py"), "--quick", "--out", str(out)],

@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_tui_quick_counts_every_record_once(tmp_path):
     out = tmp_path / "t.json"

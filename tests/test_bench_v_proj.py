@@ -10,6 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_v_proj_quick_measures_three_modes_that_agree(tmp_path):
     out = tmp_path / "v.json"

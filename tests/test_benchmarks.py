@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("peft")
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_bench_step_quick_writes_all_three_methods(tmp_path):
     out = tmp_path / "bench_step.json"

@@ -77,6 +77,7 @@ def test_windows_reject_tiny_max():
         chitchat_windows([], max_turns=1)
 
 
+@pytest.mark.subprocess
 def test_split_is_deterministic_and_about_two_percent():
     ids = [f"conv-{i}" for i in range(1000)]
     evals = [i for i in ids if split_of(i) == "eval"]

@@ -1,7 +1,9 @@
 """The real demo job on SmolLM2-135M-Instruct and chit-chat: a short OSFT run whose export reloads
 and answers a chat prompt."""
 
+import io
 import json
+import sys
 
 import pytest
 import torch
@@ -11,13 +13,31 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 pytestmark = pytest.mark.demo
 
 
-def test_demo_osft_run_exports_a_model_that_chats(demo_assets, tmp_path, capsys):
-    out = tmp_path / "demo"
-    demo_dir = demo_assets.model_dir.parent
-    code = main(["demo", "--dir", str(demo_dir), "--output-dir", str(out), "--max-steps", "2", "--batch-size", "2", "--max-seq-len", "256"])
-    assert code == 0
+#: One demo-sized run on one rank serves both tests below: the export check and the reference
+#: losses of the two-rank run (2 samples per rank per step, more than one micro-batch each).
+DEMO_FLAGS = ["--max-steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--max-tokens-per-gpu", "512"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_assets, tmp_path_factory):
+    """``osft-train demo`` on one rank (in process); returns its output dir and console text."""
+    out = tmp_path_factory.mktemp("demo") / "one"
+    with pytest.MonkeyPatch.context() as mp:
+        errors = io.StringIO()
+        mp.setattr(sys, "stderr", errors)
+        code = main(["demo", "--dir", str(demo_assets.model_dir.parent), "--output-dir", str(out), *DEMO_FLAGS])
+    assert code == 0, errors.getvalue()
+    return out, errors.getvalue()
+
+
+def _step_records(out):
     records = [json.loads(line) for line in (out / "metrics" / "node0.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["event"] == "step"]
+    return [r for r in records if r["event"] == "step"]
+
+
+def test_demo_osft_run_exports_a_model_that_chats(demo_run):
+    out, console = demo_run
+    steps = _step_records(out)
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0.5 < r["loss"] < 10 and r["ortho_violations"] == 0 for r in steps)
     assert all(r["ortho_max_dev_deg"] < 0.01 for r in steps)
@@ -36,24 +56,19 @@ def test_demo_osft_run_exports_a_model_that_chats(demo_assets, tmp_path, capsys)
     reply = model.generate(**prompt, max_new_tokens=12, do_sample=False)[0, prompt["input_ids"].shape[1]:]
     text = tokenizer.decode(reply, skip_special_tokens=True)
     assert "Paris" in text
-    assert "fine-tuned model:" in capsys.readouterr().err
+    assert "fine-tuned model:" in console
 
 
-def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, tmp_path):
+def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, demo_run, tmp_path):
     """The issue's bar for distributed training: SmolLM2 with --nproc-per-node 2 on CPU gives the
     losses of one rank."""
-    base = ["--model-name-or-path", str(demo_assets.model_dir), "--data-path", str(demo_assets.train_path),
-            "--max-steps", "2", "--batch-size", "4", "--max-seq-len", "128", "--max-tokens-per-gpu", "512",
-            "--learning-rate", "1e-4"]
-    assert main([*base, "--output-dir", str(tmp_path / "one")]) == 0
-    assert main([*base, "--output-dir", str(tmp_path / "two"), "--nproc-per-node", "2"]) == 0
-    losses = {}
-    for name in ("one", "two"):
-        records = [json.loads(line) for line in (tmp_path / name / "metrics" / "node0.jsonl").read_text().splitlines()]
-        losses[name] = [(r["loss"], r["num_tokens"]) for r in records if r["event"] == "step"]
-    assert len(losses["two"]) == 2
-    for (a, ta), (b, tb) in zip(losses["one"], losses["two"]):
-        assert tb == ta and b == pytest.approx(a, rel=1e-5)
+    two = tmp_path / "two"
+    assert main(["demo", "--dir", str(demo_assets.model_dir.parent), "--output-dir", str(two), *DEMO_FLAGS,
+                 "--nproc-per-node", "2"]) == 0
+    one = _step_records(demo_run[0])
+    assert len(_step_records(two)) == 2
+    for a, b in zip(one, _step_records(two)):
+        assert b["num_tokens"] == a["num_tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
 @pytest.mark.long

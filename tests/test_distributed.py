@@ -42,6 +42,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.torchrun
 def test_two_ranks_train_like_one(tiny, tmp_path):
     assert run(tiny, tmp_path / "one", "--max-steps", "10") == 0
     assert run(tiny, tmp_path / "two", "--max-steps", "10", "--nproc-per-node", "2") == 0
@@ -63,6 +64,7 @@ def test_two_ranks_train_like_one(tiny, tmp_path):
     assert len(logs) == 2
 
 
+@pytest.mark.torchrun
 def test_projection_modes_give_the_same_parameters(tiny, tmp_path):
     runs = {"factored": [], "gram": ["--osft-v-projection", "gram"], "cached": ["--osft-cache-v-high"]}
     for name, flags in runs.items():
@@ -74,6 +76,7 @@ def test_projection_modes_give_the_same_parameters(tiny, tmp_path):
             torch.testing.assert_close(other[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_uneven_shards_give_the_single_process_projection(tmp_path, ranks):
     out = tmp_path / "result.pt"
@@ -92,6 +95,7 @@ def test_uneven_shards_give_the_single_process_projection(tmp_path, ranks):
     assert sum(v_rows) == 7 and len(set(v_rows)) > 1  # uneven shards
 
 
+@pytest.mark.torchrun
 def test_two_nodes_train_together(tiny, tmp_path):
     model, data = tiny
     out = tmp_path / "nodes"
@@ -113,6 +117,7 @@ def test_two_nodes_train_together(tiny, tmp_path):
     assert all("step 3/3" in o for o in outputs)  # progress visible on both nodes
 
 
+@pytest.mark.torchrun
 def test_warning_on_local_rank_1_reaches_the_run_directory(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("OSFT_TEST_WARN_AT", "2:1")
     assert run(tiny, tmp_path / "w", "--max-steps", "3", "--nproc-per-node", "2") == 0
@@ -132,6 +137,7 @@ def test_fewer_samples_than_ranks_fails_at_start(tiny, tmp_path, capsys):
     assert not (tmp_path / "r" / "logs").exists()  # no rank was started
 
 
+@pytest.mark.torchrun
 def test_uneven_last_batch_keeps_every_rank_in_step(tiny, tmp_path):
     """Field case B25: 5 samples, world size 2, batch 2, last batch kept: 3 steps on every rank,
     the last with one sample (one rank runs an empty micro-batch instead of skipping collectives)."""

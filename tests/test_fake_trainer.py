@@ -29,7 +29,8 @@ STEP_FIELDS = {"loss", "grad_norm", "lr", "num_tokens", "num_loss_tokens", "num_
 RUN_JSON_FIELDS = {"argv", "config", "job_id", "launcher_pid", "torchrun_pids", "nnodes", "nproc_per_node", "start_time",
                    "state", "exit_code"}
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="signals and /proc: Linux only")
+pytestmark = [pytest.mark.tui_process,
+              pytest.mark.skipif(sys.platform != "linux", reason="signals and /proc: Linux only")]
 
 
 def records(out: Path, name: str = "node0") -> list[dict]:

@@ -22,6 +22,8 @@ from osft.trainer.checkpoint.safe_load import SafeFileSystemReader
 from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
 from osft.trainer.checkpoint.store import newest_complete
 
+pytestmark = pytest.mark.torchrun
+
 STEPS = 8
 #: The schedule of every run unless a test says otherwise: the learning rate changes every step, so
 #: a scheduler that is not restored shows (the older tool resumed at lr 0).
@@ -134,21 +136,71 @@ def exit_and_resume(job, tmp_path, point, micro, sig, *flags, env=None):
     return out, saved_step
 
 
-@pytest.mark.parametrize(("point", "micro", "sig"), [
-    ("before_forward", 1, "SIGTERM"),
-    ("before_backward", 0, "SIGINT"),
-    ("after_backward", 1, "SIGHUP"),
-    ("after_step", 0, "SIGUSR2"),
-])
-def test_exit_signal_at_each_safe_point_resumes_bit_identically(job, reference, tmp_path, point, micro, sig):
-    out, saved_step = exit_and_resume(job, tmp_path, point, micro, sig)
-    assert_same_steps(out, reference, saved_step + 1)
-    resumed_lr = records(out, "step")[-(STEPS - saved_step)]["lr"]
-    assert 0 < resumed_lr != records(reference, "step")[0]["lr"]  # warmup/cosine went on where it stopped
-    ckpt = out / "full_state_checkpoints" / f"step_{saved_step}"
-    # Field case B13: each rank's generators are saved apart (they drew different amounts).
-    rng = [torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1)]
-    assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
+#: One job stopped five times and resumed after each stop: every safe point interrupts a real step,
+#: each stop signal but SIGUSR1 (its own test) and SIGXCPU (the full fine-tuning test) ends a segment.
+#: (step, point, micro-batch, signal, step saved): a request inside a step saves the step before it.
+STOPS = [
+    (2, "before_forward", 1, "SIGQUIT", 1),
+    (3, "before_backward", 0, "SIGINT", 2),
+    (5, "after_backward", 1, "SIGHUP", 4),
+    (6, "after_step", 0, "SIGUSR2", 6),
+    (8, "before_forward", 0, "SIGTERM", 7),
+]
+
+
+def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_never_fires(job, reference, tmp_path):
+    """Each segment of the chain checks what one stop-and-resume pair checked before: exit code 75
+    with one new complete checkpoint at the right step, the request recorded once at its safe
+    point, ``run.json`` stopped, the resume (same job id, field case B03: no stale request fires
+    again) continuing bit for bit with the uninterrupted run, the schedule going on, and each
+    rank's generators saved apart (field case B13). Before the first segment a SIGTERM request
+    of a killed earlier run lies in the job's trigger directory: it is removed with a warning
+    and never served."""
+    out = tmp_path / "run"
+    job_id = uuid.uuid4().hex[:12]
+    trigger = TriggerDir(job_id)
+    trigger.record(signal.SIGTERM)
+    past = time.time() - 60
+    os.utime(trigger.path / f"sig{int(signal.SIGTERM)}", (past, past))
+    metrics = out / "metrics" / "node0.jsonl"
+    want = {r["step"]: r for r in records(reference, "step")}
+    resumed_from = []
+    for n, (step, point, micro, sig, saved) in enumerate(STOPS):
+        lines_before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        flags = ("--resume",) if n else ()
+        code, output = train(job, out, *flags, env={"OSFT_JOB_ID": job_id, "OSFT_TEST_SIGNAL_AT": f"{step}:{point}:{micro}:{sig}"})
+        assert code == EXIT_STOPPED, output
+        segment = [json.loads(line) for line in metrics.read_text().splitlines()[lines_before:]]
+        steps = [r for r in segment if r["event"] == "step"]
+        first = resumed_from[-1] + 1 if resumed_from else 1
+        assert [r["step"] for r in steps] == list(range(first, saved + 1)), (sig, [r["step"] for r in steps])
+        for r in steps:
+            for key in COMPARED:
+                assert r[key] == want[r["step"]][key], (sig, r["step"], key, r[key], want[r["step"]][key])
+        if n:
+            assert 0 < steps[0]["lr"] != want[1]["lr"]  # warmup/cosine went on where it stopped
+        resumed_from.append(saved)
+        assert complete_checkpoints(out) == sorted(f"step_{s}" for s in resumed_from)
+        requested = records(out, "checkpoint_requested")
+        assert [(r["signal"], r["step"], r["point"]) for r in requested] == [(s[3], s[4], s[1]) for s in STOPS[:n + 1]]
+        assert len(records(out, "checkpoint_saved")) == n + 1
+        finished = records(out, "run_finished")[-1]
+        assert (finished["reason"], finished["exit_code"]) == ("stopped", EXIT_STOPPED)
+        assert json.loads((out / "run.json").read_text())["state"] == "stopped"
+        assert [r["from_step"] for r in records(out, "resumed")] == resumed_from[:-1]
+        ckpt = out / "full_state_checkpoints" / f"step_{saved}"
+        # Field case B13: each rank's generators are saved apart (they drew different amounts).
+        rng = [torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1)]
+        assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
+        if n == 0:  # the stale SIGTERM was removed at start and never served
+            warnings = [r["message"] for r in records(out, "warning")]
+            assert any("stale checkpoint request removed (trigger SIGTERM)" in w for w in warnings), warnings
+            assert not trigger.path.exists()
+    code, output = train(job, out, "--resume", env={"OSFT_JOB_ID": job_id})
+    assert code == 0, output
+    assert [r["from_step"] for r in records(out, "resumed")] == resumed_from
+    assert len(records(out, "checkpoint_requested")) == len(STOPS)
+    assert_same_steps(out, reference, resumed_from[-1] + 1)
 
 
 def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference, tmp_path):
@@ -182,24 +234,6 @@ def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
                                       env={"OSFT_TEST_SAVE_DELAY_S": "4"})
     assert_same_steps(out, ref, saved_step + 1)
     assert not list((out / "full_state_checkpoints").glob("frozen_*"))
-
-
-def test_stale_trigger_of_a_killed_run_is_removed(job, tmp_path):
-    job_id = uuid.uuid4().hex[:12]
-    trigger = TriggerDir(job_id)
-    trigger.record(signal.SIGTERM)
-    past = time.time() - 60
-    os.utime(trigger.path / f"sig{int(signal.SIGTERM)}", (past, past))
-    out = tmp_path / "run"
-    env = {"OSFT_JOB_ID": job_id, "OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGQUIT"}
-    code, output = train(job, out, env=env)
-    assert code == EXIT_STOPPED, output
-    assert [r["step"] for r in records(out, "step")] == [1, 2]
-    assert complete_checkpoints(out) == ["step_2"]  # the SIGQUIT one: the stale request never fired
-    assert [r["signal"] for r in records(out, "checkpoint_requested")] == ["SIGQUIT"]
-    warnings = [r["message"] for r in records(out, "warning")]
-    assert any("stale checkpoint request removed (trigger SIGTERM)" in w for w in warnings), warnings
-    assert not trigger.path.exists()
 
 
 def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path):

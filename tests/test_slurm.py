@@ -85,6 +85,7 @@ def usage_error(capsys, *argv) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_script_has_the_sbatch_options_and_is_valid_bash(capsys, tmp_path):
     script = generate(capsys, *TRAIN, "--max-steps", "100", "--nodes", "4", "--gpus-per-node", "8",
                       "--time", "1-00:00:00", "--partition", "gpu", "--account", "proj", "--job-name", "ft")
@@ -141,6 +142,7 @@ def test_missing_training_flag_exits_2(capsys):
     assert "--model-name-or-path" in err
 
 
+@pytest.mark.subprocess
 def test_torchrun_agent_survives_the_signals_srun_forwards_to_every_process():
     """srun and ``scancel --signal`` signal every process of a job step, torchrun's agent included,
     which has no handler for SIGUSR1, SIGUSR2 or SIGXCPU: the launcher starts it with them ignored."""
@@ -178,6 +180,7 @@ def _kill_everything(proc: subprocess.Popen, out: Path) -> None:
             pass
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_script_runs_two_nodes_checkpoints_on_usr2_requeues_and_resumes(tiny_model_dir, tmp_path, capsys):
     """The generated script, run by bash as SLURM would run it on the first node of a 2-node job:
@@ -247,6 +250,7 @@ def test_script_runs_two_nodes_checkpoints_on_usr2_requeues_and_resumes(tiny_mod
     assert not left, f"processes left behind: {left}"
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_sigterm_to_every_process_of_a_node_still_stops_with_a_checkpoint(tiny_model_dir, tmp_path):
     """scancel and the time limit send SIGTERM to every process of a SLURM job: the launcher, the

@@ -15,7 +15,7 @@ from osft.tui.components.new_run import NewRunScreen
 from textual.widgets import Input
 from tui_support import kill_run, no_processes_left, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torchrun]
 
 
 def _records(out, event):

@@ -31,7 +31,8 @@ from tui_support import kill_run, no_processes_left, wait_until
 
 FAKE = Path(__file__).with_name("fake_trainer.py")
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="signals and /proc: Linux only")
+pytestmark = [pytest.mark.tui_process,
+              pytest.mark.skipif(sys.platform != "linux", reason="signals and /proc: Linux only")]
 
 
 def records(out: Path, name: str = "node0", event: str | None = None) -> list[dict]:

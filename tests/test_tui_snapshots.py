@@ -141,6 +141,7 @@ def test_new_run_form(fixed_clock, tmp_path):
     assert_snapshot(asyncio.run(main()), "new_run_form", tmp_path)
 
 
+@pytest.mark.tui_process
 def test_dashboard_with_two_nodes(fixed_clock, tmp_path):
     write_two_node_run(Path("run"), violation_at=None)
     svg, alert = asyncio.run(_dashboard_svg(Path("run")))
@@ -148,6 +149,7 @@ def test_dashboard_with_two_nodes(fixed_clock, tmp_path):
     assert_snapshot(svg, "dashboard_two_nodes", tmp_path)
 
 
+@pytest.mark.tui_process
 def test_violation_counters_alert(fixed_clock, tmp_path):
     write_two_node_run(Path("run"), violation_at=12)
     svg, alert = asyncio.run(_dashboard_svg(Path("run")))

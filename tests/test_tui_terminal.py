@@ -34,7 +34,7 @@ import pytest
 from tui_support import kill_run, processes_of
 
 TMUX = shutil.which("tmux")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(TMUX is None, reason="tmux is not installed"),
+pytestmark = [pytest.mark.slow, pytest.mark.tui_process, pytest.mark.skipif(TMUX is None, reason="tmux is not installed"),
               pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminals, signals and /proc: Linux only")]
 
 FAKE = Path(__file__).resolve().with_name("fake_trainer.py")

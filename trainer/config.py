@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .schedule import SCHEDULES
 from .trackers import REPORT_TO_CHOICES, check_available
 
 
@@ -183,8 +184,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--eps", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.eps, help="AdamW epsilon")
     g.add_argument("--weight-decay", type=_float_in(0, INF, hi_open=True), default=d.weight_decay,
                    help="decoupled weight decay on every trainable parameter")
-    g.add_argument("--lr-scheduler", choices=["constant", "linear", "cosine"], default=d.lr_scheduler,
-                   help="learning-rate schedule after warmup")
+    g.add_argument("--lr-scheduler", choices=SCHEDULES, default=d.lr_scheduler,
+                   help="learning-rate schedule after warmup (warmup applies to each)")
     g.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps, help="linear warmup from 0, steps")
     g.add_argument("--max-grad-norm", type=_float_in(0, INF, lo_open=True, hi_open=True), default=d.max_grad_norm,
                    help="clip the global gradient norm to this")

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.markup import escape
-from transformers import get_scheduler
 
 from .checkpoint.full_state import (
     Checkpointer,
@@ -74,6 +73,7 @@ from .osft.surgery import dense_state_dict, full_state_dict
 from .parallel import build_model, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
+from .schedule import build_scheduler
 from .trackers import open_trackers
 
 
@@ -238,9 +238,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.data), cfg.batch_size, cfg.seed)
         # As in HF Trainer, --max-steps overrides --num-epochs (epochs repeat as needed).
         self.total_steps = cfg.max_steps or cfg.num_epochs * self.sampler.steps_per_epoch
-        self.scheduler = get_scheduler(
-            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=self.total_steps
-        )
+        self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
         if cfg.checkpointing or resume_dir is not None:
             self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
