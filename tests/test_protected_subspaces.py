@@ -54,7 +54,8 @@ def update(mod):
 
 
 def factors(mod):
-    return {k: getattr(mod, k).detach() for k in FOLD_KEYS}
+    empty = {"P": torch.zeros(mod.plan.n, 0), "Q": torch.zeros(mod.plan.m, 0)}
+    return {k: empty[k] if getattr(mod, k) is None else getattr(mod, k).detach() for k in FOLD_KEYS}
 
 
 def test_protected_svd_matches_lapack_on_the_projected_matrix():
@@ -172,3 +173,103 @@ def test_toy_regression_inputs_variant_keeps_task_a_exactly():
     # float32 rounding of W (entries ~1, 24 inputs): the loss moves by a few 1e-7 at most
     assert abs(forgetting["inputs"]) < 1e-5, forgetting
     assert forgetting["inputs"] < forgetting["plain"] < forgetting["update"], forgetting
+
+
+# -- real `osft-train` runs ---------------------------------------------------------------------
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("protect")
+    model = save_tiny_model(root / "model", hidden_size=64, intermediate_size=128)
+    data = write_jsonl(root / "train.jsonl", [chat(q, a) for q, a in QA] * 2)
+    return model, data
+
+
+def osft_train(model, data, out, *flags, env=None):
+    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+           "--output-dir", str(out), "--batch-size", "4", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
+           "--learning-rate", "5e-3", "--save-dtype", "float32", "--max-steps", str(STEPS),
+           "--osft-unfreeze-rank-ratio", "0.5", *flags]
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def exported(out, step=STEPS):
+    return out / "hf_format" / f"step_{step}"
+
+
+def projectors(export):
+    """PPᵀ and QQᵀ of every module (float64), which do not depend on the basis chosen."""
+    bases = load_file(str(export / "osft_subspaces.safetensors"))
+    return {k: bases[k].double() @ bases[k].double().t() for k in bases}
+
+
+@pytest.fixture(scope="module")
+def runs(job, tmp_path_factory):
+    """Task A on 1 rank and on 2 ranks (the latter uninterrupted and stopped + resumed)."""
+    model, data = job
+    root = tmp_path_factory.mktemp("runs")
+    one, two, resumed = root / "one", root / "two", root / "resumed"
+    code, output = osft_train(model, data, one)
+    assert code == 0, output
+    code, output = osft_train(model, data, two, "--nproc-per-node", "2", "--on-demand-checkpointing")
+    assert code == 0, output
+    env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12], "OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGTERM"}
+    code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", env=env)
+    assert code == EXIT_STOPPED, output
+    code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", "--resume",
+                              env={"OSFT_JOB_ID": env["OSFT_JOB_ID"]})
+    assert code == 0 and "resumed from" in output, output
+    return one, two, resumed
+
+
+def test_exports_carry_the_same_subspaces_on_one_and_two_ranks_and_after_a_resume(runs):
+    one, two, resumed = runs
+    meta = json.loads((exported(one) / "osft_subspaces.json").read_text())
+    assert meta["format_version"] == 1 and meta["energy"] == 0.9 and meta["max_rank_ratio"] == 0.5
+    assert meta["basis"] == "update" and meta["source"]["step"] == STEPS and len(meta["modules"]) == 14
+    assert all(m["p_left"] == m["added_left"] > 0 for m in meta["modules"].values())
+    p1, p2 = projectors(exported(one)), projectors(exported(two))
+    assert p1.keys() == p2.keys()
+    for key in p1:
+        torch.testing.assert_close(p2[key], p1[key], rtol=0, atol=1e-3, msg=key)
+    # bit-exact after a stop at step 2 and a resume (the start factors come from the frozen store)
+    assert load_file(str(exported(resumed) / "osft_subspaces.safetensors")).keys() == p2.keys()
+    for key, value in load_file(str(exported(resumed) / "osft_subspaces.safetensors")).items():
+        assert torch.equal(value, load_file(str(exported(two) / "osft_subspaces.safetensors"))[key]), key
+
+
+def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, tmp_path):
+    _, data = job
+    one = runs[0]
+    code, output = osft_train(exported(one), data, tmp_path / "b", "--learning-rate", "1e-2")
+    assert code == 0, output
+    assert "protected subspaces: 14 modules from" in output and "OSFT plan" in output
+    bases = load_file(str(exported(one) / "osft_subspaces.safetensors"))
+    before = load_file(str(exported(one) / "model.safetensors"))
+    after = load_file(str(exported(tmp_path / "b") / "model.safetensors"))
+    meta = json.loads((exported(tmp_path / "b") / "osft_subspaces.json").read_text())
+    for name in {k.rpartition(".")[0] for k in bases}:
+        P, Q = bases[f"{name}.P"].double(), bases[f"{name}.Q"].double()
+        d = after[f"{name}.weight"].double() - before[f"{name}.weight"].double()
+        assert d.norm() > 0, name
+        assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), name
+        assert meta["modules"][name]["p_left"] > P.shape[1] - 1  # the old bases are kept, new ones added
+    no_protect = tmp_path / "c"
+    code, output = osft_train(exported(one), data, no_protect, "--no-osft-protect-subspaces", "--max-steps", "1")
+    assert code == 0 and "not used (--no-osft-protect-subspaces)" in output, output
+
+
+def test_subspaces_that_do_not_fit_the_model_fail_before_any_rank_starts(job, runs, tmp_path):
+    _, data = job
+    broken = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(exported(runs[0])), str(broken)], check=True)
+    bases = load_file(str(broken / "osft_subspaces.safetensors"))
+    bases["model.layers.0.self_attn.q_proj.P"] = torch.zeros(7, 1)
+    save_file(bases, str(broken / "osft_subspaces.safetensors"))
+    code, output = osft_train(broken, data, tmp_path / "out", "--nproc-per-node", "2")
+    assert code != 0
+    assert "model.layers.0.self_attn.q_proj" in output and "osft_subspaces.safetensors" in output, output
+    assert not (tmp_path / "out" / "logs").exists() or not any((tmp_path / "out" / "logs").rglob("*.log"))
