@@ -69,6 +69,7 @@ from .distributed import (
 )
 from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
+from .osft.freeze import count_parameters, freeze_non_targets
 from .osft.projection import Projector
 from .osft.surgery import dense_state_dict, full_state_dict
 from .parallel import build_model, model_vocab_size
@@ -227,6 +228,9 @@ class Trainer:
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
                 f"(URR {cfg.osft_unfreeze_rank_ratio}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
             )
+        if cfg.freeze_non_target:
+            freeze_non_targets(self.model, self.osft)
+        self._say(count_parameters(self.model).describe())
         self.projector = (
             Projector(self.osft.modules, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         )
