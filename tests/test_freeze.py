@@ -5,10 +5,11 @@ import json
 
 import pytest
 import torch
-from helpers import QA, chat, save_tiny_model, write_jsonl
+from helpers import QA, chat, dense_forgetting, save_tiny_model, write_jsonl
 from safetensors.torch import load_file
 
 from osft.trainer.cli import main
+from osft.trainer.osft.indicators import INDICATOR_FIELDS
 
 #: Target projections of the tiny Llama (its default OSFT targets).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,12 +79,20 @@ def test_optimizer_gets_only_the_targets_trainable_factors(tiny_model_dir, data,
 
 
 def test_freeze_on_two_ranks_with_tied_embeddings(data, tmp_path):
+    """Also the forgetting indicators on FSDP2 shards: only on the checked step, equal to the export's."""
     model = save_tiny_model(tmp_path / "tied", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
     out = tmp_path / "run"
-    assert run(model, data, out, "--max-steps", "3", "--nproc-per-node", "2") == 0
-    assert [r["world_size"] for r in steps(out).values()] == [2, 2, 2]
+    assert run(model, data, out, "--max-steps", "3", "--nproc-per-node", "2", "--ortho-check-every", "3") == 0
+    records = steps(out)
+    assert [r["world_size"] for r in records.values()] == [2, 2, 2]
     assert "lm_head.weight" not in load_file(model / "model.safetensors")  # tied: one tensor, frozen
     assert_only_targets_changed(model, out / "hf_format" / "step_3")
+    assert all(records[s][k] is None for s in (1, 2) for k in INDICATOR_FIELDS)
+    dense = dense_forgetting(model, out / "hf_format" / "step_3", 0.25, TARGETS)
+    worst = max(dense, key=lambda name: dense[name][0])
+    assert records[3]["osft_dw_rel_worst_module"] == worst
+    assert records[3]["osft_dw_rel_max"] == pytest.approx(dense[worst][0], rel=1e-4)
+    assert records[3]["osft_gap_max"] == pytest.approx(max(g for _, g in dense.values()), rel=1e-4)
 
 
 def test_freeze_with_no_osft_is_an_input_error(tiny_model_dir, data, tmp_path, capsys):
