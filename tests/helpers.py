@@ -228,3 +228,27 @@ def save_tiny_model(path: Path, seed: int = 0, generation_ids: bool = False, **o
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def dense_forgetting(model_dir: Path, export_dir: Path, urr: float, targets: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """Per target weight of a float32 export, (‖W_export − W_input‖_F / ‖W_input‖_F,
+    σ_max(W_export − W_high) / σ_{k_high}(W_input)) computed densely in float64, where W_high is the
+    input's top-k_high SVD part (what OSFT froze). Keys: module names (``...q_proj``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from osft.trainer.osft.decomposition import rank_split
+
+    before, after = load_file(Path(model_dir) / "model.safetensors"), load_file(Path(export_dir) / "model.safetensors")
+    out = {}
+    for key, w in before.items():
+        name = key.removesuffix(".weight")
+        if name.rsplit(".", 1)[-1] not in targets or not key.endswith(".weight"):
+            continue
+        w, w_new = w.double(), after[key].double()
+        k_high = rank_split(*w.shape, urr).k_high
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
+        w_high = (u[:, :k_high] * s[:k_high]) @ vh[:k_high]
+        out[name] = (float(torch.linalg.matrix_norm(w_new - w) / torch.linalg.matrix_norm(w)),
+                     float(torch.linalg.svdvals(w_new - w_high)[0] / s[k_high - 1]))
+    return out

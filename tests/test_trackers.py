@@ -47,7 +47,9 @@ def test_tensorboard_gets_the_jsonl_steps_and_events_and_a_resume_replaces_the_r
     assert [v for _, v in loss] == pytest.approx([latest[s]["loss"] for s in (1, 2, 3)], rel=1e-6)
     for tag, field in [("train/lr", "lr"), ("train/grad_norm", "grad_norm"), ("train/tokens_per_s", "tokens_per_s"),
                        ("train/node0_tokens_per_s", "node_tokens_per_s"), ("osft/ortho_violations", "ortho_violations"),
-                       ("osft/ortho_max_dev_deg", "ortho_max_dev_deg")]:
+                       ("osft/ortho_max_dev_deg", "ortho_max_dev_deg"), ("osft/dw_rel_max", "osft_dw_rel_max"),
+                       ("osft/dw_rel_median", "osft_dw_rel_median"), ("osft/gap_max", "osft_gap_max"),
+                       ("osft/gap_median", "osft_gap_median")]:
         assert [e.value for e in acc.Scalars(tag)] == pytest.approx([latest[s][field] for s in (1, 2, 3)], rel=1e-6), tag
     texts = {tag.split("/")[1] for tag in acc.Tags()["tensors"] if tag.startswith("events/")}
     assert {"run_started", "checkpoint_saved", "resumed", "run_finished"} <= texts

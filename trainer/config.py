@@ -53,6 +53,7 @@ class TrainConfig:
     osft_v_projection: str = "factored"
     osft_cache_v_high: bool = False
     osft_forward: str = "auto"
+    freeze_non_target: bool = False
     ortho_margin_deg: float = 1.0
     ortho_check_every: int = 1
     # protected subspaces of earlier OSFT runs (sequential OSFT)
@@ -212,6 +213,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="keep the all-gathered V bases after the first step (also OSFT_CACHE_V=1); never checkpointed")
     g.add_argument("--osft-forward", choices=["auto", "dense", "split"], default=d.osft_forward,
                    help="forward formulation per module; auto picks the one with fewer FLOPs")
+    g.add_argument("--freeze-non-target", action="store_true",
+                   help="train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), "
+                   "norms and every other parameter stay frozen (not with --no-osft)")
     g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
                    help="a deviation from 90 degrees above this is an orthogonality violation")
     g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every, help="steps between checks")
@@ -307,9 +311,13 @@ def check_config(cfg: TrainConfig) -> None:
     """Cross-flag checks the parser cannot do alone.
 
     Raises:
-        ValueError: a sample could not fit into one micro-batch, an input path is missing, a
-            ``--report-to`` tracker is not installed, or protection settings outside their ranges.
+        ValueError: a sample could not fit into one micro-batch, an input path is missing,
+            ``--freeze-non-target`` with ``--no-osft``, a ``--report-to`` tracker is not installed, or
+            protection settings outside their ranges.
     """
+    if cfg.freeze_non_target and not cfg.osft:
+        raise ValueError("--freeze-non-target with --no-osft would leave nothing to train: it freezes every "
+                         "parameter that is not an OSFT target, and --no-osft has no targets; drop one of them")
     if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
     if cfg.node_rank >= cfg.nnodes:

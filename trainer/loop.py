@@ -69,6 +69,8 @@ from .distributed import (
 )
 from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
+from .osft.freeze import count_parameters, freeze_non_targets
+from .osft.indicators import INDICATOR_FIELDS
 from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.protect import ModuleFold, fold_module
@@ -235,6 +237,9 @@ class Trainer:
             )
         if self.osft and self.dist.rank == 0:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
+        if cfg.freeze_non_target:
+            freeze_non_targets(self.model, self.osft)
+        self._say(count_parameters(self.model).describe())
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
         self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -414,12 +419,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.projector:
             self.projector.project_parameters()
-        violations, max_dev = 0, None
+        violations, max_dev, forgetting = 0, None, dict.fromkeys(INDICATOR_FIELDS)
         if self.projector and step % cfg.ortho_check_every == 0:
             report = self.projector.check(cfg.ortho_margin_deg)
             violations, max_dev = report.violations, report.max_dev_deg
             if report.violating:
                 self._warn(f"step {step}: orthogonality violations in {report.violating}")
+            forgetting = self.projector.indicators().fields()
         elapsed = time.perf_counter() - start
         global_tokens = sum(tokens_by_rank)
         node_tokens = sum(t for t, node in zip(tokens_by_rank, self.node_of_rank) if node == self.dist.node_rank)
@@ -436,6 +442,7 @@ class Trainer:
             samples_per_s=len(indices) / elapsed,
             ortho_violations=violations,
             ortho_max_dev_deg=max_dev,
+            **forgetting,
         )
 
     def state_sha256(self) -> str:

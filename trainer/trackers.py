@@ -26,6 +26,10 @@ STEP_SCALARS = {
     "tokens_per_s": "train/tokens_per_s",
     "ortho_violations": "osft/ortho_violations",
     "ortho_max_dev_deg": "osft/ortho_max_dev_deg",
+    "osft_dw_rel_max": "osft/dw_rel_max",
+    "osft_dw_rel_median": "osft/dw_rel_median",
+    "osft_gap_max": "osft/gap_max",
+    "osft_gap_median": "osft/gap_median",
 }
 #: Fields every record has (DESIGN.md section 4); left out of event text.
 COMMON_FIELDS = frozenset({"ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id"})

@@ -10,4 +10,5 @@ Modules:
 - :mod:`.decomposition`: SVD, rank split and the :class:`OSFTLinear` module that replaces a target.
 - :mod:`.projection`: gradient projection before and parameter re-projection after the optimizer step.
 - :mod:`.orthogonality`: the violation measure (worst deviation from 90°).
+- :mod:`.freeze`: ``--freeze-non-target`` (only the targets train) and trainable-parameter counts.
 """

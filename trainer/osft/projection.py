@@ -20,6 +20,9 @@ Under FSDP2 every factor is a DTensor sharded by rows (``Shard(0)``), possibly u
 - V side, Gram: the M×M Gram matrix is a sum of per-rank partial Gram matrices (one all-reduce
   of M² numbers per module).
 
+The forgetting indicators (:meth:`Projector.indicators`, see :mod:`.indicators`) use the same
+pattern: the U-side Gram matrices of all modules go through one all-reduce, the V side is gathered.
+
 All products are computed in float32, also for bf16 factors.
 """
 
@@ -31,7 +34,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from . import indicators
 from .decomposition import OSFTLinear
+from .indicators import IndicatorReport
 from .orthogonality import OrthoReport, fraction_to_degrees
 
 VProjection = Literal["factored", "gram"]
@@ -175,3 +180,28 @@ class Projector:
         degrees = [fraction_to_degrees(float(f)) for f in worst_t]
         violating = [n for n, d in zip(self.names, degrees) if d > margin_deg]
         return OrthoReport(violations=len(violating), max_dev_deg=max(degrees, default=0.0), violating=violating)
+
+    @torch.no_grad()
+    def indicators(self) -> IndicatorReport:
+        """Every module's relative update ‖ΔW‖_F/‖W‖_F and spectral gap σ_max(low part)/σ_{k_high}
+        since the start of the run (see :mod:`.indicators`), from ``U_start``, ``S_start``,
+        ``V_start`` and ``sigma_frozen_min``.
+
+        Identical result on every rank. Collectives: all-gathers of S_low, S_start, V_low, V_start
+        and sigma_frozen_min per module, and one all-reduce of every module's U-side Gram matrix (k_low×2k_low)
+        and ‖W_high‖_F² together.
+        """
+        parts, s_start = [], [_full(m.S_start) for m in self.modules]
+        for m, s0 in zip(self.modules, s_start):
+            parts += [indicators.left_gram(_local(m.U_low), _full(m.S_low), _local(m.U_start), s0),
+                      _local(m.W_high).float().square().sum().reshape(1)]
+        sharded = bool(self.modules) and _is_sharded(self.modules[0].U_low)
+        flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]), sharded) if parts else torch.zeros(0)
+        summed = [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
+        dw_rel, gap = [], []
+        for m, s0, g_u, w_high_sq in zip(self.modules, s_start, summed[0::2], summed[1::2]):
+            g_v = indicators.right_gram(_full(m.V_low), _full(m.V_start))
+            update_sq, sigma_max = indicators.low_part_norms(g_u, g_v, s0)
+            dw_rel.append(indicators.relative_update(update_sq, float(w_high_sq), s0))
+            gap.append(indicators.spectral_gap(sigma_max, float(_full(m.sigma_frozen_min))))
+        return IndicatorReport(names=list(self.names), dw_rel=dw_rel, gap=gap)

@@ -1,0 +1,58 @@
+"""``--freeze-non-target``: train only the OSFT targets, and count trainable parameters.
+
+By default every parameter that is not an OSFT target (embeddings, LM head, norms, biases of
+non-target layers) trains normally next to the low-rank factors. Freezing them leaves AdamW only
+U_low, S_low, V_low and the targets' own biases, so an update can only change the targets'
+low-rank parts. A frozen parameter stays a ``requires_grad=False`` parameter: FSDP2's
+``fully_shard`` shards it like the frozen OSFT factors, and full-state checkpoints still save it
+(it is model state; only the per-run frozen factors of :data:`..checkpoint.full_state.FROZEN_PARAMS`
+are stored once per run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .surgery import OSFTModel
+
+
+def freeze_non_targets(model: nn.Module, osft: OSFTModel) -> None:
+    """Set ``requires_grad=False`` on every parameter of ``model`` that is not a trainable parameter
+    of one of ``osft``'s modules (U_low, S_low, V_low, bias).
+
+    Works before or after FSDP2's ``fully_shard`` (before the first forward): the sharded
+    parameters are the ones ``model.parameters()`` yields, and FSDP2 creates the unsharded ones
+    with the sharded parameter's ``requires_grad`` at its lazy initialisation. A tied input
+    embedding and LM head are one parameter, so they are frozen together. Call it before the
+    optimizer is built: the optimizer must get only trainable parameters.
+    """
+    keep = {id(p) for m in osft.osft_modules for p in m.parameters() if p.requires_grad}
+    for p in model.parameters():
+        if id(p) not in keep:
+            p.requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Elements of a model's parameters (global shapes, also under FSDP2; a tied parameter once)."""
+
+    trainable: int
+    total: int
+
+    def describe(self) -> str:
+        """One console line, e.g. ``parameters: 1,234,567 trainable of 4,567,890 (27.0%)``."""
+        share = 100.0 * self.trainable / self.total if self.total else 0.0
+        return f"parameters: {self.trainable:,} trainable of {self.total:,} ({share:.1f}%)"
+
+
+def count_parameters(model: nn.Module) -> ParameterCount:
+    """Trainable (``requires_grad``) and total parameter elements of ``model``.
+
+    The total is what the model holds, so for an OSFT model it includes the frozen factors
+    (W_high, U_basis, V_basis) next to the trainable ones.
+    """
+    params = list(model.parameters())
+    return ParameterCount(trainable=sum(p.numel() for p in params if p.requires_grad),
+                          total=sum(p.numel() for p in params))
