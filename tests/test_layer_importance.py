@@ -110,3 +110,12 @@ def test_model_without_block_classes_is_refused():
     model._no_split_modules = []
     with pytest.raises(ValueError, match="decoder blocks of LlamaForCausalLM"):
         decoder_block_names(model)
+
+
+def test_targets_outside_the_blocks_keep_the_global_urr():
+    model = tiny_llama(VOCAB)
+    targets = find_target_modules(model, "llama", [r"q_proj$", r"lm_head$"])
+    plan = importance_rank_plan(model, [collate_packed(samples([6]))], targets, 0.5, 0.9)
+    assert "lm_head" in targets and "lm_head" not in plan.urr_by_module
+    assert sorted(plan.urr_by_module) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert plan.block_of("model.layers.1.self_attn.q_proj") == 1 and plan.block_of("lm_head") is None

@@ -54,6 +54,10 @@ class RankPlan:
     tokens: int
     urr_by_module: dict[str, float]
 
+    def block_of(self, name: str) -> int | None:
+        """Index of the block that holds the module ``name`` (a full module name), or None."""
+        return next((i for i, block in enumerate(self.blocks) if name.startswith(block + ".")), None)
+
     def to_json(self) -> dict:
         """Plain data for the ``osft_rank_plan`` metrics record."""
         return {"blocks": self.blocks, "similarity": self.similarity, "frozen": self.frozen, "urr": self.urr,
@@ -179,11 +183,9 @@ def importance_rank_plan(model: nn.Module, batches: Iterable[dict], targets: Seq
     similarity, tokens = block_similarities(model, batches)
     frozen = frozen_ratios(similarity, min_ratio, max_ratio)
     urr = [1.0 - f for f in frozen]
-    urr_by_module = {}
+    plan = RankPlan(blocks=blocks, similarity=similarity, frozen=frozen, urr=urr, tokens=tokens, urr_by_module={})
     for name in targets:
-        for block, block_urr in zip(blocks, urr):
-            if name.startswith(block + "."):
-                urr_by_module[name] = block_urr
-    return RankPlan(blocks=blocks, similarity=similarity, frozen=frozen, urr=urr, tokens=tokens,
-                    urr_by_module=urr_by_module)
+        if (i := plan.block_of(name)) is not None:
+            plan.urr_by_module[name] = urr[i]
+    return plan
 
