@@ -74,8 +74,8 @@ def decoder_block_names(model: nn.Module) -> list[str]:
     classes = set(getattr(model, "_no_split_modules", None) or [])
     names = [name for name, module in model.named_modules() if type(module).__name__ in classes]
     if not names:
-        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} "
-                         "(--osft-rank-schedule importance needs them)")
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}: no module of a class in "
+                         f"its _no_split_modules {sorted(classes)}")
     return names
 
 
