@@ -79,6 +79,8 @@ def test_no_osft_is_plain_full_fine_tuning(tiny_model_dir, chat_file, tmp_path):
         (["--osft-unfreeze-rank-ratio", "0"], "argument --osft-unfreeze-rank-ratio: must be in (0, 1], got '0'"),
         (["--batch-size", "-3"], "argument --batch-size: expected a positive integer, got '-3'"),
         (["--lr-scheduler", "exp"], "argument --lr-scheduler: invalid choice: 'exp'"),
+        (["--osft-max-frozen-ratio", "1"], "argument --osft-max-frozen-ratio: must be in [0, 1), got '1'"),
+        (["--osft-rank-schedule", "random"], "argument --osft-rank-schedule: invalid choice: 'random'"),
     ],
 )
 def test_bad_flag_values_give_one_clear_line(tiny_model_dir, chat_file, tmp_path, capsys, flags, message):
@@ -96,6 +98,11 @@ def test_cross_flag_and_path_errors_before_training(tiny_model_dir, chat_file, t
     assert "--model-name-or-path" in capsys.readouterr().err
     assert main(["--model-name-or-path", str(tiny_model_dir), *base, "--max-seq-len", "512", "--max-tokens-per-gpu", "256"]) == 2
     assert "--max-seq-len 512 exceeds --max-tokens-per-gpu 256" in capsys.readouterr().err
+    assert main(["--model-name-or-path", str(tiny_model_dir), *base, "--osft-min-frozen-ratio", "0.8",
+                 "--osft-max-frozen-ratio", "0.6"]) == 2
+    assert "--osft-min-frozen-ratio 0.8 exceeds --osft-max-frozen-ratio 0.6" in capsys.readouterr().err
+    assert main(["--model-name-or-path", str(tiny_model_dir), *base, "--osft-rank-schedule", "importance", "--no-osft"]) == 2
+    assert "--osft-rank-schedule importance sets OSFT ranks: it cannot go with --no-osft" in capsys.readouterr().err
 
 
 def test_invalid_data_is_reported_before_the_model_loads(tiny_model_dir, tmp_path, capsys):

@@ -54,6 +54,10 @@ class TrainConfig:
     osft_cache_v_high: bool = False
     osft_forward: str = "auto"
     freeze_non_target: bool = False
+    osft_rank_schedule: str = "uniform"
+    osft_importance_samples: int = 32
+    osft_min_frozen_ratio: float = 0.5
+    osft_max_frozen_ratio: float = 0.9
     ortho_margin_deg: float = 1.0
     ortho_check_every: int = 1
     # protected subspaces of earlier OSFT runs (sequential OSFT)
@@ -216,6 +220,16 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--freeze-non-target", action="store_true",
                    help="train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), "
                    "norms and every other parameter stay frozen (not with --no-osft)")
+    g.add_argument("--osft-rank-schedule", choices=["uniform", "importance"], default=d.osft_rank_schedule,
+                   help="uniform: every target uses --osft-unfreeze-rank-ratio; importance: each decoder block's "
+                   "frozen fraction follows its input/output cosine similarity on the first training samples "
+                   "(Nayak et al. 2025), between --osft-min-frozen-ratio and --osft-max-frozen-ratio")
+    g.add_argument("--osft-importance-samples", type=positive_int, default=d.osft_importance_samples,
+                   help="training samples (the first N, packed) that score the blocks for --osft-rank-schedule importance")
+    g.add_argument("--osft-min-frozen-ratio", type=_float_in(0, 1, hi_open=True), default=d.osft_min_frozen_ratio,
+                   help="frozen fraction (1 - URR) of the block that changes its input most (importance schedule)")
+    g.add_argument("--osft-max-frozen-ratio", type=_float_in(0, 1, hi_open=True), default=d.osft_max_frozen_ratio,
+                   help="frozen fraction (1 - URR) of the block whose output stays closest to its input (importance schedule)")
     g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
                    help="a deviation from 90 degrees above this is an orthogonality violation")
     g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every, help="steps between checks")
@@ -312,8 +326,9 @@ def check_config(cfg: TrainConfig) -> None:
 
     Raises:
         ValueError: a sample could not fit into one micro-batch, an input path is missing,
-            ``--freeze-non-target`` with ``--no-osft``, a ``--report-to`` tracker is not installed, or
-            protection settings outside their ranges.
+            ``--freeze-non-target`` with ``--no-osft``, a ``--report-to`` tracker is not installed,
+            protection settings outside their ranges, ``--osft-min-frozen-ratio`` exceeds
+            ``--osft-max-frozen-ratio``, or ``--osft-rank-schedule importance`` goes with ``--no-osft``.
     """
     if cfg.freeze_non_target and not cfg.osft:
         raise ValueError("--freeze-non-target with --no-osft would leave nothing to train: it freezes every "
@@ -327,6 +342,11 @@ def check_config(cfg: TrainConfig) -> None:
             f"--max-seq-len {cfg.max_seq_len} exceeds --max-tokens-per-gpu {cfg.max_tokens_per_gpu}: "
             "a sample must fit into one micro-batch"
         )
+    if cfg.osft_min_frozen_ratio > cfg.osft_max_frozen_ratio:
+        raise ValueError(f"--osft-min-frozen-ratio {cfg.osft_min_frozen_ratio} exceeds --osft-max-frozen-ratio "
+                         f"{cfg.osft_max_frozen_ratio}")
+    if cfg.osft_rank_schedule == "importance" and not cfg.osft:
+        raise ValueError("--osft-rank-schedule importance sets OSFT ranks: it cannot go with --no-osft")
     if not Path(cfg.data_path).is_file():
         reason = "is a directory, not a jsonl file" if Path(cfg.data_path).is_dir() else "no such file"
         raise ValueError(f"--data-path {cfg.data_path}: {reason}")

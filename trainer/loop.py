@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
+from torch import nn
 
 from .checkpoint.full_state import (
     Checkpointer,
@@ -71,10 +73,12 @@ from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
 from .osft.freeze import count_parameters, freeze_non_targets
 from .osft.indicators import INDICATOR_FIELDS
+from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.protect import ModuleFold, fold_module
 from .osft.surgery import dense_state_dict, full_state_dict
+from .osft.targets import find_target_modules
 from .parallel import build_model, load_protected_bases, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
@@ -170,6 +174,7 @@ class Trainer:
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
         self.checkpointer: Checkpointer | None = None
+        self.rank_plan: RankPlan | None = None
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -226,15 +231,20 @@ class Trainer:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
             bases = self._protected_bases()
         self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, vocab_size=vocab,
-                                            from_checkpoint=resume_dir is not None, bases=bases, plans=plans)
+                                            from_checkpoint=resume_dir is not None, bases=bases, plans=plans,
+                                            plan_ranks=self._plan_ranks)
         if self.osft and resume_dir is not None:
             self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume_dir} (no SVD)")
         elif self.osft:
             forms = [m.forward_form for m in self.osft.osft_modules]
+            urrs = [m.plan.urr for m in self.osft.osft_modules]
+            urr = f"{min(urrs):.3g}-{max(urrs):.3g} by block importance" if self.rank_plan else f"{cfg.osft_unfreeze_rank_ratio}"
             self._say(
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
-                f"(URR {cfg.osft_unfreeze_rank_ratio}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
+                f"(URR {urr}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
             )
+            if self.rank_plan:
+                self._report_rank_plan()
         if self.osft and self.dist.rank == 0:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
         if cfg.freeze_non_target:
@@ -263,6 +273,42 @@ class Trainer:
             restore_rng(rng)  # last: nothing after this draws random numbers before training
             self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir))
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
+        """The URR of each OSFT target under ``--osft-rank-schedule importance`` (None: uniform).
+
+        Called by every rank with its freshly built dense ``model`` (real weights on rank 0, the meta
+        device elsewhere): rank 0 scores the decoder blocks on the first ``--osft-importance-samples``
+        training samples, packed as for training (:mod:`.osft.layer_importance`), and every rank
+        receives the same plan (:func:`.distributed.agree`), kept in ``self.rank_plan``.
+        """
+        cfg = self.cfg
+        if cfg.osft_rank_schedule != "importance":
+            return None
+
+        def plan() -> RankPlan:
+            targets = find_target_modules(model, model.config.model_type, cfg.osft_target_patterns)
+            batches = calibration_batches(self.data, self.lengths, cfg.osft_importance_samples, cfg.max_tokens_per_gpu)
+            return importance_rank_plan(model, batches, targets, cfg.osft_min_frozen_ratio, cfg.osft_max_frozen_ratio)
+
+        self.rank_plan = agree(plan, self.dist.rank)
+        return self.rank_plan.urr_by_module
+
+    def _report_rank_plan(self) -> None:
+        """Print the importance plan (rich table) and log it as one ``osft_rank_plan`` record, with the
+        k_high each target got."""
+        plan = self.rank_plan
+        k_high = {name: m.plan.k_high for name, m in self.osft.modules}
+        self.metrics.log("osft_rank_plan", **plan.to_json(), k_high_by_module=k_high)
+        table = Table(title=f"OSFT rank plan: block importance on {plan.tokens} calibration tokens")
+        for column in ("block", "cos(input, output)", "frozen", "URR", "k_high"):
+            table.add_column(column, justify="left" if column == "block" else "right")
+        for i, block in enumerate(plan.blocks):
+            ks = [k for name, k in k_high.items() if plan.block_of(name) == i]
+            shown = "-" if not ks else str(ks[0]) if min(ks) == max(ks) else f"{min(ks)}-{max(ks)}"
+            table.add_row(block, f"{plan.similarity[i]:.4f}", f"{plan.frozen[i]:.3f}", f"{plan.urr[i]:.3f}", shown)
+        if self.dist.is_local_main:
+            self.console.print(table)
 
     def _protected_bases(self) -> dict | None:
         """The protected subspaces of the model directory (None without), announced on the console."""

@@ -21,7 +21,7 @@ reduction (``MixedPrecisionPolicy``); on CPU everything is float32.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from .config import TrainConfig
 from .distributed import DistEnv
 from .model_loading import load_model, resolve_model_path
 from .osft.decomposition import OSFTLinear, protected_svd
+from .osft.layer_importance import decoder_block_names
 from .osft.plan import ModulePlan
 from .osft.surgery import Bases, OSFTModel, apply_osft, module_urr, replace_module
 from .osft.targets import find_target_modules, weight_shape
@@ -52,12 +53,8 @@ def model_vocab_size(path: str) -> int:
 
 
 def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks (classes named in ``model._no_split_modules``)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} to shard")
-    return blocks
+    """The repeated transformer blocks (:func:`.osft.layer_importance.decoder_block_names`)."""
+    return [model.get_submodule(name) for name in decoder_block_names(model)]
 
 
 def _osft_options(cfg: TrainConfig, module: nn.Module) -> dict:
@@ -168,7 +165,7 @@ def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) 
 
 
 def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, vocab_size: int | None = None,
-                from_checkpoint: bool = False, urr_by_module: Mapping[str, float] | None = None,
+                from_checkpoint: bool = False, plan_ranks: Callable[[nn.Module], Mapping[str, float] | None] | None = None,
                 bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None
                 ) -> tuple[nn.Module, OSFTModel | None]:
     """Load the model, decompose its OSFT targets (unless ``--no-osft``) and, with more than one
@@ -181,7 +178,10 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
             was saved with); None keeps the model's.
         from_checkpoint: build the structure only (OSFT skeletons laid out by ``plans``, no SVD, no
             weight broadcast): every parameter is about to be loaded from a full-state checkpoint.
-        urr_by_module: URR per module name, overriding ``cfg.osft_unfreeze_rank_ratio``.
+        plan_ranks: called by every rank with the loaded dense model before the decomposition
+            (real weights on rank 0, the meta device on the others; not called with
+            ``from_checkpoint``); returns the URR per module name that overrides
+            ``cfg.osft_unfreeze_rank_ratio`` (None: none), the same on every rank (collective).
         bases: protected subspaces (P, Q) per module name (:mod:`.osft.protect`).
         plans: the checkpoint's module plans (with ``from_checkpoint``).
 
@@ -200,7 +200,8 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
         elif cfg.osft:
             osft = apply_osft(model, model.config.model_type, cfg.osft_unfreeze_rank_ratio,
                               tokens_per_micro_batch=cfg.max_tokens_per_gpu, patterns=cfg.osft_target_patterns,
-                              forward_form=cfg.osft_forward, urr_by_module=urr_by_module, bases=bases)
+                              forward_form=cfg.osft_forward, urr_by_module=plan_ranks(model) if plan_ranks else None,
+                              bases=bases)
         return model.train(), osft
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -219,7 +220,7 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     elif from_checkpoint:
         osft = _skeleton_osft(model, cfg, "meta", plans)
     else:
-        osft = _distributed_osft(model, cfg, env, urr_by_module, bases)
+        osft = _distributed_osft(model, cfg, env, plan_ranks(model) if plan_ranks else None, bases)
     full_state = model.state_dict() if env.rank == 0 and not from_checkpoint else {}
     buffers_before = {n: b for n, b in model.named_buffers()}
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
