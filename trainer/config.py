@@ -54,6 +54,13 @@ class TrainConfig:
     osft_forward: str = "auto"
     ortho_margin_deg: float = 1.0
     ortho_check_every: int = 1
+    # protected subspaces of earlier OSFT runs (sequential OSFT)
+    osft_protect_subspaces: bool = True
+    osft_protect_energy: float = 0.9
+    osft_protect_max_rank_ratio: float = 0.5
+    osft_protect_basis: str = "update"
+    osft_protect_input_energy: float = 0.95
+    osft_protect_input_samples: int = 256
     # precision and device
     device: str = "auto"
     dtype: str = "auto"
@@ -208,6 +215,25 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="a deviation from 90 degrees above this is an orthogonality violation")
     g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every, help="steps between checks")
 
+    g = p.add_argument_group("protected subspaces (chained OSFT runs; see README 'Chaining runs')")
+    g.add_argument("--no-osft-protect-subspaces", dest="osft_protect_subspaces", action="store_false",
+                   help="do not protect the subspaces of earlier runs stored in the model directory "
+                   "(osft_subspaces.safetensors); by default they are frozen")
+    g.add_argument("--osft-protect-energy", type=_float_in(0, 1, lo_open=True), default=d.osft_protect_energy,
+                   help="tau: at export, protect the fewest update directions holding this share of the "
+                   "run's squared update norm ||dW||_F^2")
+    g.add_argument("--osft-protect-max-rank-ratio", type=_float_in(0, 1, lo_open=True),
+                   default=d.osft_protect_max_rank_ratio,
+                   help="cap: at most floor(cap * k_low) new protected directions per module and side")
+    g.add_argument("--osft-protect-basis", choices=["update", "inputs"], default=d.osft_protect_basis,
+                   help="right-side (input) directions to protect: from the update dW, or from this run's "
+                   "layer inputs (top eigenvectors of X X^T)")
+    g.add_argument("--osft-protect-input-energy", type=_float_in(0, 1, lo_open=True),
+                   default=d.osft_protect_input_energy,
+                   help="epsilon: share of the layer inputs' energy to protect (--osft-protect-basis inputs)")
+    g.add_argument("--osft-protect-input-samples", type=positive_int, default=d.osft_protect_input_samples,
+                   help="training samples whose layer inputs are collected at export (--osft-protect-basis inputs)")
+
     g = p.add_argument_group("precision, device and outputs")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
@@ -252,7 +278,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
 def config_to_argv(cfg: TrainConfig) -> list[str]:
     """Command-line flags that parse back into ``cfg`` with :func:`build_parser` (for workers)."""
     argv: list[str] = []
-    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache"}
+    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache",
+               "osft_protect_subspaces": "--no-osft-protect-subspaces"}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         flag = "--" + f.name.replace("_", "-")
@@ -279,8 +306,8 @@ def check_config(cfg: TrainConfig) -> None:
     """Cross-flag checks the parser cannot do alone.
 
     Raises:
-        ValueError: a sample could not fit into one micro-batch, an input path is missing, or a
-            ``--report-to`` tracker is not installed.
+        ValueError: a sample could not fit into one micro-batch, an input path is missing, a
+            ``--report-to`` tracker is not installed, or protection settings outside their ranges.
     """
     if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
@@ -300,4 +327,9 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--resume-from-full-state-checkpoint {cfg.resume_from_full_state_checkpoint}: no such directory")
     if not Path(cfg.model_name_or_path).exists():
         raise ValueError(f"--model-name-or-path {cfg.model_name_or_path}: no such file or directory (models load from disk only)")
+    for key in ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_input_energy"):
+        if not 0.0 < getattr(cfg, key) <= 1.0:
+            raise ValueError(f"--{key.replace('_', '-')} must be in (0, 1], got {getattr(cfg, key)}")
+    if cfg.osft_protect_input_samples < 1:
+        raise ValueError(f"--osft-protect-input-samples must be at least 1, got {cfg.osft_protect_input_samples}")
     check_available(cfg.report_to)

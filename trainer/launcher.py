@@ -63,7 +63,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
         the config the ranks get: ``--resume`` replaced by the checkpoint it found (or dropped).
 
     Raises:
-        DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count.
+        DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count, or
+            protected subspaces that do not fit the model.
         CheckpointError: the checkpoint to resume from is incomplete or corrupt, or was saved with
             another world size, batch setting, data or OSFT setting.
     """
@@ -74,12 +75,15 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from .data.cache import tokenize_chat_file_cached
     from .data.sampler import check_enough_samples
     from .model_loading import load_tokenizer
+    from .parallel import load_protected_bases
 
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     data, _ = tokenize_chat_file_cached(cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all,
                                         cache_dir=cfg.data_cache_dir)
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
+    if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
+        load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
     resume = cfg
     if cfg.resume:
         found, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)

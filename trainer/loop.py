@@ -45,6 +45,7 @@ from .checkpoint.signals import (
     job_start_time,
     restore_handlers,
 )
+from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
 from .checkpoint.store import (
     VERIFIED_CHECKPOINT_ENV,
     apply_retention,
@@ -69,9 +70,11 @@ from .distributed import (
 )
 from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
+from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
+from .osft.protect import ModuleFold, fold_module
 from .osft.surgery import dense_state_dict, full_state_dict
-from .parallel import build_model, model_vocab_size
+from .parallel import build_model, load_protected_bases, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 from .trackers import open_trackers
@@ -208,17 +211,20 @@ class Trainer:
             for stale in self.poller.remove_stale(job_start_time()):
                 self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
         resume_dir = self._resolve_resume()
-        saved = None
+        saved, bases, plans = None, None, None
         if resume_dir is not None:
             saved = read_trainer_state(resume_dir)
             for message in check_resume_compatible(saved, cfg, self.dist.world_size, len(self.data), resume_dir):
                 if self.dist.rank == 0:
                     self._warn(message)
             vocab = saved["model"]["vocab_size"]
+            if "osft_plan" in saved:
+                plans = {name: ModulePlan.from_dict(d) for name, d in saved["osft_plan"].items()}
         else:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
+            bases = self._protected_bases()
         self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, vocab_size=vocab,
-                                            from_checkpoint=resume_dir is not None)
+                                            from_checkpoint=resume_dir is not None, bases=bases, plans=plans)
         if self.osft and resume_dir is not None:
             self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume_dir} (no SVD)")
         elif self.osft:
@@ -227,9 +233,10 @@ class Trainer:
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
                 f"(URR {cfg.osft_unfreeze_rank_ratio}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
             )
-        self.projector = (
-            Projector(self.osft.modules, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
-        )
+        if self.osft and self.dist.rank == 0:
+            self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
+        trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
+        self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
@@ -253,6 +260,24 @@ class Trainer:
             restore_rng(rng)  # last: nothing after this draws random numbers before training
             self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir))
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def _protected_bases(self) -> dict | None:
+        """The protected subspaces of the model directory (None without), announced on the console."""
+        cfg = self.cfg
+        found = load_protected_bases(self.cfg)
+        if found is None:
+            if cfg.osft and not cfg.osft_protect_subspaces and (Path(cfg.model_name_or_path) / SUBSPACES_FILE).is_file():
+                self._say(f"protected subspaces: {Path(cfg.model_name_or_path) / SUBSPACES_FILE} not used "
+                          "(--no-osft-protect-subspaces): every direction of the model may train again")
+            return None
+        path, bases = found
+        p_left = [P.shape[1] for P, _ in bases.values()]
+        p_right = [Q.shape[1] for _, Q in bases.values()]
+        self._say(f"protected subspaces: {len(bases)} modules from {path} are frozen; protected rank per module "
+                  f"p_L {min(p_left, default=0)}-{max(p_left, default=0)} (total {sum(p_left)}), "
+                  f"p_R {min(p_right, default=0)}-{max(p_right, default=0)} (total {sum(p_right)}); "
+                  "--no-osft-protect-subspaces turns this off")
+        return bases
 
     def _resolve_resume(self) -> Path | None:
         """The checkpoint to resume from, verified (agreed by all ranks; rank 0 reads the disk).
@@ -297,6 +322,7 @@ class Trainer:
             "settings": settings,
             "model": {"vocab_size": self.model.get_input_embeddings().weight.shape[0],
                       "model_type": self.model.config.model_type},
+            "osft_plan": {name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
         }
 
     def checkpoint(self, step: int, request: Request | None) -> str:
@@ -435,17 +461,90 @@ class Trainer:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
     def export(self, step: int) -> str:
-        """Write the dense HF export ``hf_format/step_<step>`` (rank 0 writes; every rank takes
-        part in gathering the shards) and return its path."""
+        """Write the dense HF export ``hf_format/step_<step>`` with its protected subspaces
+        (``osft_subspaces.safetensors``/``.json``, see :meth:`_fold_subspaces`); rank 0 writes,
+        every rank takes part in gathering the shards. Returns its path."""
         out = self.run_dir.hf_export(step)
+        grams = self._input_grams() if self.osft and self.cfg.osft_protect_basis == "inputs" else None
         state = full_state_dict(self.model)
         if self.dist.rank == 0:
+            extra = None
+            if self.osft:
+                folds = self._fold_subspaces(state, grams, step)
+                settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
+                            ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
+                if self.cfg.osft_protect_basis == "inputs":
+                    settings.update(input_energy=self.cfg.osft_protect_input_energy,
+                                    input_samples=self.cfg.osft_protect_input_samples)
+                source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
+
+                def extra(directory: Path) -> None:
+                    write_subspaces(directory, folds, settings, source)
+            else:
+                self._say(f"export: no {SUBSPACES_FILE}: a --no-osft run (full fine-tuning) has no protected "
+                          "subspaces to pass on")
             save_hf_model(
                 self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
-                getattr(torch, self.cfg.save_dtype), overwrite=True,
+                getattr(torch, self.cfg.save_dtype), overwrite=True, extra=extra,
             )
         barrier()
         return str(out)
+
+    def _fold_subspaces(self, state: dict[str, torch.Tensor], grams: dict[str, torch.Tensor] | None,
+                        step: int) -> dict[str, ModuleFold]:
+        """Every module's protected bases after this run (:func:`.osft.protect.fold_module` on the
+        full tensors of rank 0); logs a ``subspaces_folded`` record and the modules where the cap
+        bound (with the energy actually kept)."""
+        cfg = self.cfg
+        keys = ("P", "Q", "U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
+        folds = {name: fold_module({k: state[f"{name}.{k}"] for k in keys}, cfg.osft_protect_energy,
+                                   cfg.osft_protect_max_rank_ratio, cfg.osft_protect_basis,
+                                   None if grams is None else grams[name], cfg.osft_protect_input_energy)
+                 for name, _ in self.osft.modules}
+        capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
+        self.metrics.log("subspaces_folded", step=step, modules=len(folds),
+                         added_left=sum(f.added_left for f in folds.values()),
+                         added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped)
+        if capped:
+            self._say(f"protected subspaces: the rank cap (--osft-protect-max-rank-ratio {cfg.osft_protect_max_rank_ratio}) "
+                      f"bound in {len(capped)} modules; energy kept there {min(capped.values()):.3f}-"
+                      f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
+        return folds
+
+    @torch.no_grad()
+    def _input_grams(self) -> dict[str, torch.Tensor]:
+        """X Xᵀ (M×M, float64, summed over ranks) of every OSFT module's inputs over the first
+        ``--osft-protect-input-samples`` training samples (forward hooks, eval mode, collective)."""
+        cfg = self.cfg
+        idx = np.arange(min(cfg.osft_protect_input_samples, len(self.data)))
+        plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
+        grams = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in self.osft.modules}
+        recording = [False]
+
+        def hook(name: str):
+            def record(_module, args) -> None:
+                if recording[0]:
+                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double().cpu()
+                    grams[name] += x.t() @ x
+            return record
+
+        handles = [m.register_forward_pre_hook(hook(name)) for name, m in self.osft.modules]
+        self.model.eval()
+        try:
+            for micro in plan:
+                batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
+                recording[0] = batch is not None
+                self._micro_batch_loss(batch)
+        finally:
+            self.model.train()
+            for h in handles:
+                h.remove()
+        if self.dist.world_size > 1:
+            for name, g in grams.items():
+                summed = g.to(self.device)
+                torch.distributed.all_reduce(summed)
+                grams[name] = summed.cpu()
+        return grams
 
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
         self.metrics.log("run_finished", reason=reason, exit_code=exit_code, step=step, **fields)

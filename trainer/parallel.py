@@ -7,7 +7,7 @@ Multi-rank recipe (host memory does not grow with the number of ranks on a node)
 1. Rank 0 loads the checkpoint on CPU; the other ranks build the same architecture on the meta
    device (no memory).
 2. Target i is decomposed by rank i mod world_size: rank 0 sends it the weight (point to point),
-   it runs :func:`.osft.decomposition.thin_svd` and sends the factors back; meanwhile every rank
+   it runs :func:`.osft.decomposition.protected_svd` and sends the factors back; meanwhile every rank
    works on its own share. Ranks other than 0 replace targets by
    :meth:`.osft.decomposition.OSFTLinear.empty` skeletons.
 3. ``fully_shard`` wraps every decoder block and then the root; the full state dict of rank 0 is
@@ -21,18 +21,22 @@ reduction (``MixedPrecisionPolicy``); on CPU everything is float32.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .checkpoint.subspaces import read_bases, subspaces_file
 from .config import TrainConfig
 from .distributed import DistEnv
 from .model_loading import load_model, resolve_model_path
-from .osft.decomposition import OSFTLinear, thin_svd
-from .osft.surgery import OSFTModel, apply_osft, replace_module
-from .osft.targets import find_target_modules
+from .osft.decomposition import OSFTLinear, protected_svd
+from .osft.plan import ModulePlan
+from .osft.surgery import Bases, OSFTModel, apply_osft, module_urr, replace_module
+from .osft.targets import find_target_modules, weight_shape
 
 
 def _config(path: str):
@@ -57,17 +61,28 @@ def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _osft_options(cfg: TrainConfig, module: nn.Module) -> dict:
-    """Keyword arguments of :class:`.osft.decomposition.OSFTLinear` constructors for ``module``."""
-    return dict(urr=cfg.osft_unfreeze_rank_ratio, tokens_per_micro_batch=cfg.max_tokens_per_gpu,
-                forward_form=cfg.osft_forward, transposed=isinstance(module, Conv1D))
+    """Keyword arguments of :class:`.osft.decomposition.OSFTLinear` constructors for ``module``
+    (all but the URR)."""
+    return dict(tokens_per_micro_batch=cfg.max_tokens_per_gpu, forward_form=cfg.osft_forward,
+                transposed=isinstance(module, Conv1D))
 
 
-def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTModel:
-    """Decompose the targets with the SVD spread over the ranks (see the module docstring)."""
+def _no_bases(n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(n, 0), torch.zeros(m, 0)
+
+
+def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv, urr_by_module: Mapping[str, float] | None = None,
+                      bases: Bases | None = None) -> OSFTModel:
+    """Decompose the targets with the SVD spread over the ranks (see the module docstring).
+
+    ``urr_by_module`` overrides the config's URR per module name; ``bases`` are the protected
+    subspaces (P, Q) per module name, the same on every rank (each rank reads them from the model
+    directory)."""
     start = time.perf_counter()
     names = find_target_modules(model, model.config.model_type, cfg.osft_target_patterns)
     modules = [model.get_submodule(n) for n in names]
-    shapes = [tuple(m.weight.t().shape if isinstance(m, Conv1D) else m.weight.shape) for m in modules]
+    shapes = [weight_shape(m) for m in modules]
+    protected = [(bases or {}).get(name) or _no_bases(n, m) for name, (n, m) in zip(names, shapes)]
     owner = [i % env.world_size for i in range(len(names))]
     mine: dict[int, torch.Tensor] = {}
     # 1. weights from rank 0 to their owners
@@ -83,43 +98,66 @@ def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv) -> OSFTM
         if owner[i] == env.rank:
             mine[i] = w
     # 2. every rank decomposes its share
-    factors = {i: thin_svd(w) for i, w in mine.items()}
+    factors = {i: protected_svd(w, *protected[i]) for i, w in mine.items()}
     # 3. factors back to rank 0, which builds the real modules; the others build skeletons
     replaced = []
     for i, (name, module, (n, m)) in enumerate(zip(names, modules, shapes)):
-        common = _osft_options(cfg, module)
+        common = dict(_osft_options(cfg, module), urr=module_urr(name, cfg.osft_unfreeze_rank_ratio, urr_by_module))
+        P, Q = protected[i]
         if env.rank == 0:
             if owner[i] == 0:
                 svd = factors.pop(i)
             else:
-                r = min(n, m)
+                r = min(n - P.shape[1], m - Q.shape[1])
                 svd = (torch.empty(n, r, dtype=torch.float64), torch.empty(r, dtype=torch.float64),
                        torch.empty(r, m, dtype=torch.float64))
                 for t in svd:
                     dist.recv(t, src=owner[i])
-            new = OSFTLinear.from_weight(module.weight, module.bias, svd=svd, **common)
+            new = OSFTLinear.from_weight(module.weight, module.bias, svd=svd, protected=(P, Q), **common)
         else:
             if owner[i] == env.rank:
                 for t in factors.pop(i):
                     dist.send(t.contiguous(), dst=0)
-            new = OSFTLinear.empty(n, m, module.bias is not None, dtype=module.weight.dtype, **common)
+            new = OSFTLinear.empty(n, m, module.bias is not None, dtype=module.weight.dtype,
+                                   protected_rank=(P.shape[1], Q.shape[1]), **common)
         replace_module(model, name, new)
         replaced.append((name, new))
     return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
 
 
-def _skeleton_osft(model: nn.Module, cfg: TrainConfig, device: torch.device | str) -> OSFTModel:
-    """Replace every target by an uninitialised :meth:`.osft.decomposition.OSFTLinear.empty` of the
-    same structure (no SVD): the values come from a full-state checkpoint."""
+def _skeleton_osft(model: nn.Module, cfg: TrainConfig, device: torch.device | str,
+                   plans: Mapping[str, ModulePlan] | None) -> OSFTModel:
+    """Replace every target by an uninitialised :meth:`.osft.decomposition.OSFTLinear.empty` with
+    the layout its checkpoint stored (``plans`` by module name; no SVD): the values come from a
+    full-state checkpoint. ``plans=None`` (a checkpoint from before plans were stored) lays out
+    unprotected modules at the config's URR.
+
+    Raises:
+        ValueError: a target without a stored plan, or one whose shape differs from its plan.
+    """
     replaced = []
     for name in find_target_modules(model, model.config.model_type, cfg.osft_target_patterns):
         module = model.get_submodule(name)
-        n, m = module.weight.t().shape if isinstance(module, Conv1D) else module.weight.shape
-        new = OSFTLinear.empty(n, m, module.bias is not None, dtype=module.weight.dtype, device=device,
-                               **_osft_options(cfg, module))
+        n, m = weight_shape(module)
+        plan = None if plans is None else plans.get(name)
+        if plans is not None and (plan is None or (plan.n, plan.m) != (n, m)):
+            raise ValueError(f"OSFT module {name} ({n}×{m}): the checkpoint stores no plan of this shape for it")
+        new = OSFTLinear.empty(n, m, module.bias is not None, urr=cfg.osft_unfreeze_rank_ratio, dtype=module.weight.dtype,
+                               device=device, plan=plan, **_osft_options(cfg, module))
         replace_module(model, name, new)
         replaced.append((name, new))
     return OSFTModel(modules=replaced, svd_seconds=0.0)
+
+
+def target_shapes(path: str, patterns: list[str] | None) -> dict[str, tuple[int, int]]:
+    """(N, M) of every OSFT target of the model at ``path``, by module name, from its config alone
+    (the model is built on the meta device: no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_config(path))
+    return {name: weight_shape(model.get_submodule(name))
+            for name in find_target_modules(model, model.config.model_type, patterns)}
 
 
 def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) -> None:
@@ -130,7 +168,9 @@ def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) 
 
 
 def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, vocab_size: int | None = None,
-                from_checkpoint: bool = False) -> tuple[nn.Module, OSFTModel | None]:
+                from_checkpoint: bool = False, urr_by_module: Mapping[str, float] | None = None,
+                bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None
+                ) -> tuple[nn.Module, OSFTModel | None]:
     """Load the model, decompose its OSFT targets (unless ``--no-osft``) and, with more than one
     rank, shard it with FSDP2.
 
@@ -139,8 +179,11 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
             parameters stay float32 and ``dtype`` is the mixed-precision compute dtype.
         vocab_size: embedding rows to resize to (a larger tokenizer, or the vocab a checkpoint
             was saved with); None keeps the model's.
-        from_checkpoint: build the structure only (OSFT skeletons, no SVD, no weight broadcast):
-            every parameter is about to be loaded from a full-state checkpoint.
+        from_checkpoint: build the structure only (OSFT skeletons laid out by ``plans``, no SVD, no
+            weight broadcast): every parameter is about to be loaded from a full-state checkpoint.
+        urr_by_module: URR per module name, overriding ``cfg.osft_unfreeze_rank_ratio``.
+        bases: protected subspaces (P, Q) per module name (:mod:`.osft.protect`).
+        plans: the checkpoint's module plans (with ``from_checkpoint``).
 
     Returns:
         ``(model, osft)``: the model in train mode on ``device``; ``osft`` lists its OSFT modules.
@@ -153,11 +196,11 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
         _resize_vocab(model, vocab_size, materialised=not from_checkpoint)
         osft = None
         if cfg.osft and from_checkpoint:
-            osft = _skeleton_osft(model, cfg, device)
+            osft = _skeleton_osft(model, cfg, device, plans)
         elif cfg.osft:
             osft = apply_osft(model, model.config.model_type, cfg.osft_unfreeze_rank_ratio,
                               tokens_per_micro_batch=cfg.max_tokens_per_gpu, patterns=cfg.osft_target_patterns,
-                              forward_form=cfg.osft_forward)
+                              forward_form=cfg.osft_forward, urr_by_module=urr_by_module, bases=bases)
         return model.train(), osft
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -174,9 +217,9 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     if not cfg.osft:
         osft = None
     elif from_checkpoint:
-        osft = _skeleton_osft(model, cfg, "meta")
+        osft = _skeleton_osft(model, cfg, "meta", plans)
     else:
-        osft = _distributed_osft(model, cfg, env)
+        osft = _distributed_osft(model, cfg, env, urr_by_module, bases)
     full_state = model.state_dict() if env.rank == 0 and not from_checkpoint else {}
     buffers_before = {n: b for n, b in model.named_buffers()}
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
@@ -194,3 +237,20 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     if osft is not None:  # the modules are the same objects, now holding DTensors
         osft = OSFTModel(modules=[(n, model.get_submodule(n)) for n, _ in osft.modules], svd_seconds=osft.svd_seconds)
     return model.train(), osft
+
+
+def load_protected_bases(cfg: TrainConfig) -> tuple[Path, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The protected subspaces of ``--model-name-or-path`` (an export of an earlier OSFT run holding
+    ``osft_subspaces.safetensors``), checked against this model's targets.
+
+    Returns:
+        ``(file, bases by module name)``, or None: no such file, ``--no-osft`` or
+        ``--no-osft-protect-subspaces``.
+
+    Raises:
+        ValueError: the file does not match the model's targets (names the module and the file).
+    """
+    path = subspaces_file(cfg.model_name_or_path)
+    if path is None or not (cfg.osft and cfg.osft_protect_subspaces):
+        return None
+    return path, read_bases(path, target_shapes(cfg.model_name_or_path, cfg.osft_target_patterns))

@@ -13,7 +13,8 @@ One ``step_<N>`` directory (DESIGN.md section 5)::
 
 Per-rank state lives in per-rank files: under one shared DCP key only one rank's copy would be kept
 and every rank would load it back (field case B13). The frozen factors W_high, U_basis and V_basis
-never change during a run: they are written once, to ``frozen_<job_id>-<token>/``, and referenced.
+and the other frozen parameters of :data:`FROZEN_PARAMS` never change during a run: they are written
+once, to ``frozen_<job_id>-<token>/``, and referenced.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ from .store import versions
 # One rank without a process group is a supported case (no_dist=True), not something to warn about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-#: OSFTLinear parameters that never change during a run (stored once per run).
-FROZEN_PARAMS = ("W_high", "U_basis", "V_basis")
+#: OSFTLinear parameters that never change during a run (stored once per run): the frozen part,
+#: the projection bases, the protected bases P/Q, this run's start factors (from which the export
+#: computes the run's update, also after a resume) and the smallest frozen singular value.
+FROZEN_PARAMS = ("W_high", "U_basis", "V_basis", "P", "Q", "U_start", "S_start", "V_start", "sigma_frozen_min")
 
 #: Test-only hook (field case B02): "SECONDS" or "SECONDS@STEP": sleep that long after the shards
 #: are written and before the manifest (of every save, or of the save of that step).

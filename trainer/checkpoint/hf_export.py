@@ -7,7 +7,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -72,6 +72,7 @@ def save_hf_model(
     *,
     generation_config: Any = None,
     overwrite: bool = False,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a dense Hugging Face model directory from a config and a full state dict.
 
@@ -97,6 +98,8 @@ def save_hf_model(
         generation_config: a ``GenerationConfig`` to save instead of the one derived from ``config``.
         overwrite: replace an existing ``out_dir`` (the old one is removed only after the new one is
             complete).
+        extra: called with the (temporary) directory to write further files into it before it is
+            renamed, e.g. the protected subspaces (:func:`.subspaces.write_subspaces`).
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -135,6 +138,8 @@ def save_hf_model(
         model.save_pretrained(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
+        if extra is not None:
+            extra(partial)
         file_mode = partial.stat().st_mode & 0o666  # mkdir honoured the umask; safetensors writes 0600
         for f in partial.iterdir():
             os.chmod(f, file_mode)

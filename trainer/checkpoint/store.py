@@ -4,7 +4,8 @@ OSFT factors they share, retention, and the shared-storage check.
 Layout (DESIGN.md section 5)::
 
     full_state_checkpoints/
-      frozen_<job_id>-<token>/   W_high, U_basis, V_basis of every OSFT module (DCP) + manifest.json;
+      frozen_<job_id>-<token>/   the frozen parameters of every OSFT module (W_high, bases, P/Q, start
+                         factors; DCP) + manifest.json;
                          written once per run, referenced by checksum from each step's manifest
       step_<N>/          one complete checkpoint (see :mod:`.full_state`)
       step_<N>.tmp-<job_id>/   being written (or cut off): never resumed from

@@ -8,7 +8,6 @@ V_low: k_low×M) are trainable. k_high = floor(r · (1 − URR)), URR = unfreeze
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ForwardForm = Literal["dense", "split"]
+from .plan import ForwardForm, ModulePlan, plan_module, split_rank
 
 
 @dataclass(frozen=True)
@@ -29,19 +28,14 @@ class RankSplit:
 
 
 def rank_split(n: int, m: int, urr: float) -> RankSplit:
-    """Split rank min(n, m) by the unfreeze rank ratio: k_high = floor(min(n, m)·(1 − URR)).
-
-    URR = 1.0 makes every direction trainable (k_high = 0). k_low ≥ 1 for every URR > 0.
+    """Split rank min(n, m) by the unfreeze rank ratio: k_high = floor(min(n, m)·(1 − URR))
+    (:func:`.plan.split_rank`). URR = 1.0 makes every direction trainable (k_high = 0).
 
     Raises:
         ValueError: URR outside (0, 1] or not a finite number.
     """
-    if not (isinstance(urr, (int, float)) and math.isfinite(urr) and 0.0 < urr <= 1.0):
-        raise ValueError(f"unfreeze rank ratio (URR) must be in (0, 1], got {urr!r}")
-    rank = min(n, m)
-    # The small epsilon keeps e.g. 576 * (1 - 0.25) = 432.0 from flooring to 431 through rounding.
-    k_high = min(rank - 1, int(math.floor(rank * (1.0 - urr) + 1e-9))) if rank > 0 else 0
-    return RankSplit(rank=rank, k_high=max(k_high, 0), k_low=rank - max(k_high, 0))
+    k_high, k_low = split_rank(min(n, m), urr)
+    return RankSplit(rank=min(n, m), k_high=k_high, k_low=k_low)
 
 
 #: Above this condition number σ_max/σ_min the Gram-matrix route loses accuracy (its eigenvalues,
@@ -82,6 +76,60 @@ def thin_svd(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return (u, s, v.t()) if tall else (v, s, u.t())
 
 
+def _orthonormal_against(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Columns of ``x`` with their ``basis`` component removed, re-orthonormalised (thin QR with
+    the signs of ``x`` kept)."""
+    q, r = torch.linalg.qr(x - basis @ (basis.t() @ x))
+    return q * torch.where(r.diagonal() < 0, -1.0, 1.0).to(q.dtype)
+
+
+def protected_svd(weight: torch.Tensor, P: torch.Tensor, Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD of W′ = (I − PPᵀ) W (I − QQᵀ), keeping its top R = min(N − p_L, M − p_R) triplets.
+
+    W′ is formed as W − P(PᵀW), then minus (W′Q)Qᵀ: no N×N or M×M projector. W′ has at least
+    min(N, M) − R exact zero singular values. On CPU (float64) the eigendecomposition of the smaller
+    Gram matrix gives the top R eigenpairs, which are well separated from those zeros; the Gram
+    side's vectors get their (rounding-sized) P or Q component removed and the other side's are
+    W′V/σ, orthogonal to the other basis by construction. When those R values span a condition
+    number above :data:`GRAM_EIGH_MAX_COND`, and on CUDA (float32), LAPACK's SVD is used and its top R
+    vectors are re-orthonormalised against P and Q. Without protected directions this is
+    :func:`thin_svd`.
+
+    Args:
+        weight: N×M. P: N×p_L, Q: M×p_R, orthonormal columns (any floating dtype).
+
+    Returns:
+        ``(U, S, Vh)``: N×R, R (descending), R×M; U ⊥ P, Vhᵀ ⊥ Q. float64 on CPU, float32 on CUDA.
+    """
+    if P.shape[1] == 0 and Q.shape[1] == 0:
+        return thin_svd(weight)
+    dt = torch.float32 if weight.is_cuda else torch.float64
+    a, p, q = weight.detach().to(dt), P.to(device=weight.device, dtype=dt), Q.to(device=weight.device, dtype=dt)
+    a = a - p @ (p.t() @ a)
+    a = a - (a @ q) @ q.t()
+    n, m = a.shape
+    rank = min(n - p.shape[1], m - q.shape[1])
+    tall = n >= m
+    left, right = (p, q) if tall else (q, p)
+    if not tall:
+        a = a.t()
+    if rank == 0:
+        return a.new_zeros(n, 0), a.new_zeros(0), a.new_zeros(0, m)
+    s = None
+    if not a.is_cuda:
+        eigvals, v = torch.linalg.eigh(a.t() @ a)
+        s = eigvals.flip(0)[:rank].clamp_min(0).sqrt()
+    if s is None or s[-1] * GRAM_EIGH_MAX_COND <= s[0]:
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        u, s = _orthonormal_against(u[:, :rank], left), s[:rank]
+        v = _orthonormal_against(vh[:rank].t(), right)
+    else:
+        v = v.flip(1)[:, :rank]
+        v = v - right @ (right.t() @ v)
+        u = (a @ v) / s
+    return (u, s, v.t()) if tall else (v, s, u.t())
+
+
 #: Low-rank GEMMs with a small inner dimension k run far below peak on CPUs; the cost model counts
 #: them as if k were this much larger (fitted to per-module timings of SmolLM2's shapes, 2 cores).
 LOW_RANK_GEMM_PENALTY = 48
@@ -118,51 +166,65 @@ def choose_forward_form(n: int, m: int, k_low: int, tokens_per_micro_batch: int)
 class OSFTLinear(nn.Module):
     """A linear layer y = x·Wᵀ + b whose weight is W = W_high + U_low·diag(S_low)·V_low.
 
+    Its layout (ranks, keep modes, forward form) is a :class:`.plan.ModulePlan` (``self.plan``).
     Parameters (trainable): ``U_low`` (N×k_low), ``S_low`` (k_low), ``V_low`` (k_low×M) and the
-    original ``bias`` (N, if any). Frozen (``requires_grad=False`` parameters, so that FSDP2 shards
-    them like every other parameter): ``W_high`` (N×M), ``U_basis`` and ``V_basis``.
+    original ``bias`` (N, if any); a module whose every direction is protected (``plan.frozen``)
+    trains only its bias. Frozen (``requires_grad=False`` parameters, so that FSDP2 shards them
+    like every other parameter, dim 0): ``W_high`` (N×M), ``U_basis``, ``V_basis``, the protected
+    bases ``P`` (N×p_L) and ``Q`` (M×p_R) of earlier runs (see :mod:`.protect`), the trainable
+    factors at the start of this run ``U_start`` (N×k_low), ``S_start`` (k_low), ``V_start``
+    (k_low×M), and ``sigma_frozen_min`` (1 element: the smallest frozen singular value of this
+    run's split, σ_{k_high} of W′, 0 when k_high = 0).
 
     ``U_basis``/``V_basis`` hold, per side, whichever basis makes the projection cheaper:
 
-    - *remove* mode: the frozen basis itself, U_high (N×k_high) or V_high (k_high×M); projection
-      removes its component: dU −= U_high(U_highᵀ dU), dV −= (dV V_highᵀ) V_high.
-    - *keep* mode (only when that side's dimension equals the rank, so the thin SVD spans the whole
-      space, and k_low < k_high): the orthogonal complement of the frozen basis, which is the initial
-      U_low (N×k_low) or V_low (k_low×M); projection keeps only its component: dU = U_c(U_cᵀ dU).
-      Identical result since [U_high, U_c] is an orthonormal basis of the whole space, at
-      k_low/k_high of the cost (one third at URR 0.25).
+    - *remove* mode: the frozen basis itself, L = [P, U_high] (N×(p_L + k_high)) or the row form
+      of Rb = [Q, V_highᵀ] ((p_R + k_high)×M); projection removes its component:
+      dU −= L(Lᵀ dU), dV −= (dV Rb) Rbᵀ.
+    - *keep* mode (only when p + R equals that side's dimension, so [L, U_low] spans the whole
+      space, and k_low < p + k_high): the orthogonal complement of the frozen basis, which is the
+      initial U_low (N×k_low) or V_low (k_low×M); projection keeps only its component:
+      dU = U_c(U_cᵀ dU). Identical result at k_low/(p + k_high) of the cost.
 
-    ``u_keep``/``v_keep`` record the mode. ``transposed`` is True for GPT-2 ``Conv1D`` targets, whose
-    stored weight is Wᵀ (M×N); the export writes that layout back.
+    ``transposed`` is True for GPT-2 ``Conv1D`` targets, whose stored weight is Wᵀ (M×N); the
+    export writes that layout back.
     """
 
-    def __init__(
-        self,
-        W_high: torch.Tensor,
-        U_low: torch.Tensor,
-        S_low: torch.Tensor,
-        V_low: torch.Tensor,
-        U_basis: torch.Tensor,
-        V_basis: torch.Tensor,
-        u_keep: bool,
-        v_keep: bool,
-        bias: torch.Tensor | None,
-        forward_form: ForwardForm,
-        transposed: bool = False,
-    ) -> None:
+    def __init__(self, plan: ModulePlan, W_high: torch.Tensor, U_low: torch.Tensor, S_low: torch.Tensor,
+                 V_low: torch.Tensor, U_basis: torch.Tensor, V_basis: torch.Tensor, P: torch.Tensor, Q: torch.Tensor,
+                 sigma_frozen_min: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False) -> None:
         super().__init__()
+        self.plan = plan
         self.W_high = nn.Parameter(W_high, requires_grad=False)
         self.U_basis = nn.Parameter(U_basis, requires_grad=False)
         self.V_basis = nn.Parameter(V_basis, requires_grad=False)
-        self.U_low = nn.Parameter(U_low)
-        self.S_low = nn.Parameter(S_low)
-        self.V_low = nn.Parameter(V_low)
+        self.P = nn.Parameter(P, requires_grad=False)
+        self.Q = nn.Parameter(Q, requires_grad=False)
+        self.U_start = nn.Parameter(U_low.detach().clone(), requires_grad=False)
+        self.S_start = nn.Parameter(S_low.detach().clone(), requires_grad=False)
+        self.V_start = nn.Parameter(V_low.detach().clone(), requires_grad=False)
+        self.sigma_frozen_min = nn.Parameter(sigma_frozen_min, requires_grad=False)
+        self.U_low = nn.Parameter(U_low, requires_grad=not plan.frozen)
+        self.S_low = nn.Parameter(S_low, requires_grad=not plan.frozen)
+        self.V_low = nn.Parameter(V_low, requires_grad=not plan.frozen)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.u_keep = u_keep
-        self.v_keep = v_keep
-        self.forward_form: ForwardForm = forward_form
         self.transposed = transposed
-        self.out_features, self.in_features = W_high.shape
+        self.out_features, self.in_features = plan.n, plan.m
+
+    @property
+    def u_keep(self) -> bool:
+        """U side stores the complement basis (keep mode)."""
+        return self.plan.u_keep
+
+    @property
+    def v_keep(self) -> bool:
+        """V side stores the complement basis (keep mode)."""
+        return self.plan.v_keep
+
+    @property
+    def forward_form(self) -> ForwardForm:
+        """``dense`` or ``split`` (see :func:`choose_forward_form`)."""
+        return self.plan.forward_form
 
     @classmethod
     def from_weight(
@@ -174,43 +236,49 @@ class OSFTLinear(nn.Module):
         forward_form: ForwardForm | Literal["auto"] = "auto",
         transposed: bool = False,
         svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        protected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> "OSFTLinear":
         """Decompose a dense weight (N×M, or M×N when ``transposed``) into an OSFT module.
 
-        ``svd`` is the precomputed :func:`thin_svd` of the N×M weight (computed here when None).
-        W_high is formed in the SVD's precision; every factor is then cast back to the weight's
-        dtype and device. ``forward_form="auto"`` uses :func:`choose_forward_form`.
+        ``protected`` = (P, Q): orthonormal bases (N×p_L, M×p_R) of earlier runs' updates, frozen
+        in addition to this run's high part (None: p_L = p_R = 0). ``svd`` is the precomputed
+        :func:`protected_svd` of the N×M weight (computed here when None). W_high is formed in the
+        SVD's precision; every factor is then cast back to the weight's dtype and device.
+        ``forward_form="auto"`` uses :func:`choose_forward_form`.
 
         Raises:
-            ValueError: URR outside (0, 1], or a weight that is not 2-D.
+            ValueError: URR outside (0, 1], a weight that is not 2-D, or bases of the wrong shape.
         """
         if weight.dim() != 2:
             raise ValueError(f"OSFT needs a 2-D weight, got shape {tuple(weight.shape)}")
         w = weight.detach().t() if transposed else weight.detach()
         n, m = w.shape
-        split = rank_split(n, m, urr)
-        U, S, Vh = svd if svd is not None else thin_svd(w)
-        kh = split.k_high
-        # W − U_low·diag(S_low)·V_low equals U_high·diag(S_high)·V_high up to rounding, costs k_low
-        # instead of k_high per element, and makes W_high + low part reproduce W to the last bit.
+        P, Q = protected if protected is not None else (w.new_zeros(n, 0), w.new_zeros(m, 0))
+        if P.shape[0] != n or Q.shape[0] != m:
+            raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a {n}×{m} weight")
+        plan = plan_module(n, m, urr, tokens_per_micro_batch, P.shape[1], Q.shape[1], forward_form)
+        U, S, Vh = svd if svd is not None else protected_svd(w, P, Q)
+        kh = plan.k_high
+        # W − U_low·diag(S_low)·V_low equals the frozen part up to rounding, costs k_low instead of
+        # p + k_high per element, and makes W_high + low part reproduce W to the last bit.
         W_high = w.to(U.dtype) - (U[:, kh:] * S[kh:]) @ Vh[kh:]
-        u_keep = n == split.rank and split.k_low < kh
-        v_keep = m == split.rank and split.k_low < kh
-        U_basis = U[:, kh:] if u_keep else U[:, :kh]
-        V_basis = Vh[kh:] if v_keep else Vh[:kh]
-        form = choose_forward_form(n, m, split.k_low, tokens_per_micro_batch) if forward_form == "auto" else forward_form
+        P, Q = P.to(U.dtype), Q.to(U.dtype)
+        U_basis = U[:, kh:] if plan.u_keep else torch.cat([P, U[:, :kh]], dim=1)
+        V_basis = Vh[kh:] if plan.v_keep else torch.cat([Q.t(), Vh[:kh]], dim=0)
+        sigma = S[kh - 1 : kh] if kh > 0 else S.new_zeros(1)
         cast = dict(dtype=weight.dtype, device=weight.device)
         return cls(
+            plan,
             W_high=W_high.to(**cast).contiguous(),
             U_low=U[:, kh:].to(**cast).contiguous(),
             S_low=S[kh:].to(**cast).contiguous(),
             V_low=Vh[kh:].to(**cast).contiguous(),
             U_basis=U_basis.to(**cast).contiguous(),
             V_basis=V_basis.to(**cast).contiguous(),
-            u_keep=u_keep,
-            v_keep=v_keep,
+            P=P.to(**cast).contiguous(),
+            Q=Q.to(**cast).contiguous(),
+            sigma_frozen_min=sigma.to(**cast).contiguous(),
             bias=None if bias is None else bias.detach().clone(),
-            forward_form=form,
             transposed=transposed,
         )
 
@@ -226,26 +294,27 @@ class OSFTLinear(nn.Module):
         transposed: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "meta",
+        protected_rank: tuple[int, int] = (0, 0),
+        plan: ModulePlan | None = None,
     ) -> "OSFTLinear":
-        """A module of the same structure as :meth:`from_weight` would build for an N×M weight,
-        with uninitialised tensors (on the meta device by default): the shapes, keep modes and
-        forward form depend only on (N, M, URR, T). Ranks other than 0 build these and receive
-        the values from rank 0.
+        """A module of the same structure as :meth:`from_weight` would build for an N×M weight with
+        protected ranks ``protected_rank`` = (p_L, p_R), with uninitialised tensors (on the meta
+        device by default): the layout is :func:`.plan.plan_module` of (N, M, URR, T, p_L, p_R), or
+        ``plan`` when given (a resumed run builds from the plan its checkpoint stored). Ranks other
+        than 0 build these and receive the values from rank 0.
         """
-        split = rank_split(n, m, urr)
-        kh, kl = split.k_high, split.k_low
-        u_keep = n == split.rank and kl < kh
-        v_keep = m == split.rank and kl < kh
-        form = choose_forward_form(n, m, kl, tokens_per_micro_batch) if forward_form == "auto" else forward_form
+        if plan is None:
+            plan = plan_module(n, m, urr, tokens_per_micro_batch, *protected_rank, forward_form)
 
         def new(*shape):
             return torch.empty(*shape, dtype=dtype, device=device)
 
+        kl = plan.k_low
         return cls(
-            W_high=new(n, m), U_low=new(n, kl), S_low=new(kl), V_low=new(kl, m),
-            U_basis=new(n, kl if u_keep else kh), V_basis=new(kl if v_keep else kh, m),
-            u_keep=u_keep, v_keep=v_keep, bias=new(n) if has_bias else None,
-            forward_form=form, transposed=transposed,
+            plan, W_high=new(n, m), U_low=new(n, kl), S_low=new(kl), V_low=new(kl, m),
+            U_basis=new(n, plan.u_basis_cols), V_basis=new(plan.v_basis_rows, m),
+            P=new(n, plan.p_left), Q=new(m, plan.p_right), sigma_frozen_min=new(1),
+            bias=new(n) if has_bias else None, transposed=transposed,
         )
 
     @property

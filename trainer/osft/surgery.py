@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -12,8 +12,11 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .decomposition import ForwardForm, OSFTLinear, thin_svd
+from .decomposition import ForwardForm, OSFTLinear, protected_svd
 from .targets import find_target_modules
+
+#: Protected bases by module name: (P: N×p_L, Q: M×p_R), see :mod:`.protect`.
+Bases = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -37,10 +40,14 @@ def apply_osft(
     tokens_per_micro_batch: int,
     patterns: Sequence[str] | None = None,
     forward_form: ForwardForm | Literal["auto"] = "auto",
+    urr_by_module: Mapping[str, float] | None = None,
+    bases: Bases | None = None,
 ) -> OSFTModel:
     """Decompose every target of ``model`` in place (see :func:`.targets.find_target_modules`).
 
-    Every other parameter keeps training normally. Returns the replaced modules.
+    Every other parameter keeps training normally. ``urr_by_module`` overrides ``urr`` for the
+    modules it names; ``bases`` gives protected subspaces (P, Q) per module name (others start
+    with p_L = p_R = 0). Returns the replaced modules.
 
     Raises:
         ValueError: from target matching or an URR outside (0, 1].
@@ -48,20 +55,27 @@ def apply_osft(
     names = find_target_modules(model, model_type, patterns)
     start = time.perf_counter()
     olds = [model.get_submodule(name) for name in names]
+    protected = [(bases or {}).get(name) for name in names]
     replaced = []
-    for name, old, svd in zip(names, olds, _parallel_svds(olds)):
+    for name, old, prot, svd in zip(names, olds, protected, _parallel_svds(olds, protected)):
         new = OSFTLinear.from_weight(
             old.weight,
             old.bias,
-            urr=urr,
+            urr=module_urr(name, urr, urr_by_module),
             tokens_per_micro_batch=tokens_per_micro_batch,
             forward_form=forward_form,
             transposed=isinstance(old, Conv1D),
             svd=svd,
+            protected=prot,
         )
         replace_module(model, name, new)
         replaced.append((name, new))
     return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
+
+
+def module_urr(name: str, urr: float, urr_by_module: Mapping[str, float] | None) -> float:
+    """The URR of module ``name``: ``urr_by_module[name]`` where given, else ``urr``."""
+    return (urr_by_module or {}).get(name, urr)
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -70,22 +84,29 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _parallel_svds(modules: Sequence[nn.Module]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:func:`.decomposition.thin_svd` of each module's N×M weight, in order.
+def _parallel_svds(modules: Sequence[nn.Module], protected: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`.decomposition.protected_svd` of each module's N×M weight with its protected bases
+    (None: none), in order.
 
     On CPU the decompositions run on as many threads as torch has intra-op threads, each with one
     intra-op thread (small LAPACK calls scale poorly across cores; measured 1.4× faster on 2 cores).
     Each matrix is still decomposed by one thread, so the result does not depend on scheduling.
     """
     weights = [m.weight.t() if isinstance(m, Conv1D) else m.weight for m in modules]
+    pairs = [prot or (w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)) for w, prot in zip(weights, protected)]
+
+    def one(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return protected_svd(weights[i], *pairs[i])
+
     if not weights or weights[0].is_cuda:
-        yield from (thin_svd(w) for w in weights)
+        yield from (one(i) for i in range(len(weights)))
         return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            yield from pool.map(thin_svd, weights)
+            yield from pool.map(one, range(len(weights)))
     finally:
         torch.set_num_threads(threads)
 

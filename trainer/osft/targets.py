@@ -37,6 +37,12 @@ def is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D))
 
 
+def weight_shape(module: nn.Module) -> tuple[int, int]:
+    """(N, M) = (out, in) of a linear-like module's weight (GPT-2 ``Conv1D`` stores it transposed)."""
+    n, m = module.weight.t().shape if isinstance(module, Conv1D) else module.weight.shape
+    return int(n), int(m)
+
+
 def find_target_modules(
     model: nn.Module, model_type: str, patterns: Sequence[str] | None = None
 ) -> list[str]:

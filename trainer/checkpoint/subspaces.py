@@ -1,0 +1,88 @@
+"""The protected-subspaces file of an HF export: ``osft_subspaces.safetensors`` + ``osft_subspaces.json``.
+
+The safetensors file holds, per OSFT target, ``<module name>.P`` (N×p_L) and ``<module name>.Q``
+(M×p_R), float32, orthonormal columns: the directions earlier OSFT runs changed (see
+:mod:`..osft.protect`). The JSON file describes them: format version, τ (``energy``), cap
+(``max_rank_ratio``), variant (``basis``), the run they came from, and per module p_L, p_R, the
+directions added by that run, the energy kept and whether the cap bound. A run whose
+``--model-name-or-path`` is such an export protects these subspaces (``--osft-protect-subspaces``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..osft.protect import ModuleFold
+
+SUBSPACES_FILE = "osft_subspaces.safetensors"
+SUBSPACES_JSON = "osft_subspaces.json"
+FORMAT_VERSION = 1
+
+
+def subspaces_file(model_path: str | Path) -> Path | None:
+    """``model_path/osft_subspaces.safetensors`` when ``model_path`` is a directory holding one."""
+    path = Path(model_path) / SUBSPACES_FILE
+    return path if path.is_file() else None
+
+
+def read_bases(path: Path, shapes: Mapping[str, tuple[int, int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Read a subspaces file and check it against the model's OSFT targets.
+
+    Args:
+        path: an ``osft_subspaces.safetensors``.
+        shapes: (N, M) of every target of the model being trained, by module name.
+
+    Returns:
+        (P: N×p_L, Q: M×p_R) float32 per module named in the file.
+
+    Raises:
+        ValueError: naming the file and the module: an unreadable file, a tensor that is not
+            ``<module>.P``/``<module>.Q``, a module without both, a module that is not a target of
+            this model, or a basis whose rows differ from the target's N (P) or M (Q).
+    """
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for a corrupt file
+        raise ValueError(f"protected subspaces {path}: cannot read it: {exc}") from exc
+    bases: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, _, side = key.rpartition(".")
+        if side not in ("P", "Q") or tensor.dim() != 2:
+            raise ValueError(f"protected subspaces {path}: tensor {key!r} is not a 2-D <module>.P or <module>.Q")
+        bases.setdefault(name, {})[side] = tensor.float()
+    out = {}
+    for name, sides in sorted(bases.items()):
+        if set(sides) != {"P", "Q"}:
+            raise ValueError(f"protected subspaces {path}: module {name} has only {'/'.join(sides)}, needs P and Q")
+        if name not in shapes:
+            raise ValueError(f"protected subspaces {path}: module {name} is not an OSFT target of this model")
+        (n, m), P, Q = shapes[name], sides["P"], sides["Q"]
+        if P.shape[0] != n or Q.shape[0] != m or P.shape[1] > n or Q.shape[1] > m:
+            raise ValueError(f"protected subspaces {path}: module {name} is {n}×{m}, but its P is "
+                             f"{tuple(P.shape)} and its Q {tuple(Q.shape)} (expected {n}×p_L and {m}×p_R)")
+        out[name] = (P, Q)
+    return out
+
+
+def write_subspaces(directory: Path, folds: Mapping[str, ModuleFold], settings: dict, source: dict) -> None:
+    """Write ``osft_subspaces.safetensors`` and ``osft_subspaces.json`` into ``directory``.
+
+    Args:
+        folds: every OSFT module's protected bases after this run.
+        settings: ``energy`` (τ), ``max_rank_ratio`` (cap), ``basis`` and, for ``inputs``,
+            ``input_energy`` (ε) and ``input_samples``.
+        source: the run the bases came from (``output_dir``, ``job_id``, ``step``).
+    """
+    tensors = {}
+    for name, fold in folds.items():
+        tensors[f"{name}.P"] = fold.P.float().contiguous()
+        tensors[f"{name}.Q"] = fold.Q.float().contiguous()
+    save_file(tensors, str(Path(directory) / SUBSPACES_FILE))
+    meta = {"format_version": FORMAT_VERSION, **settings, "source": source,
+            "modules": {name: fold.summary() for name, fold in folds.items()}}
+    (Path(directory) / SUBSPACES_JSON).write_text(json.dumps(meta, indent=1))

@@ -1,0 +1,150 @@
+"""The layout of one OSFT module: one place decides ranks, keep modes and forward form.
+
+With protected subspaces (sequential OSFT, see :mod:`.protect`) a target W (N×M) carries
+orthonormal bases P (N×p_L) and Q (M×p_R) of what earlier runs changed. This run decomposes
+W′ = (I − PPᵀ) W (I − QQᵀ), whose rank is at most R = min(N − p_L, M − p_R), and splits R by the
+unfreeze rank ratio: k_high = floor(R·(1 − URR)), k_low = R − k_high. The frozen bases are
+L = [P, U′_{:, :k_high}] (N×(p_L + k_high)) and Rb = [Q, V′_{:, :k_high}] (M×(p_R + k_high)).
+A fresh model has p_L = p_R = 0, which is the plain OSFT split (Nayak et al. 2025, section 3).
+
+The plan is plain data (:meth:`ModulePlan.to_dict`), stored with every full-state checkpoint, so a
+resumed skeleton is built with exactly the layout of the module it is loaded into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+ForwardForm = Literal["dense", "split"]
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """Layout of one OSFT module of shape N×M (out×in).
+
+    Fields: ``n``, ``m`` (shape), ``urr`` (unfreeze rank ratio), ``p_left``/``p_right`` (protected
+    rank p_L, p_R), ``rank`` (R = min(N − p_L, M − p_R)), ``k_high``, ``k_low`` (R = k_high + k_low),
+    ``u_keep``/``v_keep`` (the side stores the complement basis, see
+    :class:`.decomposition.OSFTLinear`), ``forward_form`` (``dense`` or ``split``).
+    """
+
+    n: int
+    m: int
+    urr: float
+    p_left: int
+    p_right: int
+    rank: int
+    k_high: int
+    k_low: int
+    u_keep: bool
+    v_keep: bool
+    forward_form: ForwardForm
+
+    @property
+    def frozen(self) -> bool:
+        """True when every direction is protected (R = 0): the module trains nothing."""
+        return self.k_low == 0
+
+    @property
+    def u_frozen(self) -> int:
+        """Columns of the left frozen basis L = [P, U′_{:, :k_high}]: p_L + k_high."""
+        return self.p_left + self.k_high
+
+    @property
+    def v_frozen(self) -> int:
+        """Rows of the right frozen basis (row form of Rb = [Q, V′_{:, :k_high}]): p_R + k_high."""
+        return self.p_right + self.k_high
+
+    @property
+    def u_basis_cols(self) -> int:
+        """Columns of the stored U basis: k_low in keep mode, else p_L + k_high."""
+        return self.k_low if self.u_keep else self.u_frozen
+
+    @property
+    def v_basis_rows(self) -> int:
+        """Rows of the stored V basis: k_low in keep mode, else p_R + k_high."""
+        return self.k_low if self.v_keep else self.v_frozen
+
+    @property
+    def trainable_params(self) -> int:
+        """Trainable numbers of the factors: k_low·(N + M + 1) (bias not counted)."""
+        return self.k_low * (self.n + self.m + 1)
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON) for checkpoints."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModulePlan":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a field is missing or unknown.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"OSFT module plan {data!r}: expected the fields {sorted(names)}")
+        return cls(**data)
+
+
+def split_rank(rank: int, urr: float) -> tuple[int, int]:
+    """``(k_high, k_low)`` of a rank: k_high = floor(rank·(1 − URR)), at most rank − 1, so k_low ≥ 1
+    for every rank ≥ 1; both 0 for rank 0.
+
+    Raises:
+        ValueError: URR outside (0, 1] or not a finite number.
+    """
+    if not (isinstance(urr, (int, float)) and math.isfinite(urr) and 0.0 < urr <= 1.0):
+        raise ValueError(f"unfreeze rank ratio (URR) must be in (0, 1], got {urr!r}")
+    if rank <= 0:
+        return 0, 0
+    # The small epsilon keeps e.g. 576 * (1 - 0.25) = 432.0 from flooring to 431 through rounding.
+    k_high = max(min(rank - 1, int(math.floor(rank * (1.0 - urr) + 1e-9))), 0)
+    return k_high, rank - k_high
+
+
+def plan_module(n: int, m: int, urr: float, tokens_per_micro_batch: int, p_left: int = 0, p_right: int = 0,
+                forward_form: ForwardForm | Literal["auto"] = "auto") -> ModulePlan:
+    """The layout of an N×M target with protected ranks (p_L, p_R) at unfreeze rank ratio ``urr``.
+
+    Keep mode on a side needs [L, U_low] (or [Rb, V_lowᵀ]) to span that whole side, i.e.
+    p + R equal to the side's dimension, so that keeping the complement's component equals removing
+    L's; it is chosen when it is the smaller basis (k_low < p + k_high).
+    ``forward_form="auto"`` uses :func:`.decomposition.choose_forward_form`.
+
+    Raises:
+        ValueError: URR outside (0, 1]; a protected rank below 0 or above the side's dimension.
+    """
+    from .decomposition import choose_forward_form
+
+    if not (0 <= p_left <= n and 0 <= p_right <= m):
+        raise ValueError(f"protected ranks (p_L={p_left}, p_R={p_right}) do not fit a {n}×{m} weight")
+    rank = min(n - p_left, m - p_right)
+    k_high, k_low = split_rank(rank, urr)
+    u_keep = p_left + rank == n and k_low < p_left + k_high
+    v_keep = p_right + rank == m and k_low < p_right + k_high
+    form = choose_forward_form(n, m, k_low, tokens_per_micro_batch) if forward_form == "auto" else forward_form
+    return ModulePlan(n=n, m=m, urr=float(urr), p_left=p_left, p_right=p_right, rank=rank, k_high=k_high,
+                      k_low=k_low, u_keep=u_keep, v_keep=v_keep, forward_form=form)
+
+
+def plan_table(plans: Sequence[tuple[str, ModulePlan]]):
+    """A compact ``rich`` table of the OSFT layout: one row per distinct (shape, URR, p_L, p_R,
+    k_high, k_low), with the number of modules, an example name and their trainable parameters."""
+    from rich.table import Table
+
+    groups: dict[tuple, list[tuple[str, ModulePlan]]] = {}
+    for name, p in plans:
+        groups.setdefault((p.n, p.m, p.urr, p.p_left, p.p_right, p.k_high, p.k_low), []).append((name, p))
+    table = Table(title="OSFT plan", title_justify="left")
+    for column in ("modules", "example", "N×M", "URR", "k_high", "protected p_L/p_R", "k_low", "trainable params"):
+        table.add_column(column, justify="left" if column == "example" else "right")
+    for (n, m, urr, pl, pr, kh, kl), members in groups.items():
+        params = members[0][1].trainable_params * len(members)
+        table.add_row(str(len(members)), members[0][0], f"{n}×{m}", f"{urr:g}", str(kh), f"{pl}/{pr}",
+                      "frozen" if kl == 0 else str(kl), f"{params:,}")
+    return table

@@ -1,0 +1,171 @@
+"""Protected subspaces across chained OSFT runs (sequential OSFT).
+
+Run A's update lives in W's small singular directions; a plain OSFT run B would put exactly those
+directions back into its trainable block. So every target keeps orthonormal bases P (N×p_L) and
+Q (M×p_R) of what earlier runs changed; run B splits W′ = (I − PPᵀ) W (I − QQᵀ) instead of W and
+freezes L = [P, U′_high] and Rb = [Q, V′_high] (see :mod:`.plan`), so every update ΔW of run B
+satisfies Lᵀ ΔW = 0 and ΔW Rb = 0: PᵀW and WQ stay as run A left them.
+
+At the end of a run (and at every HF export) each module's update
+D = U_low·diag(S_low)·V_low − U_start·diag(S_start)·V_start (rank ≤ 2·k_low) is decomposed,
+D = P_t Σ_D Q_tᵀ, and the smallest r with Σ_{i≤r} σ_i² ≥ τ‖D‖_F² directions (capped at
+floor(cap·k_low)) are appended to P and Q (:func:`fold_module`). The ``inputs`` variant takes Q_t
+from the run's layer inputs instead: the top eigenvectors of (I − QQᵀ) X Xᵀ (I − QQᵀ) holding a
+share ε of its trace (:func:`input_directions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+ProtectBasis = Literal["update", "inputs"]
+
+#: A new direction whose norm after removing the old basis is below this is dropped (it was
+#: already protected; float32 drift only).
+VANISHED = 1e-3
+
+
+@dataclass(frozen=True)
+class EnergyRank:
+    """Directions kept by :func:`energy_rank`: ``rank`` r, ``energy`` (share of the total kept, in
+    [0, 1]; 1.0 when the total is 0) and ``cap_bound`` (the cap cut r below the energy target)."""
+
+    rank: int
+    energy: float
+    cap_bound: bool
+
+
+def energy_rank(sigma_sq: torch.Tensor, target: float, cap: int) -> EnergyRank:
+    """The smallest r with Σ_{i≤r} σ_i² ≥ target·Σ σ_i², capped at ``cap``.
+
+    Args:
+        sigma_sq: squared singular values (or eigenvalues), descending, ≥ 0.
+        target: energy share in (0, 1]. cap: largest r allowed (≥ 0).
+    """
+    total = float(sigma_sq.sum())
+    if total <= 0.0:
+        return EnergyRank(0, 1.0, False)
+    cumulative = torch.cumsum(sigma_sq.double(), 0) / total
+    wanted = int(torch.searchsorted(cumulative, torch.tensor([target * (1 - 1e-12)], dtype=torch.float64)).item()) + 1
+    wanted = min(wanted, sigma_sq.numel())
+    rank = min(wanted, cap)
+    return EnergyRank(rank, float(cumulative[rank - 1]) if rank > 0 else 0.0, rank < wanted)
+
+
+def update_svd(U_now: torch.Tensor, S_now: torch.Tensor, V_now: torch.Tensor, U_start: torch.Tensor,
+               S_start: torch.Tensor, V_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD of D = U_now·diag(S_now)·V_now − U_start·diag(S_start)·V_start without forming D.
+
+    Thin QR of A = [U_now·S_now, −U_start·S_start] (N×2k) and of Bᵀ = [V_now; V_start]ᵀ (M×2k),
+    then the SVD of the small core R_A R_Bᵀ: D = (Q_A U_c) Σ (Q_B V_c)ᵀ. float64.
+
+    Args:
+        U_now, U_start: N×k. S_now, S_start: k. V_now, V_start: k×M.
+
+    Returns:
+        ``(P_t, sigma, Q_t)``: N×r, r (descending), M×r with r = min(N, M, 2k).
+    """
+    a = torch.cat([U_now.double() * S_now.double(), -U_start.double() * S_start.double()], dim=1)
+    b = torch.cat([V_now.double(), V_start.double()], dim=0).t()
+    qa, ra = torch.linalg.qr(a)
+    qb, rb = torch.linalg.qr(b)
+    uc, sigma, vch = torch.linalg.svd(ra @ rb.t())
+    return qa @ uc, sigma, qb @ vch.t()
+
+
+def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: int) -> tuple[torch.Tensor, EnergyRank]:
+    """Top eigenvectors of (I − QQᵀ) G (I − QQᵀ), G = X Xᵀ (M×M) of a run's layer inputs X (M×T).
+
+    Returns:
+        ``(Q_t, kept)``: M×r float64 with r from :func:`energy_rank` of the eigenvalues.
+    """
+    q = Q.double()
+    g = gram.double()
+    g = g - q @ (q.t() @ g)
+    g = g - (g @ q) @ q.t()
+    eigvals, vecs = torch.linalg.eigh((g + g.t()) / 2)
+    kept = energy_rank(eigvals.flip(0).clamp_min(0), target, cap)
+    return vecs.flip(1)[:, : kept.rank], kept
+
+
+def extend_basis(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """[old, new′]: ``new``'s columns with ``old``'s component removed (twice, for float32 drift),
+    orthonormalised by thin QR; columns that vanish (norm below :data:`VANISHED`) are dropped.
+
+    Args:
+        old: N×p orthonormal. new: N×r.
+
+    Returns:
+        N×(p + r′) float64, r′ ≤ r.
+    """
+    old, x = old.double(), new.double()
+    for _ in range(2):
+        x = x - old @ (old.t() @ x)
+    q, r = torch.linalg.qr(x)
+    diag = r.diagonal()
+    keep = diag.abs() > VANISHED
+    q = q * torch.where(diag < 0, -1.0, 1.0).to(q.dtype)
+    return torch.cat([old, q[:, keep]], dim=1)
+
+
+@dataclass(frozen=True)
+class ModuleFold:
+    """One module's protected bases after a run: ``P`` (N×p_L) and ``Q`` (M×p_R), float32;
+    ``added_left``/``added_right`` (directions added this run); ``update`` (the energy of D kept on
+    the P side, :class:`EnergyRank`); ``inputs`` (the input energy kept on the Q side, for the
+    ``inputs`` variant, else None)."""
+
+    P: torch.Tensor
+    Q: torch.Tensor
+    added_left: int
+    added_right: int
+    update: EnergyRank
+    inputs: EnergyRank | None
+
+    def summary(self) -> dict:
+        """Plain data for ``osft_subspaces.json``."""
+        out = {"p_left": self.P.shape[1], "p_right": self.Q.shape[1], "added_left": self.added_left,
+               "added_right": self.added_right, "energy_kept": self.update.energy, "cap_bound": self.update.cap_bound}
+        if self.inputs is not None:
+            out.update(input_energy_kept=self.inputs.energy, input_cap_bound=self.inputs.cap_bound)
+        return out
+
+
+def fold_module(factors: dict[str, torch.Tensor], energy: float, max_rank_ratio: float, basis: ProtectBasis = "update",
+                input_gram: torch.Tensor | None = None, input_energy: float = 0.95) -> ModuleFold:
+    """Add this run's update directions of one module to its protected bases.
+
+    Args:
+        factors: the module's full tensors ``P``, ``Q``, ``U_low``, ``S_low``, ``V_low``,
+            ``U_start``, ``S_start``, ``V_start`` (see :class:`.decomposition.OSFTLinear`).
+        energy: τ, the share of ‖D‖_F² to protect, in (0, 1].
+        max_rank_ratio: cap: at most floor(cap·k_low) new directions per side.
+        basis: ``update`` (Q_t from D) or ``inputs`` (Q_t from ``input_gram``).
+        input_gram: X Xᵀ (M×M) of this run's inputs to the module (``inputs`` only).
+        input_energy: ε, the share of the inputs' energy outside Q to protect (``inputs`` only).
+
+    Raises:
+        ValueError: ``basis="inputs"`` without ``input_gram``.
+    """
+    k_low = factors["S_low"].shape[0]
+    if k_low == 0:  # a frozen module changed nothing
+        none = EnergyRank(0, 1.0, False)
+        return ModuleFold(P=factors["P"].float(), Q=factors["Q"].float(), added_left=0, added_right=0, update=none,
+                          inputs=none if basis == "inputs" else None)
+    cap = int(max_rank_ratio * k_low + 1e-9)
+    p_t, sigma, q_t = update_svd(*(factors[k] for k in ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")))
+    kept = energy_rank(sigma.square(), energy, cap)
+    inputs = None
+    if basis == "inputs":
+        if input_gram is None:
+            raise ValueError("the inputs variant of protected subspaces needs the layer inputs' Gram matrix")
+        q_t, inputs = input_directions(input_gram, factors["Q"], input_energy, cap)
+    else:
+        q_t = q_t[:, : kept.rank]
+    P = extend_basis(factors["P"], p_t[:, : kept.rank])
+    Q = extend_basis(factors["Q"], q_t)
+    return ModuleFold(P=P.float(), Q=Q.float(), added_left=P.shape[1] - factors["P"].shape[1],
+                      added_right=Q.shape[1] - factors["Q"].shape[1], update=kept, inputs=inputs)
