@@ -14,9 +14,11 @@ SmolLM2-135M-Instruct learns two tasks one after the other, every arm with the s
   greedy replies to held-out chit-chat prompts (``osft-train make-retention-set``); R2, WordNet
   4-way multiple choice (accuracy); R3, WordNet definition loss (Debian ``wordnet-base``).
 
-Arms (``continual_learning/methods.py``): full FT -> full FT; OSFT 0.25 -> 0.25; OSFT 0.25 -> 0.15
-(training_hub's recipe); PEFT's OSF 0.25 -> 0.25. Each seed runs every task-A run once and every arm's
-task B from it. Intervals: paired bootstrap over items and seeds (``continual_learning/stats.py``).
+Arms (``continual_learning/methods.py``): full FT -> full FT; OSFT 0.25 -> 0.25 and 0.25 -> 0.15
+(training_hub's recipe) without protection; OSFT 0.25 -> 0.25 with the protected subspaces task A's
+export carries (update-based, and input-activation right bases); PEFT's OSF 0.25 -> 0.25. Each seed
+runs every task-A run once and every arm's task B from it. Intervals: paired bootstrap over items and
+seeds (``continual_learning/stats.py``).
 
 Outputs: a table on the console (and Markdown with ``--markdown``), JSON (``--out``, per-item
 results by index, never the data's text) and a PNG (``--plot``). ``--quick`` runs every arm and 2
@@ -55,15 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line flags (sizes default to the full run; ``--quick`` replaces them)."""
     from continual_learning.methods import ARMS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny random model, 2 steps per task, tiny eval sets")
     p.add_argument("--pilot", action="store_true", help="choose task B's learning rate per arm (matched learning)")
-    p.add_argument("--out", type=Path, default=None, help="JSON results (default results/continual[_quick|_pilot].json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON results (default results/continual[_quick|_pilot].json)")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default results/continual[_quick].png)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown here")
-    p.add_argument("--demo-dir", type=Path, default=None, help="demo assets (default: $OSFT_DEMO_DIR, the test cache or the user cache)")
-    p.add_argument("--data-dir", type=Path, default=None, help="where trivia, FOLDOC and WordNet are built (default: user cache dir osft/continual)")
-    p.add_argument("--wordnet-dir", type=Path, default=None, help="a directory with WordNet 3.0's data.{noun,verb,adj,adv}")
+    p.add_argument("--demo-dir", type=Path, default=None,
+                   help="demo assets (default: $OSFT_DEMO_DIR, the test cache or the user cache)")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="where trivia, FOLDOC and WordNet are built (default: user cache dir osft/continual)")
+    p.add_argument("--wordnet-dir", type=Path, default=None,
+                   help="a directory with WordNet 3.0's data.{noun,verb,adj,adv}")
     p.add_argument("--foldoc-dir", type=Path, default=None, help="a directory with foldoc.index and foldoc.dict.dz")
     p.add_argument("--work-dir", type=Path, default=None, help="models between phases (default: a temp dir, removed)")
     p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=None, help="a subset of the arms")
@@ -79,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--eval-a", type=int, default=96, help="held-out cued trivia questions")
     p.add_argument("--eval-b", type=int, default=96, help="held-out FOLDOC definitions")
-    p.add_argument("--r1-rows", type=int, default=14, help="held-out chit-chat rows whose user turns make R1 (~48 prompts)")
+    p.add_argument("--r1-rows", type=int, default=14,
+                   help="held-out chit-chat rows whose user turns make R1 (~48 prompts)")
     p.add_argument("--eval-r2", type=int, default=64, help="WordNet multiple-choice items")
     p.add_argument("--eval-r3", type=int, default=96, help="WordNet definition texts")
     p.add_argument("--max-new-tokens", type=int, default=16, help="greedy reply length for task A's compliance")
@@ -148,7 +156,8 @@ def prepare_data(args, work: Path, console) -> dict:
             "model_dir": assets.model_dir, "a_prompts": [r["messages"][0]["content"] for r in a_rows],
             "a_answers": [r["answers"] for r in qa], "r1_prompts": r1_prompts, "texts_r3": texts_r3, "choices": choices,
             "sources": {"A": trivia.TRIVIA_PACKAGE, "trivia_stats": tri.stats, "B": fol.stats["source"],
-                        "foldoc_stats": fol.stats, "R1": f"{assets.eval_path} lines {r1_lines} (chitchat-dataset==0.9.0)",
+                        "foldoc_stats": fol.stats,
+                        "R1": f"{assets.eval_path} lines {r1_lines} (chitchat-dataset==0.9.0)",
                         "R2_R3": f"Debian wordnet-base ({wn_dir})"}}
 
 
@@ -238,7 +247,8 @@ def run(args, console) -> dict:
                 phases[key][f"A:{run_name}"] = out
                 if not args.pilot:
                     evals[key][f"A:{run_name}"] = e = measure(a_dirs[run_name], probes, ("a",), args)
-                    console.print(f"seed {seed}, task A {run_name}: compliance {100 * sum(e['a_comply']) / len(e['a_comply']):.0f} % "
+                    compliance = 100 * sum(e["a_comply"]) / len(e["a_comply"])
+                    console.print(f"seed {seed}, task A {run_name}: compliance {compliance:.0f} % "
                                   f"({out['setup_s'] + out['train_s']:.0f} s training, {e['eval_s']:.0f} s eval)")
             for arm in arms:
                 rates = [arm.b.learning_rate] if not args.pilot or arm.name == "full_ft" else args.pilot_rates
@@ -328,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         args.markdown.write_text(markdown_table(result) + "\n")
     plot(result, args.plot)
-    console.print(f"wrote {'' if args.from_json else f'{args.out} and '}{args.plot} ({result['wall_s'] / 60:.1f} min)")
+    written = "" if args.from_json else f"{args.out} and "
+    console.print(f"wrote {written}{args.plot} ({result['wall_s'] / 60:.1f} min)")
     return 0
 
 

@@ -62,7 +62,8 @@ def test_from_chat_takes_last_user_turn_of_spread_rows(tmp_path):
 
 
 @pytest.mark.parametrize("content, flags, message", [
-    ('{"prompt": "ok"}\n{"prompt": ""}\n', ["--prompts"], r'prompts\.jsonl:2: row needs a non-empty string field "prompt"'),
+    ('{"prompt": "ok"}\n{"prompt": ""}\n', ["--prompts"],
+     r'prompts\.jsonl:2: row needs a non-empty string field "prompt"'),
     ('{"prompt": "ok"}\n\n{"prompt": \n', ["--prompts"], r"prompts\.jsonl:3: invalid JSON"),
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
      '{"messages": [{"role": "gpt", "content": "x"}]}\n', ["--held-out", "1", "--from-chat"],

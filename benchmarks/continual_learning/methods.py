@@ -39,10 +39,14 @@ class Spec:
     learning_rate: float = 1e-5
 
 
-#: Task-A runs, by name: full fine-tuning, OSFT at :data:`URR`, PEFT's OSF at :data:`URR`.
+#: Task-A runs, by name: full fine-tuning; OSFT at :data:`URR` (its export carries the update-based
+#: protected subspaces, ``osft_subspaces.safetensors``); the same with input-activation right bases
+#: (``--osft-protect-basis inputs``); PEFT's OSF at :data:`URR`.
 TASK_A_RUNS = {
     "full": Spec("trainer", {"osft": False}, 1e-5),
     "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4),
+    "osft_inputs": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "inputs"},
+                        1e-4),
     "peft_osf": Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 1e-4),
 }
 
@@ -60,10 +64,14 @@ class Arm:
 
 ARMS = [
     Arm("full_ft", "full FT -> full FT", "full", Spec("trainer", {"osft": False}, 1e-5)),
-    Arm("osft_same", f"OSFT {URR} -> {URR}", "osft",
+    Arm("osft_same", f"OSFT {URR} -> {URR}, unprotected", "osft",
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_subspaces": False}, 1e-4)),
+    Arm("osft_015", f"OSFT {URR} -> 0.15, unprotected (training_hub)", "osft",
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15, "osft_protect_subspaces": False}, 1e-4)),
+    Arm("osft_protect", f"OSFT {URR} -> {URR}, protected", "osft",
         Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4)),
-    Arm("osft_015", f"OSFT {URR} -> 0.15 (training_hub)", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15}, 1e-4)),
+    Arm("osft_inputs", f"OSFT {URR} -> {URR}, protected, input bases", "osft_inputs",
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4)),
     Arm("peft_osf", f"PEFT OSF {URR} -> {URR}", "peft_osf", Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 1e-4)),
 ]
 

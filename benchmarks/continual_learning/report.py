@@ -16,13 +16,15 @@ from pathlib import Path
 GOAL_FORGETTING = 0.5
 GOAL_LEARNING = 0.9
 REFERENCES = ("full_ft", "osft_same")
+VERDICT = {None: "undefined", True: "met", False: "not met"}
 
 
 def _ratio_check(row: dict, refs: dict, measure: str, ref: str, bound: float, at_most: bool) -> dict:
     key = "ratio_to_full" if ref == "full_ft" else "ratio_to_same"
     ratio = (row[key] or {}).get(measure, {}).get("value")
     ref_value = refs[ref]["measures"][measure]["value"] if ref in refs else None
-    met = None if ratio is None or ref_value is None or ref_value <= 0 else (ratio <= bound if at_most else ratio >= bound)
+    undefined = ratio is None or ref_value is None or ref_value <= 0
+    met = None if undefined else (ratio <= bound if at_most else ratio >= bound)
     return {"check": f"{measure} {'<=' if at_most else '>='} {bound:.0%} of {ref}", "value": ratio, "met": met}
 
 
@@ -80,7 +82,8 @@ def _title(result: dict) -> str:
     s = result["settings"]
     return (f"{result['model']}, seeds {', '.join(result['seeds'])}: A = cued trivia ({s['steps_a']} steps × "
             f"{s['batch_a']}), then B = FOLDOC ({s['steps_b']} steps × {s['batch_b']}); "
-            f"95 % paired bootstrap intervals; {result['wall_s'] / 60:.0f} min on {result['machine']['cpu_count']} CPU cores")
+            f"95 % paired bootstrap intervals; {result['wall_s'] / 60:.0f} min on "
+            f"{result['machine']['cpu_count']} CPU cores")
 
 
 def print_table(result: dict, console) -> None:
@@ -94,11 +97,10 @@ def print_table(result: dict, console) -> None:
         table.add_row(*row)
     console.print(table)
     for g in result["goals"]:
-        verdict = {None: "undefined", True: "met", False: "not met"}[g["all_met"]]
-        console.print(f"goals for {g['name']}: {verdict}")
+        console.print(f"goals for {g['name']}: {VERDICT[g['all_met']]}")
         for c in g["checks"]:
             value = "–" if c["value"] is None else f"{c['value']:.3f}"
-            console.print(f"  {c['check']}: {value} ({ {None: 'undefined', True: 'met', False: 'not met'}[c['met']] })")
+            console.print(f"  {c['check']}: {value} ({VERDICT[c['met']]})")
 
 
 def markdown_table(result: dict) -> str:
@@ -122,8 +124,9 @@ def plot(result: dict, path: Path) -> Path:
 
     labels = {a["name"]: a["label"] for a in result["arms"]}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-    for ax, measure, ylabel in ((axes[0], "forgetting_a", "forgetting of A: compliance after A − after B (points)"),
-                                (axes[1], "drift_r1", "drift on R1: NLL of base replies, after B − base (nats/token)")):
+    panels = ((axes[0], "forgetting_a", "forgetting of A: compliance after A − after B (points)"),
+              (axes[1], "drift_r1", "drift on R1: NLL of base replies, after B − base (nats/token)"))
+    for ax, measure, ylabel in panels:
         for i, r in enumerate(result["summary"]):
             x, y = r["measures"]["learning_b"], r["measures"][measure]
             if x["value"] is None or y["value"] is None:
