@@ -282,3 +282,12 @@ def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets):
     assert set(protected) == {"osft_015", "osft_protect", "osft_inputs", "peft_osf"}
     assert all(len(g["checks"]) == 7 for g in protected.values())
     assert result["timing"]["task_a_s"] > 0 and result["timing"]["eval_s"] > 0
+
+
+def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
+    from continual import _choose_rates
+
+    pilot = {"full_ft": {"1e-05": 0.50}, "osft_same": {"5e-05": 0.20, "0.0001": 0.45, "0.0002": 0.70},
+             "peft_osf": {"5e-05": 0.56, "0.0001": 0.90}}
+    assert _choose_rates(pilot) == {"full_ft": 1e-5, "osft_same": 1e-4, "peft_osf": 5e-5}
+    assert _choose_rates({"osft_same": {"1e-4": 0.3}}) == {}  # no full FT reference: nothing to match

@@ -4,6 +4,7 @@ direct greedy ``generate``, held-out row choice, and exit code 2 with FILE:LINE 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -75,5 +76,5 @@ def test_bad_input_exits_2_naming_file_and_line(tmp_path, tiny_model_dir, capsys
     out = tmp_path / "out.jsonl"
     code = main(["make-retention-set", "--model", str(tiny_model_dir), "--out", str(out), *flags, str(path)])
     assert code == EXIT_BAD_INPUT
-    assert __import__("re").search(message, " ".join(capsys.readouterr().err.split()))
+    assert re.search(message, " ".join(capsys.readouterr().err.split()))
     assert not out.exists()

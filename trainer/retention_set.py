@@ -69,7 +69,7 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def chat_prompts(path: Path, held_out: int, tokenizer=None) -> tuple[list[str], list[int]]:
+def chat_prompts(path: Path, held_out: int) -> tuple[list[str], list[int]]:
     """Prompts from the user turns of ``held_out`` rows of a chat jsonl file (see the module docstring).
 
     Returns:
@@ -86,7 +86,7 @@ def chat_prompts(path: Path, held_out: int, tokenizer=None) -> tuple[list[str], 
     if held_out < 1:
         raise RetentionSetError(f"--held-out must be at least 1, got {held_out}")
     try:
-        records, problems = validate_chat_file(path, tokenizer)
+        records, problems = validate_chat_file(path)
     except OSError as e:
         raise RetentionSetError(f"{path}: cannot read the chat file: {e}") from e
     if problems:
