@@ -496,11 +496,16 @@ class Trainer:
         full tensors of rank 0); logs a ``subspaces_folded`` record and the modules where the cap
         bound (with the energy actually kept)."""
         cfg = self.cfg
-        keys = ("P", "Q", "U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
-        folds = {name: fold_module({k: state[f"{name}.{k}"] for k in keys}, cfg.osft_protect_energy,
+        keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
+
+        def module_factors(name: str, module) -> dict[str, torch.Tensor]:
+            empty = {"P": torch.zeros(module.plan.n, 0), "Q": torch.zeros(module.plan.m, 0)}  # p = 0: no parameter
+            return {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
+
+        folds = {name: fold_module(module_factors(name, module), cfg.osft_protect_energy,
                                    cfg.osft_protect_max_rank_ratio, cfg.osft_protect_basis,
                                    None if grams is None else grams[name], cfg.osft_protect_input_energy)
-                 for name, _ in self.osft.modules}
+                 for name, module in self.osft.modules}
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
         self.metrics.log("subspaces_folded", step=step, modules=len(folds),
                          added_left=sum(f.added_left for f in folds.values()),

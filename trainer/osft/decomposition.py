@@ -171,7 +171,7 @@ class OSFTLinear(nn.Module):
     original ``bias`` (N, if any); a module whose every direction is protected (``plan.frozen``)
     trains only its bias. Frozen (``requires_grad=False`` parameters, so that FSDP2 shards them
     like every other parameter, dim 0): ``W_high`` (N×M), ``U_basis``, ``V_basis``, the protected
-    bases ``P`` (N×p_L) and ``Q`` (M×p_R) of earlier runs (see :mod:`.protect`), the trainable
+    bases ``P`` (N×p_L) and ``Q`` (M×p_R) of earlier runs (see :mod:`.protect`; None where p = 0), the trainable
     factors at the start of this run ``U_start`` (N×k_low), ``S_start`` (k_low), ``V_start``
     (k_low×M), and ``sigma_frozen_min`` (1 element: the smallest frozen singular value of this
     run's split, σ_{k_high} of W′, 0 when k_high = 0).
@@ -198,8 +198,10 @@ class OSFTLinear(nn.Module):
         self.W_high = nn.Parameter(W_high, requires_grad=False)
         self.U_basis = nn.Parameter(U_basis, requires_grad=False)
         self.V_basis = nn.Parameter(V_basis, requires_grad=False)
-        self.P = nn.Parameter(P, requires_grad=False)
-        self.Q = nn.Parameter(Q, requires_grad=False)
+        # A side without protected directions has no P (or Q) parameter: FSDP2's broadcast of the
+        # full state cannot shard zero-size tensors.
+        self.P = nn.Parameter(P, requires_grad=False) if P.shape[1] else None
+        self.Q = nn.Parameter(Q, requires_grad=False) if Q.shape[1] else None
         self.U_start = nn.Parameter(U_low.detach().clone(), requires_grad=False)
         self.S_start = nn.Parameter(S_low.detach().clone(), requires_grad=False)
         self.V_start = nn.Parameter(V_low.detach().clone(), requires_grad=False)

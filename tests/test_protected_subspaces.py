@@ -1,0 +1,275 @@
+"""Protected subspaces across chained OSFT runs (sequential OSFT, issue 14): the split of
+W′ = (I − PPᵀ)W(I − QQᵀ), the fold of a run's update into P/Q, and chained `osft-train` runs on 1
+and 2 gloo ranks, with a resume and a reload of the exported bases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from helpers import QA, chat, save_tiny_model, write_jsonl
+from safetensors.torch import load_file, save_file
+
+from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
+from osft.trainer.osft.plan import plan_module
+from osft.trainer.osft.projection import Projector
+from osft.trainer.osft.protect import fold_module, update_svd
+
+FOLD_KEYS = ("P", "Q", "U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
+
+
+def pretrained_like(n, m, seed=0):
+    """A random N×M matrix with a decaying spectrum (as trained weights have)."""
+    g = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(n, min(n, m), generator=g))
+    v, _ = torch.linalg.qr(torch.randn(m, min(n, m), generator=g))
+    s = torch.logspace(0.5, -1.5, min(n, m))
+    return (u * s) @ v.t()
+
+
+def train(mod, x, y, steps=30, lr=1e-2, weight_decay=0.1):
+    """AdamW on the mean squared error of y ≈ mod(x), projected as the trainer does."""
+    projector = Projector([("w", mod)])
+    opt = torch.optim.AdamW([mod.U_low, mod.S_low, mod.V_low], lr=lr, weight_decay=weight_decay)
+    for _ in range(steps):
+        loss = (mod(x) - y).square().mean()
+        loss.backward()
+        projector.project_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        projector.project_parameters()
+    return mod
+
+
+def update(mod):
+    """This run's ΔW = U_low S_low V_low − U_start S_start V_start, float64 (W_high never changes)."""
+    now = (mod.U_low.double() * mod.S_low.double()) @ mod.V_low.double()
+    return (now - (mod.U_start.double() * mod.S_start.double()) @ mod.V_start.double()).detach()
+
+
+def factors(mod):
+    empty = {"P": torch.zeros(mod.plan.n, 0), "Q": torch.zeros(mod.plan.m, 0)}
+    return {k: empty[k] if getattr(mod, k) is None else getattr(mod, k).detach() for k in FOLD_KEYS}
+
+
+def test_protected_svd_matches_lapack_on_the_projected_matrix():
+    w = pretrained_like(48, 32)
+    P = torch.linalg.qr(torch.randn(48, 5, dtype=torch.float64))[0]
+    Q = torch.linalg.qr(torch.randn(32, 3, dtype=torch.float64))[0]
+    for a, p, q in ((w, P, Q), (w.t(), Q, P)):  # tall and wide
+        u, s, vh = protected_svd(a, p, q)
+        ref = a.double() - p @ (p.t() @ a.double())
+        ref = ref - (ref @ q) @ q.t()
+        r = min(a.shape[0] - p.shape[1], a.shape[1] - q.shape[1])
+        assert u.shape == (a.shape[0], r) and s.shape == (r,) and vh.shape == (r, a.shape[1])
+        torch.testing.assert_close(s, torch.linalg.svd(ref).S[:r], rtol=0, atol=1e-12)
+        torch.testing.assert_close(u.t() @ u, torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(vh @ vh.t(), torch.eye(r, dtype=torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close((u * s) @ vh, ref, rtol=0, atol=1e-12)
+        assert (p.t() @ u).abs().max() < 1e-12 and (vh @ q).abs().max() < 1e-12
+
+
+def test_plan_keep_modes_and_frozen_modules():
+    plan = plan_module(48, 32, 0.5, 8, p_left=5, p_right=3)
+    assert (plan.rank, plan.k_high, plan.k_low) == (29, 14, 15)
+    assert not plan.u_keep  # 5 + 29 < 48: [L, U_low] does not span the left side
+    assert plan.v_keep  # 3 + 29 = 32 spans the right side and k_low 15 < p_R + k_high = 17
+    assert not plan_module(48, 32, 0.75, 8, 5, 3).v_keep  # k_low 22 > 3 + 7: removing Rb is cheaper
+    frozen = plan_module(16, 12, 0.5, 8, p_left=4, p_right=12)
+    assert frozen.rank == 0 and frozen.frozen and frozen.trainable_params == 0
+    mod = OSFTLinear.from_weight(pretrained_like(16, 12), None, urr=0.5, tokens_per_micro_batch=8,
+                                 protected=(torch.linalg.qr(torch.randn(16, 4))[0], torch.eye(12)))
+    assert mod.plan.frozen and not mod.U_low.requires_grad and mod.U_basis.shape == (16, 4)
+
+
+def test_chained_runs_keep_earlier_updates_untouched():
+    torch.manual_seed(0)
+    w0 = pretrained_like(48, 32)
+    x, y = torch.randn(64, 32), torch.randn(64, 48)
+    a = train(OSFTLinear.from_weight(w0, None, urr=0.5, tokens_per_micro_batch=8), x, y)
+    d = update(a)
+    fold = fold_module(factors(a), energy=0.9, max_rank_ratio=1.0)
+    # τ bound (the cap does not bind): the smallest r with at least 90% of ‖D‖_F² kept
+    sigma_sq = torch.linalg.svdvals(d).square()
+    r = fold.added_left
+    assert not fold.update.cap_bound and r == fold.added_right and r > 0
+    assert sigma_sq[:r].sum() >= 0.9 * sigma_sq.sum() > sigma_sq[: r - 1].sum()
+    assert fold.update.energy == pytest.approx(float(sigma_sq[:r].sum() / sigma_sq.sum()), rel=1e-9)
+    p_t, sigma, _ = update_svd(*(factors(a)[k] for k in FOLD_KEYS[2:]))
+    torch.testing.assert_close(sigma[: len(sigma_sq)].square(), sigma_sq, rtol=1e-9, atol=1e-12)
+    P, Q = fold.P, fold.Q
+    torch.testing.assert_close(P.t() @ P, torch.eye(r), rtol=0, atol=1e-6)
+    # the protected directions hold the update: ‖PᵀD‖² = kept energy
+    assert float((P.double().t() @ d).square().sum()) == pytest.approx(float(sigma_sq[:r].sum()), rel=1e-5)
+
+    w_a = a.dense_weight().detach()
+    b = OSFTLinear.from_weight(w_a, None, urr=0.5, tokens_per_micro_batch=8, protected=(P, Q))
+    rank = min(48 - r, 32 - r)
+    assert (b.plan.rank, b.plan.k_high, b.plan.k_low) == (rank, rank // 2, rank - rank // 2)
+    assert b.plan.p_left == b.plan.p_right == r
+    torch.testing.assert_close(b.dense_weight().detach(), w_a, rtol=0, atol=1e-5)
+    assert float(b.sigma_frozen_min) == pytest.approx(float(protected_svd(w_a, P, Q)[1][rank // 2 - 1]), rel=1e-6)
+    train(b, torch.randn(64, 32), torch.randn(64, 48))
+    d_b = update(b)
+    assert d_b.norm() > 1e-2
+    assert (P.double().t() @ d_b).norm() <= 1e-5 * d_b.norm()
+    assert (d_b @ Q.double()).norm() <= 1e-5 * d_b.norm()
+    w_b = b.dense_weight().detach()
+    torch.testing.assert_close(P.t() @ w_b, P.t() @ w_a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w_b @ Q, w_a @ Q, rtol=0, atol=1e-5)
+    # the second fold extends the first bases (orthonormal, old columns first)
+    fold_b = fold_module(factors(b), energy=0.9, max_rank_ratio=0.5)
+    assert fold_b.added_left <= b.plan.k_low // 2 and torch.equal(fold_b.P[:, :r], P)
+    torch.testing.assert_close(fold_b.P.t() @ fold_b.P, torch.eye(fold_b.P.shape[1]), rtol=0, atol=1e-5)
+
+
+def test_toy_regression_inputs_variant_keeps_task_a_exactly():
+    """Two regression tasks on a 32×24 linear layer (URR 0.5, no weight decay) whose inputs share 4
+    of 8 directions, with conflicting targets. Same-URR OSFT forgets task A. Protecting A's input
+    span (8 directions, within the cap k_low = 12 at cap ratio 1.0) keeps A exactly: every ΔW_B
+    satisfies ΔW_B Q = 0, so ΔW_B x_A = 0.
+
+    The ``update`` variant protects only D's top directions (4 here at τ = 0.9), and B's split of W′
+    has R = 20 < 24, so k_high = 10 < 12: two directions A kept frozen become trainable. In this
+    toy it forgets *more* than plain OSFT (measured 0.63 vs 0.53 with this seed, and more on
+    seeds 2 and 3): the test records the ordering inputs < plain < update rather than assume a gain.
+    """
+    g = torch.Generator().manual_seed(1)
+    basis = torch.linalg.qr(torch.randn(24, 24, generator=g))[0]
+    s_a, s_b = basis[:, :8], basis[:, 4:12]
+    x_a = torch.randn(256, 8, generator=g) @ s_a.t()
+    x_b = torch.randn(256, 8, generator=g) @ s_b.t()
+    w0 = pretrained_like(32, 24, seed=2)
+    target_a = w0 + 0.3 * torch.randn(32, 24, generator=g)
+    target_b = w0 + 0.3 * torch.randn(32, 24, generator=g)
+    y_a, y_b = x_a @ target_a.t(), x_b @ target_b.t()
+
+    def loss_a(w):
+        return float((x_a @ w.t() - y_a).square().mean())
+
+    a = train(OSFTLinear.from_weight(w0, None, urr=0.5, tokens_per_micro_batch=8), x_a, y_a, steps=150, lr=2e-2,
+              weight_decay=0.0)
+    w_a = a.dense_weight().detach()
+    assert loss_a(w_a) < 0.5 * loss_a(w0)
+    folds = {
+        "plain": None,
+        "update": fold_module(factors(a), 0.9, 1.0),
+        "inputs": fold_module(factors(a), 0.9, 1.0, "inputs", input_gram=x_a.double().t() @ x_a.double()),
+    }
+    assert folds["inputs"].added_right == 8 and not folds["inputs"].inputs.cap_bound
+    forgetting = {}
+    for name, fold in folds.items():
+        prot = None if fold is None else (fold.P, fold.Q)
+        b = OSFTLinear.from_weight(w_a, None, urr=0.5, tokens_per_micro_batch=8, protected=prot)
+        w_b = train(b, x_b, y_b, steps=150, lr=2e-2, weight_decay=0.0).dense_weight().detach()
+        forgetting[name] = loss_a(w_b) - loss_a(w_a)
+    assert forgetting["plain"] > 0.5 * loss_a(w_a), forgetting
+    # float32 rounding of W (entries ~1, 24 inputs): the loss moves by a few 1e-7 at most
+    assert abs(forgetting["inputs"]) < 1e-5, forgetting
+    assert forgetting["inputs"] < forgetting["plain"] < forgetting["update"], forgetting
+
+
+# -- real `osft-train` runs ---------------------------------------------------------------------
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("protect")
+    model = save_tiny_model(root / "model", hidden_size=64, intermediate_size=128)
+    data = write_jsonl(root / "train.jsonl", [chat(q, a) for q, a in QA] * 2)
+    return model, data
+
+
+def osft_train(model, data, out, *flags, env=None):
+    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+           "--output-dir", str(out), "--batch-size", "4", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
+           "--learning-rate", "5e-3", "--save-dtype", "float32", "--max-steps", str(STEPS),
+           "--osft-unfreeze-rank-ratio", "0.5", *flags]
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def exported(out, step=STEPS):
+    return out / "hf_format" / f"step_{step}"
+
+
+def projectors(export):
+    """PPᵀ and QQᵀ of every module (float64), which do not depend on the basis chosen."""
+    bases = load_file(str(export / "osft_subspaces.safetensors"))
+    return {k: bases[k].double() @ bases[k].double().t() for k in bases}
+
+
+@pytest.fixture(scope="module")
+def runs(job, tmp_path_factory):
+    """Task A on 1 rank and on 2 ranks (the latter uninterrupted and stopped + resumed)."""
+    model, data = job
+    root = tmp_path_factory.mktemp("runs")
+    one, two, resumed = root / "one", root / "two", root / "resumed"
+    code, output = osft_train(model, data, one)
+    assert code == 0, output
+    code, output = osft_train(model, data, two, "--nproc-per-node", "2", "--on-demand-checkpointing")
+    assert code == 0, output
+    env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12], "OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGTERM"}
+    code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", env=env)
+    assert code == EXIT_STOPPED, output
+    code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", "--resume",
+                              env={"OSFT_JOB_ID": env["OSFT_JOB_ID"]})
+    assert code == 0 and "resumed from" in output, output
+    return one, two, resumed
+
+
+def test_exports_carry_the_same_subspaces_on_one_and_two_ranks_and_after_a_resume(runs):
+    one, two, resumed = runs
+    meta = json.loads((exported(one) / "osft_subspaces.json").read_text())
+    assert meta["format_version"] == 1 and meta["energy"] == 0.9 and meta["max_rank_ratio"] == 0.5
+    assert meta["basis"] == "update" and meta["source"]["step"] == STEPS and len(meta["modules"]) == 14
+    assert all(m["p_left"] == m["added_left"] > 0 for m in meta["modules"].values())
+    p1, p2 = projectors(exported(one)), projectors(exported(two))
+    assert p1.keys() == p2.keys()
+    for key in p1:
+        torch.testing.assert_close(p2[key], p1[key], rtol=0, atol=1e-3, msg=key)
+    # bit-exact after a stop at step 2 and a resume (the start factors come from the frozen store)
+    assert load_file(str(exported(resumed) / "osft_subspaces.safetensors")).keys() == p2.keys()
+    for key, value in load_file(str(exported(resumed) / "osft_subspaces.safetensors")).items():
+        assert torch.equal(value, load_file(str(exported(two) / "osft_subspaces.safetensors"))[key]), key
+
+
+def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, tmp_path):
+    _, data = job
+    one = runs[0]
+    code, output = osft_train(exported(one), data, tmp_path / "b", "--learning-rate", "1e-2")
+    assert code == 0, output
+    assert "protected subspaces: 14 modules from" in output and "OSFT plan" in output
+    bases = load_file(str(exported(one) / "osft_subspaces.safetensors"))
+    before = load_file(str(exported(one) / "model.safetensors"))
+    after = load_file(str(exported(tmp_path / "b") / "model.safetensors"))
+    meta = json.loads((exported(tmp_path / "b") / "osft_subspaces.json").read_text())
+    for name in {k.rpartition(".")[0] for k in bases}:
+        P, Q = bases[f"{name}.P"].double(), bases[f"{name}.Q"].double()
+        d = after[f"{name}.weight"].double() - before[f"{name}.weight"].double()
+        assert d.norm() > 0, name
+        assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), name
+        assert meta["modules"][name]["p_left"] > P.shape[1] - 1  # the old bases are kept, new ones added
+    no_protect = tmp_path / "c"
+    code, output = osft_train(exported(one), data, no_protect, "--no-osft-protect-subspaces", "--max-steps", "1")
+    assert code == 0 and "not used (--no-osft-protect-subspaces)" in output, output
+
+
+def test_subspaces_that_do_not_fit_the_model_fail_before_any_rank_starts(job, runs, tmp_path):
+    _, data = job
+    broken = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(exported(runs[0])), str(broken)], check=True)
+    bases = load_file(str(broken / "osft_subspaces.safetensors"))
+    bases["model.layers.0.self_attn.q_proj.P"] = torch.zeros(7, 1)
+    save_file(bases, str(broken / "osft_subspaces.safetensors"))
+    code, output = osft_train(broken, data, tmp_path / "out", "--nproc-per-node", "2")
+    assert code != 0
+    assert "model.layers.0.self_attn.q_proj" in output and "osft_subspaces.safetensors" in output, output
+    assert not (tmp_path / "out" / "logs").exists() or not any((tmp_path / "out" / "logs").rglob("*.log"))
