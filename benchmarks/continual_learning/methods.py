@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Unfreeze rank ratio of the OSFT arms' task A (and of task B unless an arm says otherwise).
@@ -35,19 +35,19 @@ class Spec:
     (``config``; for ``peft_osf`` only ``osft_unfreeze_rank_ratio`` is read) and ``learning_rate``."""
 
     kind: str
-    config: dict = field(default_factory=dict)
-    learning_rate: float = 1e-5
+    config: dict
+    learning_rate: float
 
 
 #: Task-A runs, by name: full fine-tuning; OSFT at :data:`URR` (its export carries the update-based
 #: protected subspaces, ``osft_subspaces.safetensors``); the same with input-activation right bases
 #: (``--osft-protect-basis inputs``); PEFT's OSF at :data:`URR`.
 TASK_A_RUNS = {
-    "full": Spec("trainer", {"osft": False}, 1e-5),
-    "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4),
+    "full": Spec("trainer", {"osft": False}, 5e-5),
+    "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 2e-4),
     "osft_inputs": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "inputs"},
-                        1e-4),
-    "peft_osf": Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 1e-4),
+                        2e-4),
+    "peft_osf": Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 2e-4),
 }
 
 
@@ -63,16 +63,16 @@ class Arm:
 
 
 ARMS = [
-    Arm("full_ft", "full FT -> full FT", "full", Spec("trainer", {"osft": False}, 1e-5)),
+    Arm("full_ft", "full FT -> full FT", "full", Spec("trainer", {"osft": False}, 5e-5)),
     Arm("osft_same", f"OSFT {URR} -> {URR}, unprotected", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_subspaces": False}, 1e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_subspaces": False}, 2e-4)),
     Arm("osft_015", f"OSFT {URR} -> 0.15, unprotected (training_hub)", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15, "osft_protect_subspaces": False}, 1e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15, "osft_protect_subspaces": False}, 2e-4)),
     Arm("osft_protect", f"OSFT {URR} -> {URR}, protected", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 2e-4)),
     Arm("osft_inputs", f"OSFT {URR} -> {URR}, protected, input bases", "osft_inputs",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4)),
-    Arm("peft_osf", f"PEFT OSF {URR} -> {URR}", "peft_osf", Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 1e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 2e-4)),
+    Arm("peft_osf", f"PEFT OSF {URR} -> {URR}", "peft_osf", Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 2e-4)),
 ]
 
 
