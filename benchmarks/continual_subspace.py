@@ -2,7 +2,8 @@
 continual-learning explanation.
 
 Trains the previous ``continual.py``'s task A (chit-chat windows of the demo, its settings before
-issue 14) with OSFT at each URR, then, for every target module, compares the SVD of the dense weight after A with the split it started from:
+issue 14) with OSFT at each URR, then, for every target module, compares the SVD of the dense
+weight after A with the split it started from:
 
 - ``low_part_below_frozen``: modules whose trained low part U_low·diag(S_low)·V_low has a largest
   singular value below the smallest frozen one (then the top k_high directions of the new weight
