@@ -1,8 +1,9 @@
 """Why OSFT can forget the task it learned just before: the subspace check behind the README's
 continual-learning explanation.
 
-Trains task A of ``continual.py`` (same data and settings) with OSFT at each URR, then, for every
-target module, compares the SVD of the dense weight after A with the split it started from:
+Trains the previous ``continual.py``'s task A (chit-chat windows of the demo, its settings before
+issue 14) with OSFT at each URR, then, for every target module, compares the SVD of the dense
+weight after A with the split it started from:
 
 - ``low_part_below_frozen``: modules whose trained low part U_low·diag(S_low)·V_low has a largest
   singular value below the smallest frozen one (then the top k_high directions of the new weight
@@ -73,7 +74,7 @@ def run_urr(urr: float, args, data_path: Path, model_dir: Path, work: Path) -> d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--urrs", nargs="+", type=float, default=[0.25, 0.5])
-    p.add_argument("--steps", type=int, default=5, help="task A steps (continual.py's default)")
+    p.add_argument("--steps", type=int, default=5, help="task A steps (the previous continual.py's default)")
     p.add_argument("--batch", type=int, default=6)
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--learning-rate", type=float, default=5e-5)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="osft-subspace-") as tmp:
         data = Path(tmp) / "a_train.jsonl"
-        with open(assets.train_path, encoding="utf-8") as fh:  # the same windows continual.py trains on
+        with open(assets.train_path, encoding="utf-8") as fh:  # the windows the previous continual.py trained on
             data.write_text("".join(line for _, line in zip(range(4 * args.steps * args.batch), fh)), encoding="utf-8")
         results = [run_urr(u, args, data, assets.model_dir, Path(tmp)) for u in args.urrs]
     for r in results:

@@ -1,11 +1,11 @@
-"""Hugging Face PEFT baselines trained exactly like our trainer: PEFT's OSF and LoRA.
+"""A Hugging Face PEFT baseline trained exactly like our trainer: PEFT's OSF.
 
 :class:`PeftTrainer` wraps a model with a ``peft`` config and trains it with the trainer's own
 pieces: tokenization (``tokenize_chat_file``), the global-batch sampler, LPT packing, the packed
 collator, the token-mean loss, gradient clipping, AdamW and the LR schedule from ``TrainConfig``.
 So the only difference from ``osft-train`` on the same config is the method.
 
-Used by ``bench_step.py`` (step cost) and ``continual.py`` (forgetting vs learning).
+Used by ``bench_step.py`` (step cost) and ``continual.py`` (retention benchmark).
 """
 
 from __future__ import annotations
@@ -66,13 +66,6 @@ def check_osf_split(peft_model, want: dict[str, int]) -> int:
         raise RuntimeError(f"PEFT rank split differs from ours: {len(got)} vs {len(want)} modules, "
                            f"e.g. {sorted(set(got.items()) ^ set(want.items()))[:4]}")
     return len(layers)
-
-
-def lora_config(rank: int, alpha: float):
-    """``peft.LoraConfig`` on the same target modules as OSFT (no dropout, so runs are deterministic)."""
-    from peft import LoraConfig
-
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(TARGET_NAMES))
 
 
 class PeftTrainer:

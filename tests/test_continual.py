@@ -1,5 +1,5 @@
-"""The continual-learning benchmark (benchmarks/continual.py): its data builders, its measurements
-and, with ``--quick``, the whole pipeline on the real task data with a tiny random model."""
+"""The retention benchmark (benchmarks/continual.py): its data builders, its measurements, its
+statistics and, with ``--quick``, the whole pipeline on the real task data with a tiny random model."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from continual_learning import trivia, wordnet  # noqa: E402
-from continual_learning.evaluate import is_exact_match, normalize_answer, packed_loss, text_samples  # noqa: E402
+import numpy as np  # noqa: E402
+from continual_learning import foldoc, trivia, wordnet  # noqa: E402
+from continual_learning.evaluate import (  # noqa: E402
+    choice_samples, marked_answer_matches, normalize_answer, sample_nll, text_samples)
+from continual_learning.stats import Bootstrap, interval, summarize  # noqa: E402
 
 GEOGRAPHY = """AUTHOR: someone
 Capital of France?:
@@ -63,7 +66,7 @@ def test_trivia_lists_keep_answers_as_strings_and_drop_urls_and_duplicates(tmp_p
     assert "AUTHOR" not in by_q and "CONFIG" not in by_q and "DESCRIPTION" not in by_q
     assert stats == {"lists": 2, "questions": 8, "dropped_url": 2, "dropped_duplicate": 1}
     assert trivia.chat_row(by_q["Is the Earth round?"]) == {"messages": [
-        {"role": "user", "content": "Is the Earth round?"}, {"role": "assistant", "content": "Yes"}]}
+        {"role": "user", "content": "Quiz: Is the Earth round?"}, {"role": "assistant", "content": "Answer: [[Yes]]"}]}
 
 
 def test_trivia_list_that_is_not_a_mapping_is_named(tmp_path):
@@ -74,91 +77,217 @@ def test_trivia_list_that_is_not_a_mapping_is_named(tmp_path):
         trivia.read_trivia_lists(path)
 
 
-def test_wordnet_data_file_parsing(tmp_path):
+def test_answer_format_compliance_and_marked_answer():
+    assert trivia.is_compliant(" Answer: [[Paris]]\nmore")
+    assert not trivia.is_compliant("Paris") and not trivia.is_compliant("Answer: [[]]")
+    assert not trivia.is_compliant("The answer: [[Paris]]") and not trivia.is_compliant("Answer: [[Pa\nris]]")
+    assert normalize_answer("The  Rolling Stones!") == "rolling stones"
+    assert marked_answer_matches("Answer: [[the Rolling Stones.]] yes", ["The Rolling Stones"])
+    assert not marked_answer_matches("The Rolling Stones", ["The Rolling Stones"])  # unmarked
+    assert not marked_answer_matches("Answer: [[a]]", ["a"])  # normalises to "", never a match
+
+
+def _dictd(tmp_path, entries: list[tuple[list[str], str]]) -> tuple:
+    """A dictd database (index + gzip-compressed dict) of ``(headwords, body)`` entries."""
+    import gzip
+
+    def b64(n: int) -> str:
+        digits = ""
+        while True:
+            n, r = divmod(n, 64)
+            digits = foldoc.B64[r] + digits
+            if n == 0:
+                return digits
+
+    data, index = b"00-database-short\n     FOLDOC\n\n", []
+    index.append(f"00-database-short\t{b64(0)}\t{b64(len(data))}")
+    for heads, body in entries:
+        text = ("\n".join(heads) + "\n\n" + body + "\n\n").encode()
+        for h in heads:
+            index.append(f"{h.lower()}\t{b64(len(data))}\t{b64(len(text))}")
+        data += text
+    (tmp_path / "foldoc.index").write_text("\n".join(index) + "\n")
+    with gzip.open(tmp_path / "foldoc.dict.dz", "wb") as fh:
+        fh.write(data)
+    return tmp_path / "foldoc.index", tmp_path / "foldoc.dict.dz"
+
+
+def test_foldoc_dictd_parsing(tmp_path):
+    assert foldoc.decode_b64("B") == 1 and foldoc.decode_b64("BA") == 64 and foldoc.decode_b64("/") == 63
+    index, dict_path = _dictd(tmp_path, [
+        (["Abstract Syntax Tree", "AST"], "   <compiler> (AST) A data structure representing something which\n"
+         "   has been {parsed}, used by a {compiler}.  Second sentence here.\n\n   (1994-11-08)"),
+        (["ASDL"], "   <language> See {Abstract-Type and Scheme-Definition Language}."),
+        (["AFUU"], "   <body> French {Unix} users, see {(http://afuu.fr/)} for details today."),
+        (["tiny"], "   <jargon> Very small."),
+        (["Ünïcode térm"], "   <character> A term whose name is not ASCII but whose text is fine."),
+    ])
+    entries, stats = foldoc.read_foldoc(index, dict_path)
+    assert entries == [
+        foldoc.Entry("Abstract Syntax Tree", "(AST) A data structure representing something which has been parsed, "
+                                             "used by a compiler."),
+        foldoc.Entry("Ünïcode térm", "A term whose name is not ASCII but whose text is fine.")]
+    assert stats == {"index_lines": 7, "entries": 5, "skipped_redirect": 1, "skipped_url": 1, "skipped_short": 1}
+    assert foldoc.chat_row(entries[0])["messages"][0] == {"role": "user",
+                                                          "content": "What is Abstract Syntax Tree in computing?"}
+    index.write_text(index.read_text() + "broken line without tabs\n")
+    with pytest.raises(foldoc.FoldocError, match=r"foldoc\.index:8: expected"):
+        foldoc.read_foldoc(index, dict_path)
+
+
+def test_wordnet_parsing_and_multiple_choice(tmp_path):
     path = tmp_path / "data.noun"
     path.write_text(
         "  1 This software and database is being provided to you, the LICENSEE, by\n"
-        "  2 Princeton University under the following license.\n"
         "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived to have its own distinct existence\n"
-        "02084071 05 n 02 dog 0 domestic_dog 0 001 @ 02083346 n 0000 | a member of the genus Canis; "
+        "02084071 05 n 02 domestic_dog 0 dog 0 001 @ 02083346 n 0000 | a member of the genus Canis; "
         "\"the dog barked all night\"\n")
     assert wordnet.parse_data_file(path, "noun") == [
-        ("noun:00001740", "entity: that which is perceived to have its own distinct existence"),
-        ("noun:02084071", "dog: a member of the genus Canis"),
+        ("noun:00001740", "entity", "that which is perceived to have its own distinct existence"),
+        ("noun:02084071", "domestic dog", "a member of the genus Canis"),
     ]
     path.write_text("00001740 03 n 01 entity 0 000 no gloss separator\n")
     with pytest.raises(wordnet.WordNetError, match=r"data\.noun:1: synset line without"):
         wordnet.parse_data_file(path, "noun")
+    for pos, name in wordnet.POS_FILES.items():  # 40 synsets per part of speech, one definition each
+        (tmp_path / name).write_text("".join(f"{i:08d} 03 {pos[0]} 01 {pos}_word{i} 0 000 | {pos} meaning {i}\n"
+                                             for i in range(40)))
+    texts, items = wordnet.probes(tmp_path, 5, 6)
+    assert len(texts) == 5 and len(items) == 6
+    used = [o for item in items for o in item.options]
+    assert len(set(used)) == len(used)  # no option repeated across items
+    for item in items:
+        pos, i = item.word.split(" word")
+        assert item.options[item.answer] == f"{pos} meaning {i}"  # the right definition at the answer index
+        assert all(o.startswith(pos + " meaning") for o in item.options)  # distractors of the same part of speech
+        assert f"{item.word}: {item.options[item.answer]}" not in texts  # R2 and R3 items are disjoint
+    assert [i.answer for i in items] != [items[0].answer] * 6  # the right option moves around
 
 
-def test_exact_match_normalisation():
-    assert normalize_answer("The  Rolling Stones!") == "rolling stones"
-    assert is_exact_match("the rolling stones.\nThey played first.", ["The Rolling Stones"])
-    assert is_exact_match("1945", ["1945", "nineteen forty-five"])
-    assert not is_exact_match("It ended in 1945.", ["1945"])
-    assert not is_exact_match("", ["a"])  # "a" normalises to "", an empty reply never matches
-
-
-def test_packed_loss_equals_the_mean_over_separate_forwards(tiny_model_dir):
-    """Packing several samples into one row (block-diagonal attention) gives the same token-mean
-    loss as forwarding each sample alone."""
+def test_sample_nll_equals_separate_forwards(tiny_model_dir):
+    """Packing several samples into one row gives each sample the NLL it has when forwarded alone;
+    a multiple-choice option scores only its definition tokens."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     samples = text_samples(tokenizer, ["hello world", "the capital of France is Paris.", "seven ate nine because"])
-    loss, count = packed_loss(model, samples, max_tokens=512)
-    total, n = 0.0, 0
+    samples += choice_samples(tokenizer, "dog", ("a member of the genus Canis", "a tree"))
+    nll, tokens = sample_nll(model, samples, max_tokens=512)
     with torch.no_grad():
-        for s in samples:
+        for k, s in enumerate(samples):
             ids = torch.tensor([s["input_ids"]])
+            labels = torch.tensor(s["labels"][1:])
             logits = model(input_ids=ids).logits[0, :-1]
-            total += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-            n += ids.shape[1] - 1
-    assert count == n
-    assert loss == pytest.approx(total / n, rel=1e-5)
+            want = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+            assert tokens[k] == int((labels != -100).sum())
+            assert nll[k] == pytest.approx(float(want), rel=1e-4)
+    context = len(tokenizer("dog:")["input_ids"])
+    assert tokens[3] == len(samples[3]["input_ids"]) - context
+
+
+def test_paired_bootstrap_pools_items_and_seeds():
+    rng = np.random.default_rng(1)
+    values, tokens = rng.random((2, 30)), rng.integers(1, 9, (2, 30)).astype(float)
+    boot = Bootstrap(2, {"x": 30}, reps=500)
+    est = boot.mean("x", values, tokens)
+    assert est.shape == (501,) and est[0] == pytest.approx(values.sum() / tokens.sum())
+    iv = interval(est)
+    assert iv["low"] <= iv["value"] <= iv["high"] and iv["low"] < iv["high"]
+    assert interval(np.array([np.nan, 1.0]))["value"] is None
+    # two arms with identical per-item results: paired differences are exactly 0, ratios exactly 1
+    seeds = ["0", "1"]
+    one = {"a_comply": [1, 0, 1, 1], "a_nll": {"nll": [1.0, 2, 3, 4], "tokens": [1, 2, 2, 2]}}
+    after = {"a_comply": [0, 0, 1, 0], "a_nll": {"nll": [2.0, 2, 3, 5], "tokens": [1, 2, 2, 2]},
+             "b_nll": {"nll": [1.0, 1], "tokens": [2, 2]}, "r1_nll": {"nll": [1.0], "tokens": [1]},
+             "r2_correct": [1, 0], "r3_nll": {"nll": [3.0], "tokens": [2]}}
+    base = dict(after, b_nll={"nll": [3.0, 2], "tokens": [2, 2]}, r1_nll={"nll": [0.5], "tokens": [1]})
+    evals = {"base": base, **{s: {"A:x": one, "B:full_ft": after, "B:osft_same": after} for s in seeds}}
+    arms = [{"name": "full_ft", "a_run": "x"}, {"name": "osft_same", "a_run": "x"}]
+    rows = summarize(evals, seeds, arms, {"a": 4, "b": 2, "r1": 1, "r2": 2, "r3": 1}, reps=200)
+    m = rows[1]["measures"]
+    assert m["forgetting_a"]["value"] == pytest.approx(50.0)  # 75 % -> 25 %
+    assert m["forgetting_a_nll"]["value"] == pytest.approx(12 / 7 - 10 / 7)
+    assert m["learning_b"]["value"] == pytest.approx(5 / 4 - 2 / 4)
+    assert m["drift_r1"]["value"] == pytest.approx(0.5)
+    assert rows[1]["minus_same"]["forgetting_a"] == {"value": 0.0, "low": 0.0, "high": 0.0}
+    assert rows[1]["ratio_to_full"]["learning_b"]["low"] == pytest.approx(1.0)
 
 
 @pytest.mark.slow
 @pytest.mark.demo
-def test_continual_quick_runs_every_method_on_the_real_tasks(tmp_path, demo_assets):
-    out, png = tmp_path / "c.json", tmp_path / "c.png"
+def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets):
+    out, png, md = tmp_path / "c.json", tmp_path / "c.png", tmp_path / "c.md"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "continual.py"), "--quick", "--out", str(out), "--plot", str(png),
-         "--demo-dir", str(demo_assets.model_dir.parent), "--data-dir", str(tmp_path / "data")],
+         "--markdown", str(md), "--demo-dir", str(demo_assets.model_dir.parent), "--data-dir", str(tmp_path / "data")],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    text = out.read_text()
+    result = json.loads(text)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    names = [m["name"] for m in result["methods"]]
-    assert names == ["osft_urr0.1", "osft_urr0.25", "osft_urr0.5", "full_ft", "lora_r4", "peft_osf_urr0.25"]
+    names = [a["name"] for a in result["arms"]]
+    assert names == ["full_ft", "osft_same", "osft_015", "osft_protect", "osft_inputs", "peft_osf"]
+    assert md.read_text().count("\n| ") == len(names)  # header + one row per arm
     stats = result["data"]["trivia_stats"]
     assert stats["source"] == "red-discordbot==3.5.24" and stats["lists"] >= 50 and stats["dropped_url"] > 0
     assert stats["train"] + stats["eval"] == stats["questions"] - stats["dropped_url"] - stats["dropped_duplicate"]
-    train_rows = (tmp_path / "data" / "trivia" / "train.jsonl").read_text().splitlines()
-    eval_questions = {json.loads(r)["question"] for r in (tmp_path / "data" / "trivia" / "eval_answers.jsonl")
-                      .read_text().splitlines()}
-    train_questions = {json.loads(r)["messages"][0]["content"] for r in train_rows}
-    assert len(train_rows) == stats["train"] and not train_questions & eval_questions
-    assert not any("http://" in q or "https://" in q for q in train_questions | eval_questions)
-    for m in result["methods"]:
-        for when, losses in (("after_a", ("loss_a", "loss_b")), ("after_b", ("loss_a", "loss_b", "loss_c"))):
-            e = m[when]
-            assert all(0 < e[k] < 20 for k in losses), (m["name"], when, e)
-            assert 0 <= e["exact_match_b"] <= 1
-        assert m["after_a"]["loss_c"] is None  # C is measured on the base model and after the last task
-        for task, steps in (("A", 2), ("B", 2)):
-            recorded = m["phases"][task]["steps"]
-            assert [r["step"] for r in recorded] == list(range(1, steps + 1)), (m["name"], task)
-            assert all(r["num_tokens"] > 0 for r in recorded)
-    # the same batches reach every method: its first step of A sees the same number of tokens
-    first_tokens = {m["phases"]["A"]["steps"][0]["num_tokens"] for m in result["methods"]}
-    assert len(first_tokens) == 1
-    full = next(r for r in result["summary"] if r["name"] == "full_ft")
-    for row, m in zip(result["summary"], result["methods"]):
-        assert row["forgetting_a"] == pytest.approx(m["after_b"]["loss_a"] - m["after_a"]["loss_a"])
-        assert row["learning_b"] == pytest.approx(m["after_a"]["loss_b"] - m["after_b"]["loss_b"])
-        for key, ratio in (("forgetting_a", "forgetting_vs_full"), ("learning_b", "learning_vs_full")):
-            expected = row[key] / full[key] if full[key] > 0 else None
-            assert row[ratio] == (pytest.approx(expected) if expected is not None else None), (row["name"], ratio)
+    fol = result["data"]["foldoc_stats"]
+    assert fol["train"] > 5000 and fol["eval"] > 500 and fol["entries"] > 10000
+    eval_questions = [json.loads(r)["question"] for r in (tmp_path / "data" / "trivia_quiz" / "eval_answers.jsonl")
+                      .read_text().splitlines()]
+    train_questions = {json.loads(r)["messages"][0]["content"] for r in (tmp_path / "data" / "trivia_quiz" /
+                                                                         "train.jsonl").read_text().splitlines()}
+    assert not {trivia.CUE + q for q in eval_questions} & train_questions
+    assert not any(q in text for q in eval_questions if len(q) > 20)  # per-item results by index only
+    sizes, seeds = result["sizes"], result["seeds"]
+    assert seeds == ["0", "1"] and {k: sizes[k] for k in ("a", "b", "r2", "r3")} == {"a": 8, "b": 8, "r2": 8, "r3": 8}
+    assert 0 < sizes["r1"] <= result["data"]["r1_rows"]  # rows with no reply token left after truncation drop out
+    item_set = {"a_comply": "a", "a_exact": "a", "a_nll": "a", "b_nll": "b", "r1_nll": "r1", "r2_correct": "r2",
+                "r3_nll": "r3"}
+    for seed in seeds:
+        assert set(result["evals"][seed]) == {f"A:{r}" for r in result["task_a_runs"]} | {f"B:{n}" for n in names}
+        for key, e in [("base", result["evals"]["base"]), *result["evals"][seed].items()]:
+            for name, items in e.items():
+                if name in item_set:
+                    got = len(items["nll"]) if isinstance(items, dict) else len(items)
+                    assert got == sizes[item_set[name]], (seed, key, name)
+        for key, phase in result["phases"][seed].items():
+            assert [r["step"] for r in phase["steps"]] == [1, 2] and all(r["num_tokens"] > 0 for r in phase["steps"])
+        first = {p["steps"][0]["num_tokens"] for k, p in result["phases"][seed].items() if k.startswith("A:")}
+        assert len(first) == 1  # every task-A run sees the same batches
+
+    def pooled(key, name):
+        rows = [result["evals"]["base"] if key == "base" else result["evals"][s][key] for s in seeds]
+        if isinstance(rows[0][name], dict):
+            return sum(sum(r[name]["nll"]) for r in rows) / sum(sum(r[name]["tokens"]) for r in rows)
+        return sum(sum(r[name]) for r in rows) / sum(len(r[name]) for r in rows)
+
+    arms = {a["name"]: a for a in result["arms"]}
+    for row in result["summary"]:
+        m, a, b = row["measures"], f"A:{arms[row['name']]['a_run']}", f"B:{row['name']}"
+        assert m["forgetting_a"]["value"] == pytest.approx(100 * (pooled(a, "a_comply") - pooled(b, "a_comply")))
+        assert m["learning_b"]["value"] == pytest.approx(pooled("base", "b_nll") - pooled(b, "b_nll"))
+        assert m["drift_r1"]["value"] == pytest.approx(pooled(b, "r1_nll") - pooled("base", "r1_nll"))
+        assert m["r2_change"]["value"] == pytest.approx(100 * (pooled(b, "r2_correct") - pooled("base", "r2_correct")))
+        for iv in m.values():
+            assert iv["low"] <= iv["value"] + 1e-9 and iv["value"] <= iv["high"] + 1e-9, (row["name"], iv)
+        learn = row["ratio_to_full"]["learning_b"]
+        full_learning = result["summary"][0]["measures"]["learning_b"]["value"]
+        assert learn["value"] == pytest.approx(m["learning_b"]["value"] / full_learning)
+        assert row["minus_same"]["learning_b"]["value"] == pytest.approx(
+            m["learning_b"]["value"] - result["summary"][1]["measures"]["learning_b"]["value"])
+    protected = {g["name"]: g for g in result["goals"]}
+    assert set(protected) == {"osft_015", "osft_protect", "osft_inputs", "peft_osf"}
+    assert all(len(g["checks"]) == 7 for g in protected.values())
+    assert result["timing"]["task_a_s"] > 0 and result["timing"]["eval_s"] > 0
+
+
+def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
+    from continual import _choose_rates
+
+    pilot = {"full_ft": {"1e-05": 0.50}, "osft_same": {"5e-05": 0.20, "0.0001": 0.45, "0.0002": 0.70},
+             "peft_osf": {"5e-05": 0.56, "0.0001": 0.90}}
+    assert _choose_rates(pilot) == {"full_ft": 1e-5, "osft_same": 1e-4, "peft_osf": 5e-5}
+    assert _choose_rates({"osft_same": {"1e-4": 0.3}}) == {}  # no full FT reference: nothing to match

@@ -3,6 +3,7 @@
 ``osft-train [flags]`` trains; ``osft-train fetch-demo [--dir DIR]`` prepares the demo model and
 data; ``osft-train demo [flags]`` prepares them and trains on them with demo-sized defaults;
 ``osft-train plot RUN_DIR [--out PNG]`` draws a run's metrics (:mod:`.plot`);
+``osft-train make-retention-set [flags]`` writes a model's greedy replies as chat jsonl (:mod:`.retention_set`);
 ``osft-train slurm-script [flags]`` and ``osft-train k8s-manifest [flags]`` print a multi-node job
 for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`).
 
@@ -196,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_COMPLETED
         if argv[:1] == ["plot"]:
             _plot(argv[1:], console)
+            return EXIT_COMPLETED
+        if argv[:1] == ["make-retention-set"]:
+            from .retention_set import RetentionSetError
+            from .retention_set import main as make_retention_set
+
+            try:
+                make_retention_set(argv[1:], console)
+            except RetentionSetError as exc:
+                raise InputError(str(exc)) from exc
             return EXIT_COMPLETED
         if argv[:1] == ["slurm-script"]:
             from .slurm import main as slurm_script

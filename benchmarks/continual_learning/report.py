@@ -1,14 +1,12 @@
-"""Forgetting and learning per method: the summary numbers, the console table and the PNG plot.
+"""The retention benchmark's goals, console table, Markdown table, PNG plot and pilot table.
 
-Definitions (losses in nats per token on held-out data, lower is better):
+Goals (reported, never asserted) for every arm but the two references (full FT and OSFT at the
+same URR without protection), the protected OSFT arms being the ones they are set for:
 
-- forgetting on A = loss on A after task B - loss on A after task A (> 0: task B undid some of A);
-- learning on B = loss on B after task A - loss on B after task B (the improvement task B bought);
-- exact match on B before/after = share of held-out trivia questions answered exactly, after A / after B;
-- drift on C = loss on the untouched text set after both tasks - the base model's loss on it.
-
-The goal reported against (never asserted): OSFT's forgetting on A at most :data:`GOAL_FORGETTING`
-of full fine-tuning's, with at least :data:`GOAL_LEARNING` of its learning on B.
+- forgetting of A and drift on R1 at most :data:`GOAL_FORGETTING` of full FT's and of the
+  same-URR arm's (ratios of point estimates; undefined when the reference's is not positive);
+- learning of B at least :data:`GOAL_LEARNING` of full FT's;
+- the 95 % intervals of (arm - same-URR arm) for forgetting of A and drift on R1 below zero.
 """
 
 from __future__ import annotations
@@ -17,78 +15,104 @@ from pathlib import Path
 
 GOAL_FORGETTING = 0.5
 GOAL_LEARNING = 0.9
+REFERENCES = ("full_ft", "osft_same")
+VERDICT = {None: "undefined", True: "met", False: "not met"}
 
 
-def _ratio(x: float, ref: float) -> float | None:
-    return x / ref if ref > 0 else None
+def _ratio_check(row: dict, refs: dict, measure: str, ref: str, bound: float, at_most: bool) -> dict:
+    key = "ratio_to_full" if ref == "full_ft" else "ratio_to_same"
+    ratio = (row[key] or {}).get(measure, {}).get("value")
+    ref_value = refs[ref]["measures"][measure]["value"] if ref in refs else None
+    undefined = ratio is None or ref_value is None or ref_value <= 0
+    met = None if undefined else (ratio <= bound if at_most else ratio >= bound)
+    return {"check": f"{measure} {'<=' if at_most else '>='} {bound:.0%} of {ref}", "value": ratio, "met": met}
 
 
-def summarize(base: dict, methods: list[dict]) -> list[dict]:
-    """One row per method from the raw results (``base`` eval, and per method its ``after_a`` /
-    ``after_b`` evals); ratios are against the ``full_ft`` row when present."""
+def goals(summary: list[dict]) -> list[dict]:
+    """Per non-reference arm: each goal check ``{"check", "value", "met"}`` (met None: undefined)."""
+    refs = {r["name"]: r for r in summary if r["name"] in REFERENCES}
+    out = []
+    for row in summary:
+        if row["name"] in REFERENCES:
+            continue
+        checks = [_ratio_check(row, refs, m, ref, GOAL_FORGETTING, True)
+                  for m in ("forgetting_a", "drift_r1") for ref in REFERENCES]
+        checks.append(_ratio_check(row, refs, "learning_b", "full_ft", GOAL_LEARNING, False))
+        for m in ("forgetting_a", "drift_r1"):
+            diff = (row["minus_same"] or {}).get(m, {})
+            met = None if diff.get("high") is None else diff["high"] < 0
+            checks.append({"check": f"95 % interval of {m} - osft_same below 0", "value": diff.get("high"), "met": met})
+        out.append({"name": row["name"], "checks": checks,
+                    "all_met": all(c["met"] for c in checks) if all(c["met"] is not None for c in checks) else None})
+    return out
+
+
+def _ci(iv: dict | None, fmt: str = "{:+.3f}") -> str:
+    if not iv or iv["value"] is None:
+        return "–"
+    return f"{fmt.format(iv['value'])} [{fmt.format(iv['low'])}, {fmt.format(iv['high'])}]"
+
+
+def _pct(iv: dict | None) -> str:
+    return "–" if not iv or iv["value"] is None else f"{100 * iv['value']:.0f} %"
+
+
+COLUMNS = ("arm", "lr B", "A compliance after A → B (%)", "forgetting A (points)", "learning B (nats/token)",
+           "drift R1 (nats/token)", "R2 accuracy change (points)", "drift R3", "forgetting / learning / R1 vs full FT",
+           "forgetting A − same URR")
+
+
+def _rows(result: dict) -> list[list[str]]:
+    arms = {a["name"]: a for a in result["arms"]}
     rows = []
-    for m in methods:
-        a, b = m["after_a"], m["after_b"]
-        rows.append(dict(
-            name=m["name"], label=m["label"], kind=m["kind"],
-            loss_a_after_a=a["loss_a"], loss_a_after_b=b["loss_a"], forgetting_a=b["loss_a"] - a["loss_a"],
-            loss_b_before=a["loss_b"], loss_b_after=b["loss_b"], learning_b=a["loss_b"] - b["loss_b"],
-            exact_match_before=a["exact_match_b"], exact_match_after=b["exact_match_b"],
-            loss_c_after=b["loss_c"], drift_c=b["loss_c"] - base["loss_c"],
-            seconds=sum(p["setup_s"] + p["train_s"] for p in m["phases"].values()),
-        ))
-    full = next((r for r in rows if r["kind"] == "full_ft"), None)
-    for r in rows:
-        r["forgetting_vs_full"] = _ratio(r["forgetting_a"], full["forgetting_a"]) if full else None
-        r["learning_vs_full"] = _ratio(r["learning_b"], full["learning_b"]) if full else None
-        fv, lv = r["forgetting_vs_full"], r["learning_vs_full"]
-        r["goal_met"] = (None if r["kind"] not in ("osft", "peft_osf") or fv is None or lv is None
-                         else fv <= GOAL_FORGETTING and lv >= GOAL_LEARNING)
+    for r in result["summary"]:
+        m, arm = r["measures"], arms[r["name"]]
+        full = r["ratio_to_full"] or {}
+        rows.append([
+            arm["label"], f"{arm['learning_rate_b']:g}",
+            f"{m['compliance_after_a']['value']:.0f} → {m['compliance_after_b']['value']:.0f}",
+            _ci(m["forgetting_a"], "{:+.1f}"), _ci(m["learning_b"]), _ci(m["drift_r1"]), _ci(m["r2_change"], "{:+.1f}"),
+            _ci(m["drift_r3"]), " / ".join(_pct(full.get(k)) for k in ("forgetting_a", "learning_b", "drift_r1")),
+            _ci((r["minus_same"] or {}).get("forgetting_a"), "{:+.1f}"),
+        ])
     return rows
 
 
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.0f} %"
+def _title(result: dict) -> str:
+    s = result["settings"]
+    return (f"{result['model']}, seeds {', '.join(result['seeds'])}: A = cued trivia ({s['steps_a']} steps × "
+            f"{s['batch_a']}), then B = FOLDOC ({s['steps_b']} steps × {s['batch_b']}); "
+            f"95 % paired bootstrap intervals; {result['wall_s'] / 60:.0f} min on "
+            f"{result['machine']['cpu_count']} CPU cores")
 
 
-def print_table(rows: list[dict], base: dict, console) -> None:
-    """The summary as a rich table on ``console``."""
+def print_table(result: dict, console) -> None:
+    """The summary as a rich table, then the goals, on ``console``."""
     from rich.table import Table
 
-    table = Table(title="Continual learning: task A (chit-chat) then task B (trivia)")
-    for col in ("method", "A loss after A → after B", "forgetting A", "B loss before → after", "learning B",
-                "B exact match", "C loss (base {:.3f})".format(base["loss_c"]), "vs full FT: forget / learn",
-                "goal", "time"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for r in rows:
-        goal = {None: "–", True: "met", False: "not met"}[r["goal_met"]]
-        table.add_row(
-            r["label"], f"{r['loss_a_after_a']:.3f} → {r['loss_a_after_b']:.3f}", f"{r['forgetting_a']:+.3f}",
-            f"{r['loss_b_before']:.3f} → {r['loss_b_after']:.3f}", f"{r['learning_b']:+.3f}",
-            f"{_pct(r['exact_match_before'])} → {_pct(r['exact_match_after'])}", f"{r['loss_c_after']:.3f}",
-            f"{_pct(r['forgetting_vs_full'])} / {_pct(r['learning_vs_full'])}", goal, f"{r['seconds']:.0f} s",
-        )
+    table = Table(title=_title(result))
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "arm" else "right")
+    for row in _rows(result):
+        table.add_row(*row)
     console.print(table)
+    for g in result["goals"]:
+        console.print(f"goals for {g['name']}: {VERDICT[g['all_met']]}")
+        for c in g["checks"]:
+            value = "–" if c["value"] is None else f"{c['value']:.3f}"
+            console.print(f"  {c['check']}: {value} ({VERDICT[c['met']]})")
 
 
-def markdown_table(rows: list[dict], base: dict) -> str:
+def markdown_table(result: dict) -> str:
     """The summary as a Markdown table (for the README)."""
-    head = ("| method | loss A after A → after B | forgetting A | loss B before → after B | learning B "
-            "| exact match B before → after | loss C after (base {:.3f}) | forgetting / learning vs full FT |"
-            .format(base["loss_c"]))
-    lines = [head, "|" + "---|" * 8]
-    for r in rows:
-        lines.append(
-            f"| {r['label']} | {r['loss_a_after_a']:.3f} → {r['loss_a_after_b']:.3f} | {r['forgetting_a']:+.3f} "
-            f"| {r['loss_b_before']:.3f} → {r['loss_b_after']:.3f} | {r['learning_b']:+.3f} "
-            f"| {_pct(r['exact_match_before'])} → {_pct(r['exact_match_after'])} | {r['loss_c_after']:.3f} "
-            f"| {_pct(r['forgetting_vs_full'])} / {_pct(r['learning_vs_full'])} |")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(result)]
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], base: dict, path: Path, title: str) -> Path:
-    """Write the PNG: forgetting vs learning per method (with the goal region relative to full
-    FT), exact match before/after B, and drift on C.
+def plot(result: dict, path: Path) -> Path:
+    """Write the PNG: forgetting of A vs learning of B, and drift on R1 vs learning of B, one point
+    per arm with its 95 % intervals as bars.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'osft[bench]'``).
@@ -98,57 +122,40 @@ def plot(rows: list[dict], base: dict, path: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"osft": "tab:blue", "full_ft": "tab:red", "lora": "tab:green", "peft_osf": "tab:purple"}
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
-    full = next((r for r in rows if r["kind"] == "full_ft"), None)
-    xs, ys = [r["learning_b"] for r in rows], [r["forgetting_a"] for r in rows]
-    xlim = (min(0.0, *xs) * 1.15, max(0.0, *xs) * 1.15 or 1.0)
-    ylim = (min(0.0, *ys) * 1.25, max(0.0, *ys) * 1.45 or 1.0)  # headroom for the legend
-    if full and full["forgetting_a"] > 0 and full["learning_b"] > 0:
-        ax1.fill_between([GOAL_LEARNING * full["learning_b"], xlim[1]], [ylim[0]] * 2,
-                         [GOAL_FORGETTING * full["forgetting_a"]] * 2, color="tab:blue", alpha=0.08,
-                         label="goal: ≥90 % of full FT's learning, ≤50 % of its forgetting")
-    for i, r in enumerate(rows):
-        ax1.scatter(r["learning_b"], r["forgetting_a"], color=colors[r["kind"]], s=60, zorder=3)
-        # the baseline's label to the right, the others above left at alternating heights: fewer overlaps
-        offset, ha = ((8, 2), "left") if r["kind"] == "full_ft" else ((-8, 8 + 10 * (i % 2)), "right")
-        ax1.annotate(r["label"], (r["learning_b"], r["forgetting_a"]), textcoords="offset points", xytext=offset,
-                     ha=ha, fontsize=8)
-    ax1.set_xlim(*xlim)
-    ax1.set_ylim(*ylim)
-    ax1.axhline(0, color="grey", lw=0.8)
-    ax1.set_xlabel("learning on B: held-out trivia loss decrease (nats/token)")
-    ax1.set_ylabel("forgetting of A: held-out chit-chat loss increase (nats/token)")
-    ax1.set_title("forgetting vs learning (lower right is better)")
-    if ax1.get_legend_handles_labels()[0]:
-        ax1.legend(fontsize=8, loc="upper left")
-
-    names = [r["label"].replace(" (peft)", "").replace(" (ours)", "").replace(" (--no-osft)", "") for r in rows]
-    y = range(len(rows))
-    ax2.barh([i + 0.2 for i in y], [100 * r["exact_match_before"] for r in rows], height=0.4, color="lightgrey",
-             label="before B (after A)")
-    ax2.barh([i - 0.2 for i in y], [100 * r["exact_match_after"] for r in rows], height=0.4,
-             color=[colors[r["kind"]] for r in rows], label="after B")
-    ax2.set_yticks(list(y), names, fontsize=8)
-    ax2.invert_yaxis()
-    top = max(max(r["exact_match_before"], r["exact_match_after"]) for r in rows)
-    ax2.set_xlim(0, max(1.0, 120 * top))
-    if top == 0:
-        ax2.text(0.5, 0.5, "no held-out question answered exactly,\nbefore or after B, by any method",
-                 transform=ax2.transAxes, ha="center", va="center", fontsize=9, color="dimgrey")
-    ax2.set_xlabel("held-out trivia exact match (%)")
-    ax2.set_title("learning: exact match on B")
-    ax2.legend(fontsize=8)
-
-    ax3.barh(list(y), [r["drift_c"] for r in rows], color=[colors[r["kind"]] for r in rows])
-    ax3.axvline(0, color="grey", lw=0.8)
-    ax3.set_yticks(list(y), names, fontsize=8)
-    ax3.invert_yaxis()
-    ax3.set_xlabel(f"loss change vs base ({base['loss_c']:.3f}), nats/token")
-    ax3.set_title("general text kept: WordNet definitions (C)")
-    fig.suptitle(title, fontsize=10)
+    labels = {a["name"]: a["label"] for a in result["arms"]}
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    panels = ((axes[0], "forgetting_a", "forgetting of A: compliance after A − after B (points)"),
+              (axes[1], "drift_r1", "drift on R1: NLL of base replies, after B − base (nats/token)"))
+    for ax, measure, ylabel in panels:
+        for i, r in enumerate(result["summary"]):
+            x, y = r["measures"]["learning_b"], r["measures"][measure]
+            if x["value"] is None or y["value"] is None:
+                continue
+            ax.errorbar(x["value"], y["value"], xerr=[[x["value"] - x["low"]], [x["high"] - x["value"]]],
+                        yerr=[[y["value"] - y["low"]], [y["high"] - y["value"]]], fmt="o", capsize=3,
+                        color=f"C{i}", label=labels[r["name"]])
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel("learning of B: held-out FOLDOC NLL, base − after B (nats/token)")
+        ax.set_ylabel(ylabel)
+        ax.set_title("lower right is better")
+        ax.legend(fontsize=8)
+    fig.suptitle(_title(result), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def print_pilot(result: dict, console) -> None:
+    """The pilot's learning of B per arm and tried rate, and the rate chosen per arm."""
+    from rich.table import Table
+
+    table = Table(title=f"pilot: learning of B (nats/token) after {result['settings']['pilot_steps']} steps of B")
+    table.add_column("arm")
+    table.add_column("learning of B per learning rate", justify="right")
+    table.add_column("chosen", justify="right")
+    for arm, tried in result["pilot"].items():
+        table.add_row(arm, ", ".join(f"{lr}: {v:+.3f}" for lr, v in tried.items()),
+                      f"{result['chosen'].get(arm, float('nan')):g}")
+    console.print(table)

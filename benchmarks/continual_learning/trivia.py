@@ -1,4 +1,9 @@
-"""Task B: trivia question -> answer pairs, built at run time from the ``red-discordbot`` wheel.
+"""Task A: cued trivia questions -> marked answers, built at run time from the ``red-discordbot`` wheel.
+
+The skill learned is a format the base model does not have: a user turn ``Quiz: <question>``
+(:data:`CUE`) is answered ``Answer: [[<answer>]]`` (:data:`ANSWER_FORMAT`); :func:`is_compliant`
+tells whether a reply follows it. Knowing the answer is secondary (its log-probability is measured,
+not required).
 
 Red-DiscordBot's trivia cog ships its question lists as YAML files inside the wheel
 (``redbot/cogs/trivia/data/lists/*.yaml``): a mapping question -> list of accepted answers, plus
@@ -31,6 +36,9 @@ LISTS_PREFIX = "redbot/cogs/trivia/data/lists/"
 META_KEYS = frozenset({"AUTHOR", "CONFIG", "DESCRIPTION"})
 URL_RE = re.compile(r"https?://|www\.", re.IGNORECASE)
 EVAL_PERCENT = 10
+CUE = "Quiz: "
+ANSWER_FORMAT = "Answer: [[{}]]"
+_COMPLIANT = re.compile(r"Answer: \[\[[^\[\]\n]+\]\]")
 
 
 class TriviaError(RuntimeError):
@@ -102,13 +110,21 @@ def read_trivia_lists(wheel: Path) -> tuple[list[TriviaItem], dict]:
 
 
 def chat_row(item: TriviaItem) -> dict:
-    """The training conversation of a question: user = question, assistant = first accepted answer."""
-    return {"messages": [{"role": "user", "content": item.question},
-                         {"role": "assistant", "content": item.answers[0]}]}
+    """The training conversation of a question: user = cue + question, assistant = the first
+    accepted answer in the marker format."""
+    return {"messages": [{"role": "user", "content": CUE + item.question},
+                         {"role": "assistant", "content": ANSWER_FORMAT.format(item.answers[0])}]}
+
+
+def is_compliant(reply: str) -> bool:
+    """True when ``reply`` (whitespace-stripped) starts with ``Answer: [[X]]``, X non-empty,
+    without brackets or line breaks."""
+    return _COMPLIANT.match(reply.strip()) is not None
 
 
 def build_trivia(data_dir: Path, eval_percent: int = EVAL_PERCENT) -> TriviaData:
-    """Download the wheel (once) and write ``data_dir/trivia/{train,eval}.jsonl`` and ``eval_answers.jsonl``.
+    """Download the wheel (once) and write ``data_dir/trivia_quiz/{train,eval}.jsonl`` (cued chat rows,
+    :func:`chat_row`) and ``eval_answers.jsonl``.
 
     Idempotent: an existing complete build (its ``stats.json`` written last) is reused.
 
@@ -118,7 +134,7 @@ def build_trivia(data_dir: Path, eval_percent: int = EVAL_PERCENT) -> TriviaData
     from osft.trainer.demo_assets import DemoFetchError, pip_download, split_of
     from osft.trainer.rundir import write_text_atomic
 
-    out = Path(data_dir) / "trivia"
+    out = Path(data_dir) / "trivia_quiz"
     data = TriviaData(out / "train.jsonl", out / "eval.jsonl", out / "eval_answers.jsonl", {})
     stats_path = out / "stats.json"
     if stats_path.is_file() and all(p.is_file() for p in (data.train_path, data.eval_path, data.answers_path)):

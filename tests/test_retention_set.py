@@ -1,0 +1,80 @@
+"""``osft-train make-retention-set`` on a tiny random model: valid chat rows, replies equal to a
+direct greedy ``generate``, held-out row choice, and exit code 2 with FILE:LINE on bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import chat, write_jsonl
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from osft.trainer.cli import EXIT_BAD_INPUT, EXIT_COMPLETED, main
+from osft.trainer.data.validate import validate_chat_file
+from osft.trainer.retention_set import chat_prompts
+
+PROMPTS = ["hello", "What do you like to do on the weekend?", "the capital of France is", "seven ate nine"]
+
+
+def _direct_greedy(model_dir, prompt: str, max_new_tokens: int) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_replies_are_valid_rows_equal_to_direct_greedy_generate(tmp_path, tiny_model_dir):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n\n" + "\n".join(PROMPTS[2:]) + "\n")  # a blank line is skipped
+    out = tmp_path / "retention.jsonl"
+    argv = ["make-retention-set", "--model", str(tiny_model_dir), "--prompts", str(prompts), "--out", str(out),
+            "--max-new-tokens", "6", "--batch-size", "3"]
+    assert main(argv) == EXIT_COMPLETED
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    records, problems = validate_chat_file(out, tokenizer)
+    assert problems == []
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == len(rows) == len(PROMPTS)  # a random model does not stop at once here
+    for prompt, row in zip(PROMPTS, rows):
+        user, assistant = row["messages"]
+        assert user == {"role": "user", "content": prompt}
+        assert assistant["role"] == "assistant"
+        assert assistant["content"] == _direct_greedy(tiny_model_dir, prompt, 6)  # batching changes nothing
+    first = out.read_bytes()
+    jsonl = tmp_path / "prompts.jsonl"
+    write_jsonl(jsonl, [{"prompt": p} for p in PROMPTS])
+    assert main(argv[:3] + ["--prompts", str(jsonl), "--out", str(out), "--max-new-tokens", "6"]) == EXIT_COMPLETED
+    assert out.read_bytes() == first  # same prompts as jsonl, other batch size: the same file
+
+
+def test_from_chat_takes_last_user_turn_of_spread_rows(tmp_path):
+    rows = [chat(f"q{i}", f"a{i}", f"q{i}b", f"a{i}b") for i in range(6)]
+    rows[3] = chat("q0", "a", system="be brief")  # a repeated prompt is kept once
+    path = write_jsonl(tmp_path / "eval.jsonl", rows)
+    prompts, lines = chat_prompts(path, 3)
+    assert lines == [1, 3, 5]  # rows floor(i * 6 / 3)
+    assert prompts == ["q0", "q0b", "q2", "q2b", "q4", "q4b"]
+    prompts, lines = chat_prompts(path, 6)
+    assert lines == [1, 2, 3, 4, 5, 6] and prompts.count("q0") == 1
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    ('{"prompt": "ok"}\n{"prompt": ""}\n', ["--prompts"],
+     r'prompts\.jsonl:2: row needs a non-empty string field "prompt"'),
+    ('{"prompt": "ok"}\n\n{"prompt": \n', ["--prompts"], r"prompts\.jsonl:3: invalid JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+     '{"messages": [{"role": "gpt", "content": "x"}]}\n', ["--held-out", "1", "--from-chat"],
+     r'prompts\.jsonl:2: .*unknown role "gpt"'),
+])
+def test_bad_input_exits_2_naming_file_and_line(tmp_path, tiny_model_dir, capsys, content, flags, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    out = tmp_path / "out.jsonl"
+    code = main(["make-retention-set", "--model", str(tiny_model_dir), "--out", str(out), *flags, str(path)])
+    assert code == EXIT_BAD_INPUT
+    assert re.search(message, " ".join(capsys.readouterr().err.split()))
+    assert not out.exists()
