@@ -215,6 +215,7 @@ def test_paired_bootstrap_pools_items_and_seeds():
     assert rows[1]["ratio_to_full"]["learning_b"]["low"] == pytest.approx(1.0)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.demo
 def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets):

@@ -78,6 +78,7 @@ def test_optimizer_gets_only_the_targets_trainable_factors(tiny_model_dir, data,
     assert all(p.requires_grad == (id(p) in optimized) for p in trainer.model.parameters())
 
 
+@pytest.mark.torchrun
 def test_freeze_on_two_ranks_with_tied_embeddings(data, tmp_path):
     """Also the forgetting indicators on FSDP2 shards: only on the checked step, equal to the export's."""
     model = save_tiny_model(tmp_path / "tied", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)

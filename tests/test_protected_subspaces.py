@@ -225,6 +225,7 @@ def runs(job, tmp_path_factory):
     return one, two, resumed
 
 
+@pytest.mark.torchrun
 def test_exports_carry_the_same_subspaces_on_one_and_two_ranks_and_after_a_resume(runs):
     one, two, resumed = runs
     meta = json.loads((exported(one) / "osft_subspaces.json").read_text())
@@ -241,6 +242,7 @@ def test_exports_carry_the_same_subspaces_on_one_and_two_ranks_and_after_a_resum
         assert torch.equal(value, load_file(str(exported(two) / "osft_subspaces.safetensors"))[key]), key
 
 
+@pytest.mark.torchrun
 def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, tmp_path):
     _, data = job
     one = runs[0]
@@ -262,6 +264,7 @@ def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, 
     assert code == 0 and "not used (--no-osft-protect-subspaces)" in output, output
 
 
+@pytest.mark.torchrun
 def test_subspaces_that_do_not_fit_the_model_fail_before_any_rank_starts(job, runs, tmp_path):
     _, data = job
     broken = tmp_path / "model"

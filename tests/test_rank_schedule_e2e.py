@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import QA, chat, save_tiny_model, write_jsonl
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
 
@@ -28,6 +29,7 @@ def train(model, data, out, *flags, env=None):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.torchrun
 def test_importance_plan_differs_per_block_and_the_resume_rebuilds_its_layout(tmp_path):
     model = save_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_hidden_layers=3)
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 4)

@@ -252,7 +252,9 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
         manifest = json.loads((root / f"step_{step}" / "manifest.json").read_text())
         assert manifest["frozen"]["dir"] == frozen.name and manifest["world_size"] == 2
         frozen_keys = json.loads((frozen / "manifest.json").read_text())["keys"]
-        assert frozen_keys and all(k.rsplit(".", 1)[1] in ("W_high", "U_basis", "V_basis") for k in frozen_keys)
+        # stored once per run: the frozen factors and the start values (no P/Q: nothing protected yet)
+        assert {k.rsplit(".", 1)[1] for k in frozen_keys} == {"W_high", "U_basis", "V_basis", "U_start", "S_start",
+                                                              "V_start", "sigma_frozen_min"}
         stored = SafeFileSystemReader(root / f"step_{step}" / "model").read_metadata().state_dict_metadata
         assert not set(frozen_keys) & set(stored) and any(k.endswith("U_low") for k in stored)
         state = json.loads((root / f"step_{step}" / "trainer_state.json").read_text())

@@ -318,8 +318,11 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
         await launch(app, pilot, tmp_path, out, nproc=2, max_steps=50, extra="--fake-crash-rank 1 --fake-crash-step 3")
         dash = app.dashboard
         await wait_until(pilot, lambda: dash.run.state == "failed", 30, "the failure")
-        await pilot.pause(0.3)
         ranks = dash.query_one(RankTable)
+        # the run's state and the rank rows come from different files: on a busy machine the failure
+        # can be read a poll before rank 1's row appears
+        await wait_until(pilot, lambda: "rank1" in ranks.rows, 30, "rank 1's row")
+        await pilot.pause(0.3)
         state = ranks.get_row("rank1")[5]
         assert state.startswith("[b red]failed (exit code 3)[/]: RuntimeError: fake crash of rank 1 at step 3")
         ranks.focus()

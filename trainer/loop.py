@@ -225,7 +225,7 @@ class Trainer:
                 if self.dist.rank == 0:
                     self._warn(message)
             vocab = saved["model"]["vocab_size"]
-            if "osft_plan" in saved:
+            if saved.get("osft_plan"):  # None for a --no-osft run
                 plans = {name: ModulePlan.from_dict(d) for name, d in saved["osft_plan"].items()}
         else:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))

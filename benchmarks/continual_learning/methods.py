@@ -12,8 +12,11 @@ an arm is its ``TrainConfig`` fields (as ``osft-train`` flags set them) and a le
   :class:`peft_baselines.PeftTrainer` (our data, packing, loss, AdamW and schedule), merged into a
   dense float32 model at the end of the phase.
 
-Learning rates: task A at one rate per method (:data:`LR_A`); task B per arm (:data:`LR_B`), chosen
-by ``continual.py --pilot`` so that every arm learns B about as much as full fine-tuning does.
+Learning rates: task A at one rate per method (:data:`TASK_A_RUNS`), task B per arm (:data:`ARMS`);
+``continual.py --pilot`` chooses task B's so that every arm learns B about as much as full
+fine-tuning does. The committed defaults are 5e-5 for every run: on task A (10 steps of 8) it gave
+full FT 95 % and OSFT at URR 0.25 94 % format compliance (measured on 2026-11-30, seed 0), and task B
+has not been piloted on the real model.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ class Spec:
 #: (``--osft-protect-basis inputs``); PEFT's OSF at :data:`URR`.
 TASK_A_RUNS = {
     "full": Spec("trainer", {"osft": False}, 5e-5),
-    "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 2e-4),
+    "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 5e-5),
     "osft_inputs": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "inputs"},
-                        2e-4),
-    "peft_osf": Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 2e-4),
+                        5e-5),
+    "peft_osf": Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 5e-5),
 }
 
 
@@ -65,14 +68,14 @@ class Arm:
 ARMS = [
     Arm("full_ft", "full FT -> full FT", "full", Spec("trainer", {"osft": False}, 5e-5)),
     Arm("osft_same", f"OSFT {URR} -> {URR}, unprotected", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_subspaces": False}, 2e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_subspaces": False}, 5e-5)),
     Arm("osft_015", f"OSFT {URR} -> 0.15, unprotected (training_hub)", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15, "osft_protect_subspaces": False}, 2e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15, "osft_protect_subspaces": False}, 5e-5)),
     Arm("osft_protect", f"OSFT {URR} -> {URR}, protected", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 2e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 5e-5)),
     Arm("osft_inputs", f"OSFT {URR} -> {URR}, protected, input bases", "osft_inputs",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 2e-4)),
-    Arm("peft_osf", f"PEFT OSF {URR} -> {URR}", "peft_osf", Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 2e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 5e-5)),
+    Arm("peft_osf", f"PEFT OSF {URR} -> {URR}", "peft_osf", Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 5e-5)),
 ]
 
 
