@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from osft.trainer.cli import main
+from osft.trainer.cli import DEMO_DEFAULTS, main
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.demo
@@ -62,9 +62,10 @@ def test_demo_osft_run_exports_a_model_that_chats(demo_run):
 def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, demo_run, tmp_path):
     """The issue's bar for distributed training: SmolLM2 with --nproc-per-node 2 on CPU gives the
     losses of one rank."""
-    two = tmp_path / "two"
-    assert main(["demo", "--dir", str(demo_assets.model_dir.parent), "--output-dir", str(two), *DEMO_FLAGS,
-                 "--nproc-per-node", "2"]) == 0
+    two = tmp_path / "two"  # the demo's settings, without its closing chat reply
+    assert main(["--model-name-or-path", str(demo_assets.model_dir), "--data-path", str(demo_assets.train_path),
+                 "--output-dir", str(two), "--learning-rate", str(DEMO_DEFAULTS["learning_rate"]),
+                 "--lr-scheduler", DEMO_DEFAULTS["lr_scheduler"], *DEMO_FLAGS, "--nproc-per-node", "2"]) == 0
     one = _step_records(demo_run[0])
     assert len(_step_records(two)) == 2
     for a, b in zip(one, _step_records(two)):
