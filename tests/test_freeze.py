@@ -52,6 +52,8 @@ def test_freeze_trains_only_targets_and_resumes_bit_identically(tiny_model_dir, 
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("parameters:"))
     trainable, total = (int(x.replace(",", "")) for x in line.split()[1:5:3])
     assert 0 < trainable < 0.5 * total, line
+    # the total is the dense model's size, not the factors and bases OSFT stores
+    assert total == sum(t.numel() for t in load_file(tiny_model_dir / "model.safetensors").values()), line
 
     resumed = tmp_path / "resumed"
     checkpoint = ref / "full_state_checkpoints" / "step_2"

@@ -249,7 +249,7 @@ class Trainer:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
         if cfg.freeze_non_target:
             freeze_non_targets(self.model, self.osft)
-        self._say(count_parameters(self.model).describe())
+        self._say(count_parameters(self.model, self.osft).describe())
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
         self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]

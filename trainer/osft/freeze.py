@@ -36,23 +36,27 @@ def freeze_non_targets(model: nn.Module, osft: OSFTModel) -> None:
 
 @dataclass(frozen=True)
 class ParameterCount:
-    """Elements of a model's parameters (global shapes, also under FSDP2; a tied parameter once)."""
+    """Elements of a model's parameters (global shapes, also under FSDP2; a tied parameter once):
+    ``trainable`` (what AdamW updates) and ``total`` (the dense model's own parameters)."""
 
     trainable: int
     total: int
 
     def describe(self) -> str:
-        """One console line, e.g. ``parameters: 1,234,567 trainable of 4,567,890 (27.0%)``."""
+        """One console line, e.g. ``parameters: 1,234,567 trainable of 4,567,890 in the model (27.0%)``."""
         share = 100.0 * self.trainable / self.total if self.total else 0.0
-        return f"parameters: {self.trainable:,} trainable of {self.total:,} ({share:.1f}%)"
+        return f"parameters: {self.trainable:,} trainable of {self.total:,} in the model ({share:.1f}%)"
 
 
-def count_parameters(model: nn.Module) -> ParameterCount:
-    """Trainable (``requires_grad``) and total parameter elements of ``model``.
-
-    The total is what the model holds, so for an OSFT model it includes the frozen factors
-    (W_high, U_basis, V_basis) next to the trainable ones.
+def count_parameters(model: nn.Module, osft: OSFTModel | None) -> ParameterCount:
+    """Trainable (``requires_grad``) parameter elements of ``model``, and the parameter count of the
+    dense model it stands for: an OSFT module counts as its N×M weight (and bias), not as the
+    factors and frozen bases it stores (W_high, U_basis, V_basis, the start factors, P, Q), so the
+    total is the model's usual size (about 135 M for SmolLM2-135M).
     """
     params = list(model.parameters())
+    stored = {id(p) for m in (osft.osft_modules if osft else []) for p in m.parameters()}
+    dense = sum(m.plan.n * m.plan.m + (m.bias.numel() if m.bias is not None else 0)
+                for m in (osft.osft_modules if osft else []))
     return ParameterCount(trainable=sum(p.numel() for p in params if p.requires_grad),
-                          total=sum(p.numel() for p in params))
+                          total=dense + sum(p.numel() for p in params if id(p) not in stored))
