@@ -32,7 +32,7 @@ def osf_config(model: torch.nn.Module, urr: float):
 
     PEFT's ``effective_rank`` is the *preserved* (frozen) rank: a float is a fraction of
     min(out, in), resolved per module as ``int(min_dim * value)``. Ours freezes
-    ``k_high = floor(rank * (1 - URR))`` (``rank_split``); modules where the two roundings differ get
+    ``k_high = floor(rank * (1 - URR))`` (``split_rank``); modules where the two roundings differ get
     an exact integer through ``rank_pattern``.
 
     Returns:
@@ -40,11 +40,11 @@ def osf_config(model: torch.nn.Module, urr: float):
     """
     from peft import OSFConfig
 
-    from osft.trainer.osft.decomposition import rank_split
+    from osft.trainer.osft.plan import split_rank
 
     fraction = 1.0 - urr
     targets = _targets(model)
-    want = {name: rank_split(*mod.weight.shape, urr).k_high for name, mod in targets.items()}
+    want = {name: split_rank(min(mod.weight.shape), urr)[0] for name, mod in targets.items()}
     overrides = {f"^{name.replace('.', '[.]')}$": k for name, k in want.items()
                  if int(min(targets[name].weight.shape) * fraction) != k}
     config = OSFConfig(effective_rank=fraction, target_modules=list(TARGET_NAMES), rank_pattern=overrides or None)

@@ -82,26 +82,26 @@ def _no_processes_in_the_unit_tier(monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
-#: This session's test times: nodeid -> seconds (setup + call + teardown), and nodeid -> kind.
+#: This session's test times: nodeid -> seconds (setup + call + teardown), nodeid -> kind, and when
+#: the session started (unix s).
 _DURATIONS: dict[str, float] = {}
 _KINDS: dict[str, str] = {}
-_SESSION_START: list[float] = []
+_SESSION: dict[str, float] = {}
 
 
 def pytest_sessionstart(session):
     import time
 
-    _SESSION_START.append(time.time())
-
-
-def pytest_collection_modifyitems(config, items):
-    from durations_budget import kind_of
-
-    _KINDS.update({item.nodeid: kind_of({m.name for m in item.iter_markers()}) for item in items})
+    _SESSION["start"] = time.time()
 
 
 def pytest_runtest_logreport(report):
+    """Add a phase's time to its test, and take the test's kind from its markers (they are among the
+    report's keywords, so this also works where another process collected the test)."""
+    from durations_budget import kind_of
+
     _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    _KINDS[report.nodeid] = kind_of(set(report.keywords))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -111,11 +111,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     from durations_budget import DEFAULT_FILE, report
 
-    if not _DURATIONS or not _SESSION_START:
+    if not _DURATIONS or "start" not in _SESSION:
         return
     data = {
         "tier": "unit" if os.environ.get(TIER_ENV) == "unit" else "full",
-        "wall_s": time.time() - _SESSION_START[0],
+        "wall_s": time.time() - _SESSION["start"],
         "tests": [{"nodeid": n, "kind": _KINDS.get(n, "unit"), "seconds": round(s, 3)} for n, s in _DURATIONS.items()],
     }
     DEFAULT_FILE.parent.mkdir(parents=True, exist_ok=True)

@@ -237,7 +237,7 @@ def dense_forgetting(model_dir: Path, export_dir: Path, urr: float, targets: tup
     import torch
     from safetensors.torch import load_file
 
-    from osft.trainer.osft.decomposition import rank_split
+    from osft.trainer.osft.plan import split_rank
 
     before, after = load_file(Path(model_dir) / "model.safetensors"), load_file(Path(export_dir) / "model.safetensors")
     out = {}
@@ -246,7 +246,7 @@ def dense_forgetting(model_dir: Path, export_dir: Path, urr: float, targets: tup
         if name.rsplit(".", 1)[-1] not in targets or not key.endswith(".weight"):
             continue
         w, w_new = w.double(), after[key].double()
-        k_high = rank_split(*w.shape, urr).k_high
+        k_high, _ = split_rank(min(w.shape), urr)
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         w_high = (u[:, :k_high] * s[:k_high]) @ vh[:k_high]
         out[name] = (float(torch.linalg.matrix_norm(w_new - w) / torch.linalg.matrix_norm(w)),

@@ -12,11 +12,10 @@ from osft.trainer.data.collate import collate_packed
 from osft.trainer.osft.layer_importance import (
     block_similarities,
     calibration_batches,
-    decoder_block_names,
     frozen_ratios,
     importance_rank_plan,
 )
-from osft.trainer.osft.targets import find_target_modules
+from osft.trainer.osft.targets import decoder_block_names, find_target_modules
 
 VOCAB = 50
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from osft.trainer.osft.decomposition import OSFTLinear, choose_forward_form, rank_split
+from osft.trainer.osft.decomposition import OSFTLinear, choose_forward_form
+from osft.trainer.osft.plan import split_rank
 from osft.trainer.osft.projection import Projector
 
 
@@ -26,7 +27,7 @@ def pretrained_like(n, m, seed=0):
 
 def frozen_bases(weight, urr):
     u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
-    kh = rank_split(*weight.shape, urr).k_high
+    kh, _ = split_rank(min(weight.shape), urr)
     return u[:, :kh].float(), vh[:kh].float()
 
 
@@ -35,16 +36,16 @@ def frozen_bases(weight, urr):
     [(576, 576, 0.25, 432), (192, 576, 0.25, 144), (10, 7, 1.0, 0), (10, 7, 0.5, 3), (8, 8, 0.01, 7), (1, 5, 0.3, 0)],
 )
 def test_rank_split(n, m, urr, k_high):
-    split = rank_split(n, m, urr)
-    assert split.k_high == k_high
-    assert split.k_low == min(n, m) - k_high
-    assert split.k_low >= 1
+    got_high, k_low = split_rank(min(n, m), urr)
+    assert got_high == k_high
+    assert k_low == min(n, m) - k_high
+    assert k_low >= 1
 
 
 @pytest.mark.parametrize("urr", [0.0, -0.1, 1.0001, 2, float("nan"), float("inf")])
 def test_rank_split_rejects_urr_outside_range(urr):
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
-        rank_split(8, 8, urr)
+        split_rank(8, urr)
 
 
 @pytest.mark.parametrize("shape", [(48, 48), (96, 32), (32, 96)])
@@ -53,7 +54,7 @@ def test_reconstruction_fp32(shape, urr):
     w = pretrained_like(*shape)
     mod = OSFTLinear.from_weight(w, None, urr=urr, tokens_per_micro_batch=64)
     torch.testing.assert_close(mod.dense_weight(), w, rtol=0, atol=2e-6)
-    assert mod.k_low == rank_split(*shape, urr).k_low
+    assert mod.k_low == split_rank(min(shape), urr)[1]
 
 
 def test_keep_mode_chosen_only_when_cheaper_and_complete():

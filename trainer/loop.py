@@ -76,7 +76,7 @@ from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
-from .osft.protect import ModuleFold, fold_module
+from .osft.protect import ModuleFold, fold_module, no_bases
 from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import find_target_modules
 from .parallel import build_model, load_protected_bases, model_vocab_size
@@ -550,7 +550,7 @@ class Trainer:
         keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
         def module_factors(name: str, module) -> dict[str, torch.Tensor]:
-            empty = {"P": torch.zeros(module.plan.n, 0), "Q": torch.zeros(module.plan.m, 0)}  # p = 0: no parameter
+            empty = dict(zip("PQ", no_bases(module.plan.n, module.plan.m)))  # p = 0: no parameter
             return {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
 
         folds = {name: fold_module(module_factors(name, module), cfg.osft_protect_energy,

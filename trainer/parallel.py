@@ -34,10 +34,10 @@ from .config import TrainConfig
 from .distributed import DistEnv
 from .model_loading import load_model, resolve_model_path
 from .osft.decomposition import OSFTLinear, protected_svd
-from .osft.layer_importance import decoder_block_names
 from .osft.plan import ModulePlan
+from .osft.protect import no_bases
 from .osft.surgery import Bases, OSFTModel, apply_osft, module_urr, replace_module
-from .osft.targets import find_target_modules, weight_shape
+from .osft.targets import decoder_block_names, find_target_modules, weight_shape
 
 
 def _config(path: str):
@@ -53,7 +53,7 @@ def model_vocab_size(path: str) -> int:
 
 
 def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks (:func:`.osft.layer_importance.decoder_block_names`)."""
+    """The repeated transformer blocks (:func:`.osft.targets.decoder_block_names`)."""
     return [model.get_submodule(name) for name in decoder_block_names(model)]
 
 
@@ -62,10 +62,6 @@ def _osft_options(cfg: TrainConfig, module: nn.Module) -> dict:
     (all but the URR)."""
     return dict(tokens_per_micro_batch=cfg.max_tokens_per_gpu, forward_form=cfg.osft_forward,
                 transposed=isinstance(module, Conv1D))
-
-
-def _no_bases(n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(n, 0), torch.zeros(m, 0)
 
 
 def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv, urr_by_module: Mapping[str, float] | None = None,
@@ -79,7 +75,7 @@ def _distributed_osft(model: nn.Module, cfg: TrainConfig, env: DistEnv, urr_by_m
     names = find_target_modules(model, model.config.model_type, cfg.osft_target_patterns)
     modules = [model.get_submodule(n) for n in names]
     shapes = [weight_shape(m) for m in modules]
-    protected = [(bases or {}).get(name) or _no_bases(n, m) for name, (n, m) in zip(names, shapes)]
+    protected = [(bases or {}).get(name) or no_bases(n, m) for name, (n, m) in zip(names, shapes)]
     owner = [i % env.world_size for i in range(len(names))]
     mine: dict[int, torch.Tensor] = {}
     # 1. weights from rank 0 to their owners

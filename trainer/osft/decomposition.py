@@ -8,34 +8,14 @@ V_low: k_low×M) are trainable. k_high = floor(r · (1 − URR)), URR = unfreeze
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .plan import ForwardForm, ModulePlan, plan_module, split_rank
-
-
-@dataclass(frozen=True)
-class RankSplit:
-    """Rank split of one N×M weight: ``rank = k_high + k_low``."""
-
-    rank: int
-    k_high: int
-    k_low: int
-
-
-def rank_split(n: int, m: int, urr: float) -> RankSplit:
-    """Split rank min(n, m) by the unfreeze rank ratio: k_high = floor(min(n, m)·(1 − URR))
-    (:func:`.plan.split_rank`). URR = 1.0 makes every direction trainable (k_high = 0).
-
-    Raises:
-        ValueError: URR outside (0, 1] or not a finite number.
-    """
-    k_high, k_low = split_rank(min(n, m), urr)
-    return RankSplit(rank=min(n, m), k_high=k_high, k_low=k_low)
+from .plan import ForwardForm, ModulePlan, plan_module
+from .protect import no_bases
 
 
 #: Above this condition number σ_max/σ_min the Gram-matrix route loses accuracy (its eigenvalues,
@@ -255,7 +235,7 @@ class OSFTLinear(nn.Module):
             raise ValueError(f"OSFT needs a 2-D weight, got shape {tuple(weight.shape)}")
         w = weight.detach().t() if transposed else weight.detach()
         n, m = w.shape
-        P, Q = protected if protected is not None else (w.new_zeros(n, 0), w.new_zeros(m, 0))
+        P, Q = protected if protected is not None else no_bases(n, m, like=w)
         if P.shape[0] != n or Q.shape[0] != m:
             raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a {n}×{m} weight")
         plan = plan_module(n, m, urr, tokens_per_micro_batch, P.shape[1], Q.shape[1], forward_form)

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..data.collate import collate_packed
 from ..data.packing import plan_micro_batches
+from .targets import decoder_block_names
 
 #: Keys of a calibration batch passed to the model's decoder (``attention_mask`` marks padding).
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -62,21 +63,6 @@ class RankPlan:
         """Plain data for the ``osft_rank_plan`` metrics record."""
         return {"blocks": self.blocks, "similarity": self.similarity, "frozen": self.frozen, "urr": self.urr,
                 "tokens": self.tokens, "urr_by_module": self.urr_by_module}
-
-
-def decoder_block_names(model: nn.Module) -> list[str]:
-    """Full names of the repeated decoder blocks (classes named in ``model._no_split_modules``), in
-    ``named_modules`` order.
-
-    Raises:
-        ValueError: the model names no block class, or none is present.
-    """
-    classes = set(getattr(model, "_no_split_modules", None) or [])
-    names = [name for name, module in model.named_modules() if type(module).__name__ in classes]
-    if not names:
-        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}: no module of a class in "
-                         f"its _no_split_modules {sorted(classes)}")
-    return names
 
 
 def calibration_batches(dataset, lengths: np.ndarray, num_samples: int, max_tokens: int) -> Iterator[dict]:

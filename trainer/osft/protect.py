@@ -38,6 +38,13 @@ class EnergyRank:
     cap_bound: bool
 
 
+def no_bases(n: int, m: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The protected bases of a module nothing protects yet: P (N×0) and Q (M×0), in ``like``'s
+    dtype and device (float32 on the CPU without it). Such a module stores no P/Q parameter."""
+    new = like.new_zeros if like is not None else torch.zeros
+    return new(n, 0), new(m, 0)
+
+
 def energy_rank(sigma_sq: torch.Tensor, target: float, cap: int) -> EnergyRank:
     """The smallest r with Σ_{i≤r} σ_i² ≥ target·Σ σ_i², capped at ``cap``.
 

@@ -84,3 +84,18 @@ def find_target_modules(
             f"some linear modules of this model: {linear_names}"
         )
     return names
+
+
+def decoder_block_names(model: nn.Module) -> list[str]:
+    """Full names of the repeated decoder blocks (classes named in ``model._no_split_modules``), in
+    ``named_modules`` order.
+
+    Raises:
+        ValueError: the model names no block class, or none is present.
+    """
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    names = [name for name, module in model.named_modules() if type(module).__name__ in classes]
+    if not names:
+        raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}: no module of a class in "
+                         f"its _no_split_modules {sorted(classes)}")
+    return names
