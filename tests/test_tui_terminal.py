@@ -150,7 +150,9 @@ class Tmux:
         self.socket = f"osft-tui-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
-        self.env = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
+        # COLUMNS/LINES would override the pane's size in Rich and Textual (pytest-xdist's workers set
+        # 80 x 24); the pane's own size is what these tests read.
+        self.env = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE", "COLUMNS", "LINES")}
         self.env.setdefault("TERM", "xterm-256color")
         self.terminals: list[Terminal] = []
         self.socket_path: str | None = None
