@@ -1,5 +1,6 @@
-"""``--osft-rank-schedule importance`` end to end: a real `osft-train` run on a tiny 3-block Llama,
-a stop with a full-state checkpoint and a resume."""
+"""``--osft-rank-schedule importance`` end to end: a real `osft-train` run of 2 gloo ranks on a tiny
+3-block Llama (rank 0 scores the blocks, every rank builds the same plan), a stop with a full-state
+checkpoint and a resume."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def records(out, event):
 def train(model, data, out, *flags, env=None):
     cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
-           "--max-steps", "4", "--on-demand-checkpointing", "--save-dtype", "float32",
+           "--max-steps", "4", "--nproc-per-node", "2", "--on-demand-checkpointing", "--save-dtype", "float32",
            "--osft-rank-schedule", "importance", "--osft-importance-samples", "12",
            "--osft-min-frozen-ratio", "0.25", "--osft-max-frozen-ratio", "0.75", *flags]
     proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600)
