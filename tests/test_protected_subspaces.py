@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
 from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
-from osft.trainer.osft.plan import plan_module
+from osft.trainer.osft.plan import plan_module, plan_table
 from osft.trainer.osft.projection import Projector
 from osft.trainer.osft.protect import fold_module, update_svd
 
@@ -86,6 +86,24 @@ def test_plan_keep_modes_and_frozen_modules():
     mod = OSFTLinear.from_weight(pretrained_like(16, 12), None, urr=0.5, tokens_per_micro_batch=8,
                                  protected=(torch.linalg.qr(torch.randn(16, 4))[0], torch.eye(12)))
     assert mod.plan.frozen and not mod.U_low.requires_grad and mod.U_basis.shape == (16, 4)
+
+
+def test_plan_table_shows_every_module_name_whole_on_an_80_column_console():
+    from rich.console import Console
+
+    shapes = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (192, 576), "self_attn.v_proj": (192, 576),
+              "mlp.down_proj": (576, 1536)}
+    plans = [(f"model.layers.{i}.{proj}", plan_module(n, m, 0.25, 1024)) for i in range(3) for proj, (n, m) in shapes.items()]
+    plans.append(("lm_head", plan_module(576, 49152, 0.25, 1024, p_left=576)))
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(plan_table(plans))
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    rows = {line.split()[1]: line.split() for line in lines if line.strip()[:1].isdigit()}
+    assert set(rows) == {"self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj", "lm_head"}
+    assert rows["self_attn.k_proj"][0] == "6" and "self_attn.v_proj" in {line.strip() for line in lines}
+    assert rows["lm_head"][6:] == ["frozen", "0"]  # every left direction protected
+    assert "names: after model.layers.<i>." in " ".join(lines)
 
 
 def test_chained_runs_keep_earlier_updates_untouched():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -132,19 +133,37 @@ def plan_module(n: int, m: int, urr: float, tokens_per_micro_batch: int, p_left:
                       k_low=k_low, u_keep=u_keep, v_keep=v_keep, forward_form=form)
 
 
+#: A module name inside a numbered block: ``(model.layers.)(self_attn.q_proj)`` of ``model.layers.3.self_attn.q_proj``.
+BLOCK_INDEX = re.compile(r"^(.*?\.)\d+\.(.+)$")
+
+
 def plan_table(plans: Sequence[tuple[str, ModulePlan]]):
     """A compact ``rich`` table of the OSFT layout: one row per distinct (shape, URR, p_L, p_R,
-    k_high, k_low), with the number of modules, an example name and their trainable parameters."""
+    k_high, k_low), with the number of modules, their names (the part after the block index,
+    ``self_attn.q_proj`` for ``model.layers.<i>.self_attn.q_proj``, the block prefixes in the
+    caption; wrapped, never cut, on a narrow console) and their trainable parameters."""
+    from rich import box
     from rich.table import Table
 
     groups: dict[tuple, list[tuple[str, ModulePlan]]] = {}
     for name, p in plans:
         groups.setdefault((p.n, p.m, p.urr, p.p_left, p.p_right, p.k_high, p.k_low), []).append((name, p))
-    table = Table(title="OSFT plan", title_justify="left")
-    for column in ("modules", "example", "N×M", "URR", "k_high", "protected p_L/p_R", "k_low", "trainable params"):
-        table.add_column(column, justify="left" if column == "example" else "right")
+    blocks = {}
+    for name, _ in plans:
+        if hit := BLOCK_INDEX.match(name):
+            blocks[hit.group(1)] = None
+    caption = "#: modules; " + (f"names: after {', '.join(f'{b}<i>.' for b in blocks)}; " if blocks else "") + \
+        "p_L/p_R: protected rank, left/right; trainable: parameters of U_low, S_low, V_low"
+    table = Table(title="OSFT plan", title_justify="left", caption=caption, caption_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for column in ("#", "names", "N×M", "URR", "k_high", "p_L/p_R", "k_low", "trainable"):
+        if column == "names":
+            table.add_column(column, justify="left", overflow="fold")
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
     for (n, m, urr, pl, pr, kh, kl), members in groups.items():
         params = members[0][1].trainable_params * len(members)
-        table.add_row(str(len(members)), members[0][0], f"{n}×{m}", f"{urr:g}", str(kh), f"{pl}/{pr}",
+        names = "\n".join(dict.fromkeys((hit.group(2) if (hit := BLOCK_INDEX.match(name)) else name) for name, _ in members))
+        table.add_row(str(len(members)), names, f"{n}×{m}", f"{urr:g}", str(kh), f"{pl}/{pr}",
                       "frozen" if kl == 0 else str(kl), f"{params:,}")
     return table
