@@ -30,7 +30,7 @@ from .checkpoint.full_state import (
     local_tensor,
     restore_rng,
 )
-from .checkpoint.hf_export import save_hf_model
+from .checkpoint.hf_export import save_hf_model, source_generation_config
 from .checkpoint.requests import Request, RequestPoller
 from .checkpoint.resume import (
     RESUME_SETTINGS,
@@ -537,6 +537,7 @@ class Trainer:
             save_hf_model(
                 self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
                 getattr(torch, self.cfg.save_dtype), overwrite=True, extra=extra,
+                generation_config=source_generation_config(self.cfg.model_name_or_path),
             )
         barrier()
         return str(out)
