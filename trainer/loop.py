@@ -78,7 +78,7 @@ from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.protect import ModuleFold, fold_module, no_bases
 from .osft.surgery import dense_state_dict, full_state_dict
-from .osft.targets import find_target_modules
+from .osft.targets import describe_unconstrained, find_target_modules
 from .parallel import build_model, load_protected_bases, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
@@ -250,6 +250,12 @@ class Trainer:
         if cfg.freeze_non_target:
             freeze_non_targets(self.model, self.osft)
         self._say(count_parameters(self.model, self.osft).describe())
+        if self.osft and self.dist.rank == 0:
+            warning, note = describe_unconstrained(self.model, [name for name, _ in self.osft.modules])
+            if note:
+                self._say(note)
+            if warning:
+                self._warn(warning)
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
         self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
