@@ -58,6 +58,7 @@ from .config import TrainConfig
 from .data.cache import tokenize_chat_file_cached
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
+from .data.positions import check_positions, position_limit
 from .data.sampler import GlobalBatchSampler, check_enough_samples
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
 from .distributed import (
@@ -203,6 +204,7 @@ class Trainer:
             self.data = tokenize_chat_file(*args)
         if self.dist.is_local_main:
             barrier()
+        beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))
         check_enough_samples(len(self.data), self.dist.world_size)
         if self.dist.rank == 0:
             write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
@@ -211,6 +213,8 @@ class Trainer:
         dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
         if dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
             self._warn(f"{dropped} sample(s) of {cfg.data_path} dropped; see {self.run_dir.data_report}")
+        if beyond and self.dist.rank == 0:
+            self._warn(beyond)
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
 
