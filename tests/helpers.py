@@ -30,6 +30,22 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with a reasoning block in the style of Qwen3: an assistant turn after the last user turn
+# opens with `<think>\n{reasoning_content}\n</think>\n\n` (empty when the message has none); earlier
+# assistant turns have no block, so a prefix of a multi-turn conversation renders differently.
+REASONING_CHATML_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<think>\n' + (m['reasoning_content'] if m['reasoning_content'] is defined else '') + '\n</think>\n\n' }}"
+    "{% endif %}"
+    "{{ m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Prepended to a template, refuses conversations whose roles do not alternate user/assistant
 # after an optional leading system message (as Llama-2 and Mistral templates do).
 ALTERNATION_CHECK = (

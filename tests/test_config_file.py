@@ -129,6 +129,32 @@ def test_malformed_files(tmp_path, text, message):
         read_config_file(path, build_parser())
 
 
+def test_merge_keys_are_merged_and_helper_keys_ignored(tmp_path, capsys):
+    inline = write(tmp_path, "<<: {batch_size: 2, max_steps: 1}\nmax_steps: 3\n", "inline.yaml")
+    cfg = resolve(["--config", str(inline), *PATHS])
+    assert (cfg.batch_size, cfg.max_steps) == (2, 3)  # the file's own key overrides the merged one
+    anchored = write(tmp_path, """\
+_common: &common
+  batch_size: 4
+  learning_rate: 2e-4
+_small: &small {max_steps: 5, batch_size: 8}
+<<: [*common, *small]
+seed: 7
+""", "anchored.yaml")
+    cfg = resolve(["--config", str(anchored), *PATHS])
+    # a later mapping of a merge list overrides an earlier one, as yaml.safe_load merges; helper keys set nothing
+    assert (cfg.batch_size, cfg.learning_rate, cfg.max_steps, cfg.seed) == (8, 2e-4, 5, 7)
+    assert main(["--config", str(anchored), *PATHS, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["batch_size"] == 8 and printed["max_steps"] == 5 and not any(k.startswith("_") for k in printed)
+    typo = write(tmp_path, "_common: &common {batch_sise: 4}\n<<: *common\n", "typo.yaml")
+    with pytest.raises(ConfigFileError, match=f"^{typo}:1: unknown key 'batch_sise'; did you mean 'batch_size'"):
+        read_config_file(typo, build_parser())
+    twice = write(tmp_path, "<<: {seed: 1}\nseed: 2\nseed: 3\n", "twice.yaml")
+    with pytest.raises(ConfigFileError, match=f"^{twice}:3: 'seed' given twice \\(also on line 2\\)"):
+        read_config_file(twice, build_parser())
+
+
 def test_missing_file_and_empty_file(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "nope.yaml"), *PATHS]) == 2
     assert f"--config {tmp_path / 'nope.yaml'}: No such file or directory" in capsys.readouterr().err.replace("\n", "")

@@ -6,7 +6,14 @@ import json
 
 import numpy as np
 import pytest
-from helpers import ALTERNATION_CHECK, PLAIN_CHATML_TEMPLATE, chat, tiny_chat_tokenizer, write_jsonl
+from helpers import (
+    ALTERNATION_CHECK,
+    PLAIN_CHATML_TEMPLATE,
+    REASONING_CHATML_TEMPLATE,
+    chat,
+    tiny_chat_tokenizer,
+    write_jsonl,
+)
 
 from osft.trainer.data import DataReport, DataValidationError, OverlongSampleError, tokenize_chat_file
 from osft.trainer.data.tokenize import IGNORE_INDEX, SpanFinder, assistant_char_spans
@@ -232,3 +239,58 @@ def test_bad_arguments(tmp_path):
         tokenize_chat_file(path, tok, 32, overlong="clip")
     with pytest.raises(ValueError, match="max_seq_len must be >= 1"):
         tokenize_chat_file(path, tok, 0)
+
+
+def test_an_empty_reasoning_block_the_template_inserts_is_not_trained_and_is_reported(tmp_path):
+    """B47: Qwen3-style templates open the last assistant turn with `<think>\\n\\n</think>\\n\\n` when
+    the data has no reasoning; only the content and the end-of-turn token are trained."""
+    tok = tiny_chat_tokenizer(chat_template=REASONING_CHATML_TEMPLATE)
+    reasoned = {"messages": [{"role": "user", "content": "Why?"},
+                             {"role": "assistant", "content": "Hi.", "reasoning_content": "Because."}]}
+    path = write_jsonl(tmp_path / "r.jsonl", [chat("Say hi.", "Hi."), reasoned, chat("Say hi.", "think")])
+    data = tokenize_chat_file(path, tok, 512)
+    block = "<think>\n\n</think>\n\n"
+    assert [tok.decode(run) for run in trained_runs(data[0])] == ["Hi." + END]
+    assert [tok.decode(run) for run in trained_runs(data[2])] == ["think" + END]  # content found, not the tag
+    # reasoning the data gave is data: trained with its block
+    assert [tok.decode(run) for run in trained_runs(data[1])] == ["<think>\nBecause.\n</think>\n\nHi." + END]
+    (entry,) = data.report.template_inserted
+    ids, labels = data[0]["input_ids"], data[0]["labels"]
+    first_trained = next(j for j, label in enumerate(labels) if label != IGNORE_INDEX)
+    header = len(tok(tok.apply_chat_template(chat("Say hi.", "Hi.")["messages"][:1], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    assert tok.decode(ids[header:first_trained]) == block
+    assert entry == {"where": "before assistant content", "text": block, "samples": 2,
+                     "tokens_min": first_trained - header, "tokens_max": first_trained - header,
+                     "tokens_total": 2 * (first_trained - header)}
+    assert json.loads(data.report.to_json())["template_inserted"] == [entry]
+    line = [text for text in data.report.summary_lines() if "inserted" in text]
+    assert line == [f'  the chat template inserted text the data does not contain, before assistant content '
+                    f'"<think>\\n\\n</think>\\n\\n": in 2 samples, {first_trained - header} tokens per sample, not trained']
+    # a multi-turn row renders its prefixes differently: refused, naming the CLI flag
+    multi = write_jsonl(tmp_path / "m.jsonl", [chat("a", "b", "c", "d")])
+    with pytest.raises(DataValidationError, match="or --train-on-all:") as info:
+        tokenize_chat_file(multi, tok, 512)
+    assert "train_on_all" not in str(info.value)
+
+
+def test_a_default_system_prompt_the_template_inserts_is_reported_once(tmp_path):
+    """B52: SmolLM2-style templates insert a system turn when a conversation has none."""
+    tok = tiny_chat_tokenizer()  # SmolLM2-like: "You are a helpful assistant." by default
+    rows = [chat("hi", "ok"), chat("hello", "hello world"), chat("hi", "ok", system="Be brief.")]
+    data = tokenize_chat_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, 512)
+    prompt = "You are a helpful assistant."
+    n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert data.report.template_inserted == [{"where": "default system prompt", "text": prompt, "samples": 2,
+                                              "tokens_min": n, "tokens_max": n, "tokens_total": 2 * n}]
+    assert [text for text in data.report.summary_lines() if "inserted" in text] == [
+        f'  the chat template inserted text the data does not contain, default system prompt "{prompt}": '
+        f"in 2 samples, {n} tokens per sample, not trained"]
+    for k, row in enumerate(rows):  # still only the assistant turns are trained
+        expected = [m["content"] + END for m in row["messages"] if m["role"] == "assistant"]
+        assert [tok.decode(run) for run in trained_runs(data[k])] == expected
+    everything = tokenize_chat_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, 512, train_on_all=True)
+    assert everything.report.template_inserted == data.report.template_inserted
+    assert any("tokens per sample, trained (--train-on-all)" in text for text in everything.report.summary_lines())
+    plain = tiny_chat_tokenizer(default_system=False)
+    assert tokenize_chat_file(write_jsonl(tmp_path / "s.jsonl", rows), plain, 512).report.template_inserted == []

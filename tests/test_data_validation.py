@@ -169,3 +169,30 @@ def test_problem_is_frozen():
     with pytest.raises(Exception):
         p.line = 4  # type: ignore[misc]
     assert str(p) == 'f.jsonl:3: "messages" is empty'
+
+
+def test_lone_surrogates_in_any_field_are_located_in_one_pass(tiny_model_dir, tmp_path, capsys):
+    from osft.trainer.cli import main
+
+    lines = [
+        json.dumps(GOOD),
+        '{"messages": [{"role": "user", "content": "thumbs \\ud83d"}, {"role": "assistant", "content": "\\udc4d up"}]}',
+        '{"messages": [{"role": "user", "content": "ok \\ud83d\\udc4d", "name": "x\\udfff"}, '
+        '{"role": "assistant", "content": "fine", "tool_calls": [{"arguments": {"q": "\\ud800"}}]}]}',
+    ]
+    path = tmp_path / "s.jsonl"
+    path.write_bytes("\n".join(lines[:3]).encode() + b"\n" + b'{"messages": "\xff"}\n')
+    records, problems = validate_chat_file(path, tiny_chat_tokenizer())
+    assert [line for line, _ in records] == [1]
+    assert [str(p) for p in problems] == [
+        f"{path}:2: messages[0].content: lone surrogate (invalid Unicode)",
+        f"{path}:2: messages[1].content: lone surrogate (invalid Unicode)",
+        f"{path}:3: messages[0].name: lone surrogate (invalid Unicode)",  # the pair in its content is one character
+        f"{path}:3: messages[1].tool_calls[0].arguments.q: lone surrogate (invalid Unicode)",
+        f"{path}:4: invalid UTF-8: invalid start byte at byte 15",
+    ]
+    assert {p.rule for p in problems[:4]} == {"lone_surrogate"}
+    out = tmp_path / "run"
+    assert main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(path), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert all(str(p) in err for p in problems) and "codec" not in err

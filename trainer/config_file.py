@@ -5,6 +5,10 @@ A config file is a YAML mapping from training flag names, with underscores (the
 to values. Each value goes through the parser's own ``type`` function and ``choices``, as on the
 command line; command-line flags override the file. :func:`config_to_yaml` writes the fully
 resolved config in the same format, so that it reads back into an equal ``TrainConfig``.
+
+YAML merge keys work (``<<: *common`` or ``<<: {batch_size: 2}``) as ``yaml.safe_load`` merges
+them: the file's own keys override merged ones, a later mapping of a merge list an earlier one, and top-level keys starting with :data:`HELPER_PREFIX` are
+ignored, so a file can hold the mappings it merges (``_common: &common {...}``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from .config import TrainConfig
 
 #: First line of every file :func:`config_to_yaml` writes.
 HEADER = "# osft-train --config file: flag names with underscores; command-line flags override these values\n"
+
+
+#: Top-level keys starting with this are helpers (anchors to merge), not settings: they are ignored.
+HELPER_PREFIX = "_"
 
 
 class ConfigFileError(ValueError):
@@ -104,8 +112,9 @@ def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
 
     Raises:
         ConfigFileError: the file cannot be read or is not a YAML mapping; a key is no training
-            flag (the closest one is suggested) or appears twice; a value is rejected by the flag's
-            type or choices. The message names the file and line.
+            flag (the closest one is suggested) or appears twice in the file's own keys; a value is
+            rejected by the flag's type or choices. The message names the file and line. Merge keys
+            and helper keys: see the module docstring.
     """
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     actions = {a.dest: a for a in parser._actions if a.dest in fields}
@@ -122,20 +131,25 @@ def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
         if not isinstance(root, yaml.MappingNode):
             raise ConfigFileError(f"{path}:{root.start_mark.line + 1}: expected a mapping of flag names to values "
                                   "(key: value lines)")
+        own = {id(key_node) for key_node, _ in root.value}
+        loader.flatten_mapping(root)  # merge keys: merged pairs first, the mapping's own pairs after them
         settings: dict[str, Any] = {}
-        lines: dict[str, int] = {}
+        own_lines: dict[str, int] = {}
         for key_node, value_node in root.value:
             line = key_node.start_mark.line + 1
             key = str(loader.construct_object(key_node)) if isinstance(key_node, yaml.ScalarNode) else "(not a name)"
+            if key.startswith(HELPER_PREFIX):
+                continue
             if key not in actions:
                 raise ConfigFileError(f"{path}:{line}: unknown key '{key}'{_suggestion(key, actions)}")
-            if key in lines:
-                raise ConfigFileError(f"{path}:{line}: '{key}' given twice (also on line {lines[key]})")
+            if id(key_node) in own:
+                if key in own_lines:
+                    raise ConfigFileError(f"{path}:{line}: '{key}' given twice (also on line {own_lines[key]})")
+                own_lines[key] = line
             try:
                 settings[key] = _convert(actions[key], loader.construct_object(value_node, deep=True), key in nullable)
             except ValueError as exc:
                 raise ConfigFileError(f"{path}:{line}: {key}: {exc}") from None
-            lines[key] = line
         return settings
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)

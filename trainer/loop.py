@@ -30,7 +30,7 @@ from .checkpoint.full_state import (
     local_tensor,
     restore_rng,
 )
-from .checkpoint.hf_export import save_hf_model
+from .checkpoint.hf_export import save_hf_model, source_generation_config
 from .checkpoint.requests import Request, RequestPoller
 from .checkpoint.resume import (
     RESUME_SETTINGS,
@@ -58,6 +58,7 @@ from .config import TrainConfig
 from .data.cache import tokenize_chat_file_cached
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
+from .data.positions import check_positions, position_limit
 from .data.sampler import GlobalBatchSampler, check_enough_samples
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
 from .distributed import (
@@ -78,7 +79,7 @@ from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.protect import ModuleFold, fold_module, no_bases
 from .osft.surgery import dense_state_dict, full_state_dict
-from .osft.targets import find_target_modules
+from .osft.targets import describe_unconstrained, find_target_modules
 from .parallel import build_model, load_protected_bases, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
@@ -203,6 +204,7 @@ class Trainer:
             self.data = tokenize_chat_file(*args)
         if self.dist.is_local_main:
             barrier()
+        beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))
         check_enough_samples(len(self.data), self.dist.world_size)
         if self.dist.rank == 0:
             write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
@@ -211,6 +213,8 @@ class Trainer:
         dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
         if dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
             self._warn(f"{dropped} sample(s) of {cfg.data_path} dropped; see {self.run_dir.data_report}")
+        if beyond and self.dist.rank == 0:
+            self._warn(beyond)
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
 
@@ -250,6 +254,12 @@ class Trainer:
         if cfg.freeze_non_target:
             freeze_non_targets(self.model, self.osft)
         self._say(count_parameters(self.model, self.osft).describe())
+        if self.osft and self.dist.rank == 0:
+            warning, note = describe_unconstrained(self.model, [name for name, _ in self.osft.modules])
+            if note:
+                self._say(note)
+            if warning:
+                self._warn(warning)
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
         self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -537,6 +547,7 @@ class Trainer:
             save_hf_model(
                 self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
                 getattr(torch, self.cfg.save_dtype), overwrite=True, extra=extra,
+                generation_config=source_generation_config(self.cfg.model_name_or_path),
             )
         barrier()
         return str(out)

@@ -19,6 +19,8 @@ from .metrics import read_records
 #: Figure size (inches) and resolution: the PNG is 1000 x 1000 pixels.
 FIGSIZE_IN = (10.0, 10.0)
 DPI = 100
+#: A series with at most this many points is drawn with a marker on each point.
+FEW_POINTS = 20
 _NODE_FILE = re.compile(r"^node(\d+)\.jsonl$")
 
 
@@ -155,22 +157,40 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[Path, 
     Raises:
         PlotError: matplotlib is not installed, or see :func:`run_series`.
     """
+    data = run_series(run_dir)
+    out = Path(out) if out is not None else Path(run_dir) / "plot.png"
+    fig = draw_run(data, f"osft run {Path(run_dir).resolve().name}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    return out, data
+
+
+def _marker(series: Series) -> dict:
+    """Line style keywords: a marker on every point when a series has few points, so that a run
+    of one step (a single point, which a line alone does not show) is visible."""
+    return {"marker": "o", "markersize": 4} if len(series.steps) <= FEW_POINTS else {}
+
+
+def draw_run(data: RunSeries, title: str):
+    """The matplotlib ``Figure`` of :func:`plot_run`, not saved.
+
+    Raises:
+        PlotError: matplotlib is not installed.
+    """
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise PlotError("osft-train plot needs matplotlib; install it with: pip install 'osft[plot]'") from exc
-    data = run_series(run_dir)
-    out = Path(out) if out is not None else Path(run_dir) / "plot.png"
     fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
     ax_loss, ax_lr, ax_tps, ax_dev = fig.subplots(4, 1, sharex=True)
-    fig.suptitle(f"osft run {Path(run_dir).resolve().name}")
-    ax_loss.plot(data.loss.steps, data.loss.values, color="tab:blue")
+    fig.suptitle(title)
+    ax_loss.plot(data.loss.steps, data.loss.values, color="tab:blue", **_marker(data.loss))
     ax_loss.set_ylabel("loss")
-    ax_lr.plot(data.lr.steps, data.lr.values, color="tab:purple")
+    ax_lr.plot(data.lr.steps, data.lr.values, color="tab:purple", **_marker(data.lr))
     ax_lr.set_ylabel("learning rate")
     for node, series in data.node_tokens_per_s.items():
-        ax_tps.plot(series.steps, series.values, label=f"node {node}")
+        ax_tps.plot(series.steps, series.values, label=f"node {node}", **_marker(series))
     ax_tps.set_ylabel("tokens/s per node")
     ax_tps.set_ylim(bottom=0)
     ax_tps.legend(loc="lower right", fontsize="small")
@@ -185,9 +205,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[Path, 
         ax.grid(alpha=0.3)
     if data.checkpoints or data.resumes:
         ax_loss.legend(loc="best", fontsize="small")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=DPI)
-    return out, data
+    return fig
 
 
 def _draw_orthogonality(ax, data: RunSeries) -> None:
@@ -196,7 +214,8 @@ def _draw_orthogonality(ax, data: RunSeries) -> None:
     if not data.ortho_max_dev_deg.steps:
         ax.text(0.5, 0.5, "no orthogonality checks (--no-osft)", transform=ax.transAxes, ha="center", va="center")
         return
-    ax.plot(data.ortho_max_dev_deg.steps, data.ortho_max_dev_deg.values, color="tab:gray", label="max deviation")
+    ax.plot(data.ortho_max_dev_deg.steps, data.ortho_max_dev_deg.values, color="tab:gray", label="max deviation",
+            **_marker(data.ortho_max_dev_deg))
     ax.set_yscale("log", nonpositive="clip")
     if data.ortho_margin_deg is not None:
         ax.axhline(data.ortho_margin_deg, color="tab:red", linestyle="--", linewidth=1, label="margin")

@@ -63,6 +63,21 @@ def _check_keys(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) 
     raise ValueError("state dict does not match the model config; " + "; ".join(parts))
 
 
+def source_generation_config(model_path: str | os.PathLike) -> Any:
+    """The ``GenerationConfig`` of the model a run started from (its ``generation_config.json``: all
+    stop ids, sampling defaults), for :func:`save_hf_model`; None when it has none (a directory
+    without the file, or a ``.gguf`` file), so the export derives one from the model config, as
+    ``from_pretrained`` does for such a source."""
+    from transformers import GenerationConfig
+
+    from ..model_loading import resolve_model_path
+
+    directory, gguf_file = resolve_model_path(model_path)
+    if gguf_file is not None or not (directory / "generation_config.json").is_file():
+        return None
+    return GenerationConfig.from_pretrained(directory)
+
+
 def save_hf_model(
     config: Any,
     state_dict: Mapping[str, torch.Tensor],

@@ -18,7 +18,7 @@ from pathlib import Path
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
 
 #: Bump when the tokenization or the stored layout changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 #: Environment variable overriding the default cache directory.
 DATA_CACHE_ENV = "OSFT_DATA_CACHE"
 

@@ -14,6 +14,9 @@ prefixes of the full rendering; a template that renders prefixes differently (e.
 the reasoning of earlier turns) is refused with a clear error, as locating the spans would be guesswork.
 That reference method costs 2 renders per assistant turn; ``SpanFinder`` gets the same spans with one
 render per conversation (content markers), checked against the reference.
+Text the template inserts before an assistant content (an empty reasoning block) is then cut from
+the span, and it and a default system prompt are counted per sample in the report
+(:mod:`.template_text`).
 
 Labels are NOT shifted here (``labels[j]`` is ``input_ids[j]`` or -100); ``collate.py`` shifts them.
 """
@@ -28,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import template_text
+from .template_text import BEFORE_ASSISTANT, CLOSE, OPEN, SYSTEM_PROMPT
 from .validate import DataValidationError, Problem, scan_chat_file
 
 IGNORE_INDEX = -100
@@ -44,7 +49,8 @@ class DataReport:
     error policy); ``truncated``: ``(line, tokens before truncation, loss tokens kept)`` of kept
     truncated samples; ``dropped_no_trainable``: lines dropped because no trained token was left
     (after truncation to ``max_seq_len``); ``total_tokens``/``total_loss_tokens``: sums over kept
-    samples (loss tokens unshifted).
+    samples (loss tokens unshifted); ``template_inserted``: text the chat template inserted that the
+    data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample).
     """
 
     path: str
@@ -58,6 +64,7 @@ class DataReport:
     dropped_no_trainable: list[int] = field(default_factory=list)
     total_tokens: int = 0
     total_loss_tokens: int = 0
+    template_inserted: list[dict] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary for the console (one string per line)."""
@@ -81,7 +88,7 @@ class DataReport:
             why = no_trainable_message(self.max_seq_len, self.overlong == "truncate")
             out.append(f"  dropped {len(self.dropped_no_trainable)} with {why}: "
                        + listed(self.dropped_no_trainable, lambda x: f"line {x}"))
-        return out
+        return out + template_text.describe(self.template_inserted, self.train_on_all)
 
     def to_dict(self) -> dict:
         """Plain-data form (tuples become lists)."""
@@ -160,8 +167,7 @@ def _rstrip_end(text: str, start: int, end: int) -> int:
     return end
 
 
-_OPEN, _CLOSE = "\ue000", "\ue001"  # Unicode private-use characters, used as content markers
-_MARKERS = re.compile("([\ue000\ue001])")
+_MARKERS = re.compile(f"([{OPEN}{CLOSE}])")
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
           {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Bye."}]
 
@@ -203,20 +209,20 @@ class SpanFinder:
         """Positions of the assistant contents in ``rendered``, or None if markers do not work."""
         marked = []
         for m in messages:
-            if _OPEN in m["content"] or _CLOSE in m["content"]:
+            if OPEN in m["content"] or CLOSE in m["content"]:
                 return None
-            marked.append(dict(m, content=_OPEN + m["content"] + _CLOSE) if m["role"] == "assistant" else m)
+            marked.append(dict(m, content=OPEN + m["content"] + CLOSE) if m["role"] == "assistant" else m)
         try:
             text = self.tokenizer.apply_chat_template(marked, tokenize=False)
         except Exception:  # noqa: BLE001
             return None
         spans, pos, start, plain = [], 0, None, []
         for piece in _MARKERS.split(text):
-            if piece == _OPEN:
+            if piece == OPEN:
                 if start is not None:
                     return None
                 start = pos
-            elif piece == _CLOSE:
+            elif piece == CLOSE:
                 if start is None:
                     return None
                 spans.append((start, pos))
@@ -229,12 +235,10 @@ class SpanFinder:
             return None
         return spans
 
-    def _fast(self, messages, rendered) -> list[tuple[int, int]] | None:
-        content = self._content_spans(messages, rendered)
+    def _fast(self, rendered, content, is_last) -> list[tuple[int, int]] | None:
         if content is None:
             return None
         gap, mid, last = self.suffixes
-        is_last = [i == len(messages) - 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
         spans = []
         for (start, end), final in zip(content, is_last):
             suffix = last if final else mid
@@ -246,7 +250,22 @@ class SpanFinder:
 
     def spans(self, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
         """Like ``assistant_char_spans`` (same result), usually with one render instead of 2 per turn."""
-        fast = self._fast(messages, rendered) if self.suffixes is not None else None
+        content = self._content_spans(messages, rendered) if self.suffixes is not None else None
+        return self._turn_spans(messages, rendered, content)
+
+    def trained_spans(self, messages: list[dict], rendered: str) -> tuple[list, list] | str:
+        """``(trained spans, inserted ranges)``: :meth:`spans` without the text the template inserted
+        before each assistant content, and those ranges (:func:`.template_text.split_inserted`); or
+        the string of :meth:`spans` saying why the row cannot be handled."""
+        content = self._content_spans(messages, rendered)
+        turns = self._turn_spans(messages, rendered, content if self.suffixes is not None else None)
+        if isinstance(turns, str):
+            return turns
+        return template_text.split_inserted(rendered, messages, turns, content)
+
+    def _turn_spans(self, messages, rendered, content) -> list[tuple[int, int]] | str:
+        is_last = [i == len(messages) - 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        fast = self._fast(rendered, content, is_last) if self.suffixes is not None else None
         if fast is None or self.verify_left > 0:
             ref = assistant_char_spans(self.tokenizer, messages, rendered)
             if fast is not None:
@@ -274,15 +293,18 @@ def _encode_with_offsets(tokenizer, texts: list[str]):
 def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_all: bool):
     """datasets.map function (batched): tokenize with offsets, mask, optionally truncate."""
     ids_list, offsets_list = _encode_with_offsets(tokenizer, batch["text"])
-    out = {k: [] for k in ("input_ids", "labels", "length", "num_loss_tokens", "full_length", "line")}
-    for ids, offsets, spans, line in zip(ids_list, offsets_list, batch["spans"], batch["line"]):
+    out = {k: [] for k in ("input_ids", "labels", "length", "num_loss_tokens", "full_length", "line",
+                           "inserted_tokens")}
+    for ids, offsets, spans, inserted, line in zip(ids_list, offsets_list, batch["spans"], batch["inserted"],
+                                                   batch["line"]):
         ids = np.array(ids, dtype=np.int32)
+        # a token belongs to a span when it starts inside it (a token straddling the start of a
+        # span, e.g. a header newline merged with the content's leading spaces, does not)
+        starts = np.fromiter(map(itemgetter(0), offsets), dtype=np.int64, count=len(ids))
+        out["inserted_tokens"].append([[key, int(((starts >= a) & (starts < b)).sum())] for a, b, key in inserted])
         if train_on_all:
             trained = np.ones(len(ids), dtype=bool)
         else:
-            # a token is trained when it starts inside a span (a token straddling the start of a
-            # span, e.g. a header newline merged with the content's leading spaces, is not)
-            starts = np.fromiter(map(itemgetter(0), offsets), dtype=np.int64, count=len(ids))
             trained = np.zeros(len(ids), dtype=bool)
             for a, b in spans:
                 trained |= (starts >= a) & (starts < b)
@@ -299,20 +321,31 @@ def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_al
 
 
 def _render_all(path, records, rendered, tokenizer, train_on_all):
-    """Spans of every record; raises DataValidationError if the template renders prefixes inconsistently."""
-    spans, problems = [], []
+    """Trained spans of every record, the ranges of text the template inserted in it as
+    ``[start, end, key]``, and the ``(where, text)`` of each key (:mod:`.template_text`).
+
+    Raises:
+        DataValidationError: the template renders prefixes inconsistently on some rows.
+    """
+    spans, inserted, problems = [], [], []
+    keys: dict[tuple[str, str], int] = {}
     finder = None if train_on_all else SpanFinder(tokenizer)
+    system = template_text.default_system_prompt(tokenizer)
     for (line, messages), text in zip(records, rendered):
-        found = [] if train_on_all else finder.spans(messages, text)
+        found = ([], []) if train_on_all else finder.trained_spans(messages, text)
         if isinstance(found, str):
             problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found))
             continue
-        spans.append([list(s) for s in found])
+        ranges = [(a, b, (BEFORE_ASSISTANT, text[a:b])) for a, b in found[1]]
+        if system and messages[0]["role"] != "system" and text.startswith(system.text, system.start):
+            ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
+        spans.append([list(s) for s in found[0]])
+        inserted.append([[a, b, keys.setdefault(key, len(keys))] for a, b, key in ranges])
     if problems:
         raise DataValidationError(problems, header=(
             f"{len(problems)} row(s) where the chat template does not render prefixes consistently; "
-            "use a template that does, or train_on_all=True"))
-    return spans
+            "use a template that does, or --train-on-all"))
+    return spans, inserted, list(keys)
 
 
 def _apply_policy(ds, report: DataReport) -> np.ndarray:
@@ -377,16 +410,19 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
     if not records:
         raise DataValidationError(problems)
-    spans = _render_all(path, records, rendered, tokenizer, train_on_all)
+    spans, inserted, inserted_keys = _render_all(path, records, rendered, tokenizer, train_on_all)
     report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong,
                         train_on_all=train_on_all, rows=len(records))
 
-    raw = Dataset.from_dict({"line": [line for line, _ in records], "text": rendered, "spans": spans},
+    raw = Dataset.from_dict({"line": [line for line, _ in records], "text": rendered, "spans": spans,
+                             "inserted": inserted},
                             features=Features({"line": Value("int64"), "text": Value("string"),
-                                               "spans": List(List(Value("int64")))}))
+                                               "spans": List(List(Value("int64"))),
+                                               "inserted": List(List(Value("int64")))}))
     features = Features({"input_ids": List(Value("int32")), "labels": List(Value("int32")),
                          "length": Value("int64"), "num_loss_tokens": Value("int64"),
-                         "full_length": Value("int64"), "line": Value("int64")})
+                         "full_length": Value("int64"), "line": Value("int64"),
+                         "inserted_tokens": List(List(Value("int64")))})
     ds = raw.map(_label_batch, batched=True, batch_size=512, remove_columns=raw.column_names,
                  features=features, num_proc=None, desc=f"tokenizing {Path(path).name}",
                  new_fingerprint=f"osft-tokenize-{id(raw)}",
@@ -394,6 +430,8 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
                                 truncate=overlong == "truncate", train_on_all=train_on_all))
 
     keep = _apply_policy(ds, report)
+    report.template_inserted = template_text.summarize(
+        inserted_keys, [c for c, k in zip(ds["inserted_tokens"], keep) if k])
     overlong_problems = [
         Problem(str(path), line, None, "messages", "overlong",
                 f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)")
@@ -407,5 +445,5 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
     if overlong_problems:
         raise OverlongSampleError(overlong_problems, report)
-    ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length"]).flatten_indices()
+    ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length", "inserted_tokens"]).flatten_indices()
     return TokenizedChat(dataset=ds, report=report)

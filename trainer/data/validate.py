@@ -23,6 +23,9 @@ Rules (``Problem.rule``) and their messages (``i`` is the message index):
 - ``roles_not_alternating`` (only when the chat template requires it):
   ``roles do not alternate user/assistant after an optional leading system message, as the chat
   template requires: messages[i].role is "user", expected "assistant"``
+- ``lone_surrogate``: ``messages[i].<field>: lone surrogate (invalid Unicode)``, once per string
+  of a message (any field, nested ones too: ``messages[i].tool_calls[0].name``) that holds half of
+  a UTF-16 surrogate pair (JSON ``"\ud83d"`` without its partner), which no tokenizer can encode
 - ``template_error``: ``chat template failed on this row: <error type>: <error message>``
 
 A UTF-8 byte-order mark at the start of the file is stripped (not an error). Blank lines are skipped.
@@ -31,6 +34,7 @@ A UTF-8 byte-order mark at the start of the file is stripped (not an error). Bla
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ from typing import Any
 ALLOWED_ROLES = ("system", "user", "assistant")
 MAX_SHOWN_PROBLEMS = 50
 _BOM = b"\xef\xbb\xbf"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,20 @@ def _type_name(value: Any) -> str:
     )
 
 
+def _surrogate_fields(value: Any, where: str):
+    """Yield the path of every string in ``value`` (nested lists and objects too) that holds a lone
+    surrogate; a JSON escape pair that forms one character never does."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            yield where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _surrogate_fields(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for j, item in enumerate(value):
+            yield from _surrogate_fields(item, f"{where}[{j}]")
+
+
 def check_row(row: Any) -> list[tuple[str | None, str, str]]:
     """Check the structure of one decoded row; returns ``(field, rule, message)`` triples.
 
@@ -114,6 +133,8 @@ def check_row(row: Any) -> list[tuple[str | None, str, str]]:
             out.append((f"{where}.role", "unknown_role",
                         f"unknown role {shown} in {where}.role (allowed: {', '.join(ALLOWED_ROLES)})"))
         has_assistant |= role == "assistant"
+        out += [(field, "lone_surrogate", f"{field}: lone surrogate (invalid Unicode)")
+                for field in _surrogate_fields(msg, where)]
         if "content" not in msg:
             out.append((f"{where}.content", "content_missing", f"missing content in {where}.content"))
         elif not isinstance(msg["content"], str):

@@ -99,3 +99,44 @@ def decoder_block_names(model: nn.Module) -> list[str]:
         raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}: no module of a class in "
                          f"its _no_split_modules {sorted(classes)}")
     return names
+
+
+def unconstrained_block_weights(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """Name and global shape of every trainable parameter of two or more dimensions inside the
+    decoder blocks (:func:`decoder_block_names`) that is not part of an OSFT target in ``targets``:
+    weights that train without OSFT's constraint, e.g. Mixtral's fused 3-D experts on transformers 5
+    and its router. One-dimensional ones (norms, biases) and everything outside the blocks
+    (embeddings, LM head, final norm) train normally by design and are not listed. Empty when the
+    model has no recognisable blocks."""
+    try:
+        blocks = tuple(f"{name}." for name in decoder_block_names(model))
+    except ValueError:
+        return []
+    inside = tuple(f"{name}." for name in targets)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()
+            if p.requires_grad and p.dim() >= 2 and name.startswith(blocks) and not name.startswith(inside)]
+
+
+def describe_unconstrained(model: nn.Module, targets: Sequence[str]) -> tuple[str | None, str | None]:
+    """``(warning, note)`` about what trains outside OSFT: the warning lists every
+    :func:`unconstrained_block_weights` entry, grouped over the blocks (``model.layers.*.mlp.gate.weight
+    [4, 32] in 2 blocks``); the note counts the parameters that train normally by design (outside the
+    blocks, and one-dimensional ones inside them). Either is None when there is nothing to say."""
+    weights = unconstrained_block_weights(model, targets)
+    groups: dict[tuple[str, tuple[int, ...]], int] = {}
+    for name, shape in weights:
+        key = (re.sub(r"\.\d+\.", ".*.", name, count=1), shape)
+        groups[key] = groups.get(key, 0) + 1
+    warning = None
+    if groups:
+        shown = "; ".join(f"{name} {list(shape)} in {n} block{'s' if n > 1 else ''}" for (name, shape), n in groups.items())
+        warning = (f"{len(weights)} weights inside the decoder blocks train without OSFT's constraint (no target "
+                   f"pattern matches them): {shown}. Name them in --osft-target-patterns if they are linear layers, "
+                   "or --freeze-non-target freezes them")
+    listed = {name for name, _ in weights}
+    inside = tuple(f"{name}." for name in targets)
+    free = sum(p.numel() for name, p in model.named_parameters()
+               if p.requires_grad and name not in listed and not name.startswith(inside))
+    note = (f"trained normally by design (not under OSFT): {free:,} parameters of the embeddings, LM head, norms "
+            "and biases") if free else None
+    return warning, note
