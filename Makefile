@@ -19,7 +19,7 @@ setup: $(BIN)/osft-train
 
 ## The main job: fetch the demo model and data, fine-tune SmolLM2-135M-Instruct with OSFT on CPU.
 demo: setup
-	$(BIN)/osft-train demo --output-dir runs/demo
+	$(BIN)/osft-train demo --output-dir runs/demo --overwrite-output-dir
 
 ## The test suite (CI runs exactly this through .ci/run); tiers and the time budget: tests/README.md.
 ## Two pytest-xdist workers, a test file each at a time (module fixtures stay shared within a file):

@@ -38,3 +38,17 @@ def test_errors_are_not_cached(tmp_path):
         with pytest.raises(DataValidationError, match="row must be an object"):
             tokenize_chat_file_cached(path, tok, 64, cache_dir=cache)
     assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_an_unwritable_cache_is_named_and_the_data_tokenized_without_it(tmp_path):
+    """Field case B33: a cache directory that cannot be created (here under a regular file; a
+    read-only home in the field) warns once, naming it and the flag, and never stops the run."""
+    tok = tiny_chat_tokenizer()
+    path = write_jsonl(tmp_path / "a.jsonl", [chat("hi", "ok"), chat("what is 2+2?", "4")])
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "cache"
+    warnings: list[str] = []
+    data, hit = tokenize_chat_file_cached(path, tok, 64, cache_dir=cache, warn=warnings.append)
+    assert not hit and data.report.kept == 2 and len(data.dataset) == 2
+    assert warnings == [f"the tokenized-data cache {cache} is not writable (Not a directory): the data is tokenized "
+                        "without it; give a writable --data-cache-dir (or --no-data-cache)"]

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
 from osft.trainer.cli import main
+from osft.trainer.cluster import CACHE_ENV
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kubernetes" / "osft-indexed-job.yaml"
 TRAIN = ["--model-name-or-path", "/workspace/m", "--data-path", "/workspace/train.jsonl",
@@ -42,9 +43,14 @@ def test_manifest_values_agree(capsys):
     assert spec["parallelism"] == spec["completions"] == int(flag(args, "--nnodes")) == 3
     assert pod["terminationGracePeriodSeconds"] > 120
     assert flag(args, "--node-rank") == "$(NODE_RANK)"
-    (env,) = container["env"]
+    env = {e["name"]: e for e in container["env"]}
     index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    assert env["valueFrom"]["fieldRef"]["fieldPath"] == index
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == index
+    # every cache is on the run volume (field case B33: home and install directory may be read-only)
+    caches = {name: e["value"] for name, e in env.items() if name != "NODE_RANK"}
+    assert set(caches) == set(CACHE_ENV) and {"NUMBA_CACHE_DIR", "OSFT_DATA_CACHE", "HF_HOME"} <= set(caches)
+    assert all(value.startswith("/workspace/runs/x/cache/") for value in caches.values())
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     # the rendezvous host is pod 0 of the Job under the headless Service that is the pods' subdomain
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {"job-name": "ft"}
     assert pod["subdomain"] == svc["metadata"]["name"]
@@ -70,6 +76,44 @@ def test_kubernetes_variable_syntax_in_flags_stays_literal(capsys):
                           "--image", "i"))
     (container,) = docs["Job"]["spec"]["template"]["spec"]["containers"]
     assert flag(container["args"], "--osft-target-patterns") == "$$(HOME)" and "resources" not in container
+
+
+def kubernetes_expands(value: str) -> bool:
+    """Whether Kubernetes would expand a variable reference in a command, argument or env value
+    (``$$`` is a literal ``$``, ``$(NAME)`` a reference)."""
+    return "$(" in value.replace("$$", "")
+
+
+def test_values_are_yaml_strings_and_never_expanded(capsys):
+    """Field case B43 for the manifest: quotes, ``#``, ``:`` and ``$(...)`` in the values stay data."""
+    out = '/work space/runs/a"b: #c $(HOME) $$(X) \\'
+    argv = ["--model-name-or-path", "/work space/m", "--data-path", "/work space/d", "--output-dir", out,
+            "--nodes", "1", "--gpus-per-node", "0", "--image", 'reg/x:1 #"y', "--mount-path", "/work space",
+            "--pvc-size", "1Gi # 2: 3", "--storage-class", "a: b", "--launcher", "wrap $(HOME) osft-train"]
+    docs = objects(render(capsys, *argv))
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == 'reg/x:1 #"y'
+    assert container["command"] == ["wrap", "$$(HOME)", "osft-train"]
+    assert flag(container["args"], "--output-dir").replace("$$", "$") == out
+    assert flag(container["args"], "--node-rank") == "$(NODE_RANK)"  # the one reference the manifest means
+    values = [*container["command"], *container["args"], *(e.get("value", "") for e in container["env"])]
+    assert [v for v in values if kubernetes_expands(v)] == ["$(NODE_RANK)"]
+    cache = {e["name"]: e["value"] for e in container["env"] if "value" in e}["OSFT_DATA_CACHE"]
+    assert cache.replace("$$", "$") == out + "/cache/tokenized"
+    assert {"name": "runs", "mountPath": "/work space"} in container["volumeMounts"]
+    pvc = docs["PersistentVolumeClaim"]["spec"]
+    assert pvc["resources"]["requests"]["storage"] == "1Gi # 2: 3" and pvc["storageClassName"] == "a: b"
+
+
+@pytest.mark.parametrize("flags", [["--output-dir", "/workspace/x\n- y"], ["--image", "i\nkind: Pod"]])
+def test_a_value_with_a_line_break_is_refused(capsys, flags):
+    argv = [*TRAIN, "--nodes", "1", "--gpus-per-node", "0", "--image", "i"]
+    argv[argv.index(flags[0]) + 1] = flags[1]
+    with pytest.raises(SystemExit) as exc:
+        main(["k8s-manifest", *argv])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == "" and "contains a control character" in captured.err
 
 
 def test_committed_example_is_a_fresh_render(capsys):

@@ -142,6 +142,90 @@ def test_missing_training_flag_exits_2(capsys):
     assert "--model-name-or-path" in err
 
 
+def sbatch_arguments(line: str) -> list[str]:
+    """The arguments sbatch reads from one ``#SBATCH`` line (after the prefix), by its documented
+    rules: whitespace separates, ``'`` and ``"`` group and are removed, a backslash escapes the next
+    character, an unquoted ``#`` starts a comment."""
+    args, word, quote, escaped, started = [], [], "", False, False
+    for ch in line:
+        if escaped:
+            word.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = started = True
+        elif quote:
+            if ch == quote:
+                quote = ""
+            else:
+                word.append(ch)
+        elif ch in "'\"":
+            quote, started = ch, True
+        elif ch == "#":
+            break
+        elif ch.isspace():
+            if started:
+                args.append("".join(word))
+            word, started = [], False
+        else:
+            word.append(ch)
+            started = True
+    if started:
+        args.append("".join(word))
+    return args
+
+
+#: Stand-ins: srun fails at once; ``id`` leaves a mark, so a value that reached the shell as code shows.
+STAND_INS = {
+    "srun": "#!/bin/bash\nexit 1\n",
+    "scontrol": "#!/bin/bash\n[ \"$1\" = show ] && echo node1\n",
+    "id": "#!/bin/bash\ntouch \"$ID_MARK\"\n",
+}
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("name", ["exp#1;$(id)", 'a"b`id`$(id)\'c', "x%j 100% $HOME"])
+def test_values_are_quoted_in_the_script_and_the_sbatch_lines_and_never_run(capsys, tmp_path, name):
+    """Field case B43: the output dir, a job name with a space, a partition with quotes are data in
+    every place the script embeds them; the failure branch names the directory literally."""
+    out = f"{tmp_path}/runs/{name}"
+    script = generate(capsys, "--model-name-or-path", "/m", "--data-path", "/d", "--output-dir", out, "--nodes", "1",
+                      "--gpus-per-node", "0", "--time", "30", "--job-name", "my job #2", "--partition", 'p "q" \\r')
+    directives = dict(sbatch_arguments(line.removeprefix("#SBATCH"))[0].partition("=")[::2]
+                      for line in script.splitlines() if line.startswith("#SBATCH "))
+    assert directives["--job-name"] == "my job #2" and directives["--partition"] == 'p "q" \\r'
+    assert directives["--output"] == out.replace("%", "%%") + "/logs/slurm-%j.out"
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, text in STAND_INS.items():
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    mark = tmp_path / "id-ran"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ID_MARK": str(mark), "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1"}
+    run = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    assert f"osft: training failed with exit code 1; rank logs under {out}/logs\n" in run.stderr
+    assert not mark.exists(), "a value of the command line ran as shell code"
+
+
+@pytest.mark.parametrize("flags", [["--output-dir", "/runs/x\nid"], ["--job-name", "a\nb"], ["--account", "a\rb"],
+                                   ["--osft-target-patterns", "q\n#SBATCH --x"]])
+def test_a_value_with_a_line_break_is_refused_before_anything_is_printed(capsys, flags):
+    argv = [*TRAIN, "--nodes", "1", "--gpus-per-node", "0", "--time", "30"]
+    if flags[0] in argv:
+        argv[argv.index(flags[0]) + 1] = flags[1]
+    else:
+        argv += flags
+    with pytest.raises(SystemExit) as exc:
+        main(["slurm-script", *argv])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    assert "contains a control character" in captured.err
+
+
 @pytest.mark.subprocess
 def test_torchrun_agent_survives_the_signals_srun_forwards_to_every_process():
     """srun and ``scancel --signal`` signal every process of a job step, torchrun's agent included,

@@ -111,15 +111,24 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
         ``(exit code, export dir)``: 0 and the final export, or :data:`EXIT_STOPPED` and None.
 
     Raises:
-        InputError: bad data, model path or sample count (before any training).
+        InputError: bad data, model path or sample count (before any training), or an output
+            directory that another job owns or an earlier run left without --resume or
+            --overwrite-output-dir (before anything is written).
         RuntimeError: the worker group failed.
     """
-    from .data.validate import DataValidationError
-    from .launcher import launch, preflight
-    from .loop import Trainer
+    from .ownership import Heartbeat, OutputDirInUse, check_output_dir, clear_previous_run, process_identity
     from .rundir import RunDir, write_text_atomic
 
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
+    resuming = bool(cfg.resume or cfg.resume_from_full_state_checkpoint)
+    try:  # before anything is written: another job's directory stays as it is
+        previous = check_output_dir(run_dir, resuming, cfg.overwrite_output_dir)
+    except OutputDirInUse as exc:
+        raise InputError(str(exc)) from exc
+    if previous and cfg.overwrite_output_dir and not resuming and cfg.node_rank == 0:
+        console.print(f"overwrite: removing the checkpoints, exports and metrics of {previous.describe()} "
+                      f"in {run_dir.root}", markup=False, highlight=False, soft_wrap=True)
+        clear_previous_run(run_dir)
     run_dir.create()
     if cfg.node_rank == 0:
         write_text_atomic(run_dir.config_yaml, config_to_yaml(cfg))
@@ -127,7 +136,18 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
     run_dir.update_run_json(
         argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
         nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,
+        **process_identity(),
     )
+    with Heartbeat(run_dir, job_id):
+        return _run(cfg, console, run_dir, job_id)
+
+
+def _run(cfg, console: Console, run_dir, job_id: str) -> tuple[int, str | None]:
+    """:func:`_train` once the run directory is this job's: prepare, train, record the end in ``run.json``."""
+    from .data.validate import DataValidationError
+    from .launcher import launch, preflight
+    from .loop import Trainer
+
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
     try:
         if in_process:

@@ -11,6 +11,7 @@ checkpoint and exit code 75, and the restarted job continues from the newest com
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -32,6 +33,42 @@ NODE_FLAGS = {
 
 #: Flags every generated job adds; a copy among the training flags is dropped.
 ADDED_FLAGS = ("--on-demand-checkpointing", "--resume")
+
+#: Caches a generated job puts on the run volume, under ``<output_dir>/cache/``: the node's home
+#: and install directory may be read-only (a container with ``readOnlyRootFilesystem``, OpenShift's
+#: ``HOME=/``). Variable -> subdirectory.
+CACHE_ENV = {
+    "OSFT_DATA_CACHE": "tokenized",  # the tokenized-data cache (--data-cache-dir overrides it)
+    "NUMBA_CACHE_DIR": "numba",
+    "HF_HOME": "huggingface",
+    "HF_DATASETS_CACHE": "datasets",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "MPLCONFIGDIR": "matplotlib",
+    "XDG_CACHE_HOME": "xdg",
+}
+
+
+def cache_env(output_dir: str) -> dict[str, str]:
+    """The :data:`CACHE_ENV` variables of a job whose run directory is ``output_dir``."""
+    return {name: f"{output_dir}/cache/{sub}" for name, sub in CACHE_ENV.items()}
+
+
+#: Control characters (line breaks included), refused in every value a generated job embeds.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_printable(values: list[str]) -> None:
+    """Refuse control characters in the values a generated job embeds: a line break in a value
+    would end the comment or directive line it is written into, and what follows would run.
+
+    Raises:
+        ValueError: naming the first value that holds one.
+    """
+    for value in values:
+        if _CONTROL.search(value):
+            raise ValueError(f"{value!r} contains a control character (a line break, a tab, ...), which a generated "
+                             "job cannot carry")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class TrainConfig:
     on_demand_checkpointing: bool = False
     resume_from_full_state_checkpoint: str | None = None
     resume: bool = False
+    overwrite_output_dir: bool = False
     checkpoint_every_steps: int = 0
     checkpoint_keep_last: int = 0
     checkpoint_grace_seconds: int = 300
@@ -283,6 +284,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="resume from this checkpoint (a full_state_checkpoints/step_N directory)")
     g.add_argument("--resume", action="store_true",
                    help="resume from the newest complete checkpoint under --output-dir, if there is one")
+    g.add_argument("--overwrite-output-dir", action="store_true",
+                   help="start a new run in an --output-dir an earlier run (no longer running) left, removing its "
+                        "checkpoints, exports and metrics (ignored with --resume)")
 
     g = p.add_argument_group("distributed launch (torchrun worker group; FSDP2, gloo on CPU, NCCL on GPU)")
     g.add_argument("--nproc-per-node", type=positive_int, default=d.nproc_per_node,

@@ -182,6 +182,13 @@ def parse_with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
     return parser.parse_args(argv)
 
 
+#: Fields that are one-time actions of a launch, not settings of the run: never written to a config
+#: file, so replaying ``<run>/config.yaml`` cannot remove the run's checkpoints again.
+ONE_TIME_FIELDS = ("overwrite_output_dir",)
+
+
 def config_to_yaml(cfg: TrainConfig) -> str:
-    """``cfg`` as a config file: every field, in declaration order, after :data:`HEADER`."""
-    return HEADER + yaml.safe_dump(cfg.to_json(), sort_keys=False, default_flow_style=False)
+    """``cfg`` as a config file: every field but :data:`ONE_TIME_FIELDS`, in declaration order,
+    after :data:`HEADER`."""
+    fields = {k: v for k, v in cfg.to_json().items() if k not in ONE_TIME_FIELDS}
+    return HEADER + yaml.safe_dump(fields, sort_keys=False, default_flow_style=False)

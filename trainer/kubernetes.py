@@ -15,6 +15,12 @@ then SIGKILL after ``terminationGracePeriodSeconds``, which is ``--checkpoint-gr
 margin here: ``osft-train`` checkpoints and exits with code 75 within it. The Job's
 ``podFailurePolicy`` does not count exit code 75 or a disruption as a failure, and replaces the pod,
 which resumes; exit code 2 (bad input) fails the Job at once. Needs Kubernetes 1.26 or newer.
+
+Every cache (tokenized data, numba, Hugging Face, ``datasets``, Triton, TorchInductor, matplotlib)
+goes to ``<output_dir>/cache/`` on the claim (:data:`.cluster.CACHE_ENV`), so the pods run with a
+read-only root file system and any home directory. Values from the command line are written as YAML
+strings, with ``$`` doubled in the container's command, arguments and environment (Kubernetes
+expands ``$(VAR)`` there); a value with a control character is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from .checkpoint.signals import EXIT_STOPPED
-from .cluster import GRACE_MARGIN_S, TrainJob, cluster_parser, non_negative_int, parse_train_flags, positive_int
+from .cluster import (GRACE_MARGIN_S, TrainJob, cache_env, check_printable, cluster_parser, non_negative_int,
+                      parse_train_flags, positive_int)
 
 #: A DNS-1123 label: what Job, Service and pod host names must be.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -79,8 +86,16 @@ def _flow_list(words: list[str], indent: str) -> str:
     return f"[\n{body},\n{indent}]"
 
 
-def _check(job: K8sJob, train: TrainJob) -> None:
-    """Raises ValueError: a name Kubernetes rejects, or a run directory outside the shared volume."""
+def _literal(text: str) -> str:
+    """``text`` as a command, argument or environment value that Kubernetes leaves as it is: it
+    expands ``$(VAR)`` there and reads ``$$`` as ``$``."""
+    return text.replace("$", "$$")
+
+
+def _check(job: K8sJob, train: TrainJob, generated_by: list[str]) -> None:
+    """Raises ValueError: a control character in a value, a name Kubernetes rejects, or a run
+    directory outside the shared volume."""
+    check_printable([*generated_by, train.config.output_dir])
     for what, name in (("--job-name", job.job_name), ("--pvc-name", job.pvc_name)):
         if not _DNS_LABEL.match(name):
             raise ValueError(f"{what} {name!r}: lowercase letters, digits and '-' only, starting and ending "
@@ -110,10 +125,12 @@ def render_indexed_job(job: K8sJob, train: TrainJob, generated_by: list[str]) ->
         ValueError: a name Kubernetes rejects, an ``--output-dir`` outside ``--mount-path``, or a
             termination grace period not longer than ``--checkpoint-grace-seconds``.
     """
-    _check(job, train)
-    words = [w.replace("$(", "$$(") for w in train.argv]  # Kubernetes expands $(VAR) in args; keep them literal
+    _check(job, train, generated_by)
+    words = [_literal(w) for w in train.argv]
     args = _flow_list([*words, *train.node_flags(str(job.nodes), job.rdzv_endpoint, "$(NODE_RANK)")], " " * 10)
-    command = "[" + ", ".join(json.dumps(w) for w in train.launcher) + "]"
+    command = "[" + ", ".join(json.dumps(_literal(w)) for w in train.launcher) + "]"
+    caches = "".join(f"\n            - name: {name}\n              value: {json.dumps(_literal(path))}"
+                     for name, path in cache_env(train.config.output_dir).items())
     storage_class = f"\n  storageClassName: {json.dumps(job.storage_class)}" if job.storage_class else ""
     gpus = f"""
           resources:
@@ -134,7 +151,7 @@ spec:
   accessModes: [ReadWriteMany]{storage_class}
   resources:
     requests:
-      storage: {job.pvc_size}
+      storage: {json.dumps(job.pvc_size)}
 ---
 # Headless Service: DNS names <job>-<index>.{job.service} for the Job's pods. Pod 0's name is the
 # rendezvous endpoint of every node; it resolves as soon as pod 0 has an address.
@@ -191,12 +208,15 @@ spec:
             - name: NODE_RANK
               valueFrom:
                 fieldRef:
-                  fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']{gpus}
+                  fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+            # every cache on the run volume: the image's home and install directory may be read-only{caches}{gpus}
           volumeMounts:
             - name: runs
-              mountPath: {job.mount_path}
+              mountPath: {json.dumps(job.mount_path)}
             - name: shm  # the ranks' shared memory and checkpoint requests; the default 64 MiB is too small
               mountPath: /dev/shm
+            - name: tmp  # temporary files, writable with a read-only root file system
+              mountPath: /tmp
       volumes:
         - name: runs
           persistentVolumeClaim:
@@ -204,6 +224,8 @@ spec:
         - name: shm
           emptyDir:
             medium: Memory
+        - name: tmp
+          emptyDir: {{}}
 """
 
 

@@ -72,15 +72,15 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     from .checkpoint.resume import check_resume_compatible, read_trainer_state
     from .checkpoint.store import newest_complete, verify_checkpoint
-    from .data.cache import tokenize_chat_file_cached
+    from .data.cache import tokenize_for_run
     from .data.positions import check_positions, position_limit
     from .data.sampler import check_enough_samples
     from .model_loading import load_tokenizer
     from .parallel import load_protected_bases
 
     tokenizer = load_tokenizer(cfg.model_name_or_path)
-    data, _ = tokenize_chat_file_cached(cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all,
-                                        cache_dir=cfg.data_cache_dir)
+    data, _ = tokenize_for_run(cfg, tokenizer, lambda message: console.print(
+        f"warning: {message}", markup=False, highlight=False, soft_wrap=True))
     check_positions(data, position_limit(cfg.model_name_or_path))  # absolute positions: error; rotary: ranks warn
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)

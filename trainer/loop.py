@@ -55,12 +55,12 @@ from .checkpoint.store import (
     verify_checkpoint,
 )
 from .config import TrainConfig
-from .data.cache import tokenize_chat_file_cached
+from .data.cache import tokenize_for_run
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.positions import check_positions, position_limit
 from .data.sampler import GlobalBatchSampler, check_enough_samples
-from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
+from .data.tokenize import IGNORE_INDEX
 from .distributed import (
     DistEnv,
     agree,
@@ -195,13 +195,9 @@ class Trainer:
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()
-        args = (cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
-        if cfg.data_cache:
-            self.data, hit = tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir)
-            if hit:
-                self._say("data: tokenized data loaded from the cache")
-        else:
-            self.data = tokenize_chat_file(*args)
+        self.data, hit = tokenize_for_run(cfg, self.tokenizer, self._warn)
+        if hit:
+            self._say("data: tokenized data loaded from the cache")
         if self.dist.is_local_main:
             barrier()
         beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))

@@ -47,6 +47,12 @@ class RunDir:
         return self.root / ("run.json" if self.node_rank == 0 else f"run.node{self.node_rank}.json")
 
     @property
+    def heartbeat(self) -> Path:
+        """``.heartbeat.node<N>.json``: rewritten by this node's running launcher every few seconds
+        (:class:`.ownership.Heartbeat`), so a launcher on another host can tell it runs."""
+        return self.root / f".heartbeat.node{self.node_rank}.json"
+
+    @property
     def config_yaml(self) -> Path:
         """``config.yaml``: the resolved config of the latest launch, written by node 0's launcher;
         ``osft-train --config <run>/config.yaml`` launches the same run again."""

@@ -19,6 +19,11 @@ SLURM options the script uses (``#SBATCH`` lines):
 - ``--open-mode=append``: each (re)start appends to the same ``<output_dir>/logs/slurm-<job id>.out``.
 - ``--chdir``: the directory the script was generated in, so relative paths mean the same.
 
+Every cache (tokenized data, numba, Hugging Face, ``datasets``, Triton, TorchInductor, matplotlib)
+goes to ``<output_dir>/cache/`` unless the submitting environment sets its variable
+(:data:`.cluster.CACHE_ENV`). Every value from the command line is shell-quoted in the script and
+quoted for sbatch in the ``#SBATCH`` lines; a value with a control character is refused (exit 2).
+
 Exit codes of the script: 0 training completed; 75 stopped after a complete checkpoint (requeued
 unless the stop was a SIGTERM: ``scancel``, or a preemption that SLURM handles itself); any other
 code is the failure of the training step.
@@ -33,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint.signals import EXIT_STOPPED
-from .cluster import GRACE_MARGIN_S, TrainJob, cluster_parser, parse_train_flags, positive_int
+from .cluster import (GRACE_MARGIN_S, TrainJob, cache_env, check_printable, cluster_parser, parse_train_flags,
+                      positive_int)
 
 #: SLURM's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 #: days-hours:minutes, days-hours:minutes:seconds.
@@ -41,6 +47,9 @@ _TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d
 
 #: Largest ``sig_time`` of ``--signal`` (seconds).
 MAX_SIGNAL_S = 65535
+
+#: Characters an ``#SBATCH`` argument may hold unquoted (sbatch gives none of them a meaning).
+_SBATCH_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
 def parse_time_limit(text: str) -> int:
@@ -99,38 +108,55 @@ def _is_number(word: str) -> bool:
     return True
 
 
+def sbatch_value(value: str) -> str:
+    """``value`` as one argument of an ``#SBATCH`` line: as is when it holds only characters sbatch
+    reads literally, else in double quotes with ``\\`` and ``"`` escaped by a backslash (sbatch splits
+    a directive at whitespace, starts a comment at an unquoted ``#`` and removes quotes and
+    backslashes, as a shell would; it expands nothing)."""
+    if _SBATCH_PLAIN.match(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def render_sbatch(job: SlurmJob, train: TrainJob, workdir: Path, generated_by: list[str]) -> str:
-    """The sbatch script of ``job`` running ``train`` on every node.
+    """The sbatch script of ``job`` running ``train`` on every node. Every value from the command
+    line is shell-quoted in the script and quoted for sbatch in the ``#SBATCH`` lines.
 
     Args:
         workdir: the job's working directory (``#SBATCH --chdir``), for relative paths.
         generated_by: the command line that generated the script (written in a comment).
 
     Raises:
-        ValueError: ``--output-dir`` or ``workdir`` contains whitespace (``#SBATCH`` lines cannot carry it).
+        ValueError: a value holds a control character (a line break would end a comment or an
+            ``#SBATCH`` line), or the working directory holds ``%`` (sbatch reads ``--chdir`` as a
+            file name pattern).
     """
     out = train.config.output_dir
-    for what, path in (("--output-dir", out), ("the working directory", str(workdir))):
-        if re.search(r"\s", path):
-            raise ValueError(f"{what} {path!r} contains whitespace, which #SBATCH lines cannot carry")
+    check_printable([*generated_by, str(workdir), out])
+    if "%" in str(workdir):
+        raise ValueError(f"the working directory {str(workdir)!r} contains '%', which #SBATCH --chdir reads as a "
+                         "file name pattern: generate the script in another directory")
     nproc = train.config.nproc_per_node
-    directives = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
+    directives = [f"--job-name={sbatch_value(job.job_name)}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     if job.gpus_per_node:
         directives.append(f"--gpus-per-node={job.gpus_per_node}")
     if job.cpus_per_task:
         directives.append(f"--cpus-per-task={job.cpus_per_task}")
-    directives += [f"--time={job.time}", f"--signal=B:USR2@{job.signal_seconds}", "--requeue", "--open-mode=append",
-                   f"--output={out}/logs/slurm-%j.out", f"--chdir={workdir}"]
+    # In --output, % starts a file name pattern (%j: the job id) and %% is a literal %.
+    log = out.replace("%", "%%") + "/logs/slurm-%j.out"
+    directives += [f"--time={sbatch_value(job.time)}", f"--signal=B:USR2@{job.signal_seconds}", "--requeue", "--open-mode=append",
+                   f"--output={sbatch_value(log)}", f"--chdir={sbatch_value(str(workdir))}"]
     if job.partition:
-        directives.append(f"--partition={job.partition}")
+        directives.append(f"--partition={sbatch_value(job.partition)}")
     if job.account:
-        directives.append(f"--account={job.account}")
+        directives.append(f"--account={sbatch_value(job.account)}")
     port = str(job.rdzv_port) if job.rdzv_port else "$((29500 + SLURM_JOB_ID % 1000))"
     # Shell words: the training command quoted; the per-node values are expanded by this shell, but
     # the node rank only inside each srun task (below).
     words = [*map(shlex.quote, [*train.launcher, *train.argv]),
              *train.node_flags('"$SLURM_NNODES"', '"$rdzv_host:$rdzv_port"')]
     head = "\n".join(f"#SBATCH {d}" for d in directives)
+    cache_exports = "\n".join(f'export {name}="${{{name}:-{path}}}"' for name, path in cache_env("$out_dir").items())
     return f"""#!/bin/bash
 # osft-train on {job.nodes} node(s) x {nproc} rank(s), stopped with a checkpoint {job.signal_seconds} s before
 # the time limit and requeued until training completes. Generated by:
@@ -139,6 +165,9 @@ def render_sbatch(job: SlurmJob, train: TrainJob, workdir: Path, generated_by: l
 {head}
 
 set -u
+out_dir={shlex.quote(out)}
+# Every cache on the run volume (a value set where the job was submitted wins).
+{cache_exports}
 # The c10d rendezvous (torchrun's store) runs on the first node of the allocation.
 rdzv_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 rdzv_port={port}
@@ -205,7 +234,7 @@ case $code in
             echo "osft: stopped by SIG$stop with exit code $code;" \
                 "a new start resumes from the newest complete checkpoint" >&2
         else
-            echo "osft: training failed with exit code $code; rank logs under {out}/logs" >&2
+            echo "osft: training failed with exit code $code; rank logs under $out_dir/logs" >&2
         fi
         exit "$code" ;;
 esac
@@ -252,8 +281,8 @@ def main(argv: list[str]) -> int:
     if signal_s < grace:
         print(f"{prog}: warning: --signal-seconds {signal_s} is shorter than --checkpoint-grace-seconds {grace}: "
               "a checkpoint that takes longer is cut off by the time limit", file=sys.stderr)
-    job = SlurmJob(args.nodes, args.gpus_per_node, args.time, signal_s, args.job_name, args.partition, args.account,
-                   args.cpus_per_task, args.rdzv_port)
+    job = SlurmJob(args.nodes, args.gpus_per_node, args.time.strip(), signal_s, args.job_name, args.partition,
+                   args.account, args.cpus_per_task, args.rdzv_port)
     try:
         script = render_sbatch(job, train, Path.cwd(), ["osft-train", "slurm-script", *argv])
     except ValueError as exc:

@@ -4,7 +4,8 @@ determines the result, so a rerun on the same file skips validation and tokeniza
 Key = SHA-256 over: the data file's bytes, the tokenizer (its serialized fast tokenizer and chat
 template), ``max_seq_len``, the overlong policy, ``train_on_all`` and :data:`CACHE_FORMAT`. Only
 successful results are stored; an entry is written to a temporary directory and renamed, so a
-half-written entry is never read.
+half-written entry is never read. A cache directory that cannot be written (a read-only home or
+image) is never required: the data is tokenized without it, with a warning naming the directory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
@@ -47,9 +50,13 @@ def cache_key(path, tokenizer, max_seq_len: int, overlong: str, train_on_all: bo
 
 def tokenize_chat_file_cached(
     path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
-    cache_dir: Path | None = None,
+    cache_dir: Path | None = None, warn: Callable[[str], None] | None = None,
 ) -> tuple[TokenizedChat, bool]:
     """:func:`.tokenize.tokenize_chat_file` through the cache in ``cache_dir``.
+
+    Args:
+        warn: called with a message when the cache cannot be written (default: ``warnings.warn``);
+            the data is then returned without being stored.
 
     Returns:
         ``(data, hit)``: the tokenized data (memory-mapped from the cache) and whether it came
@@ -68,11 +75,33 @@ def tokenize_chat_file_cached(
         return TokenizedChat(dataset=Dataset.load_from_disk(str(entry / "dataset")), report=report), True
     data = tokenize_chat_file(path, tokenizer, max_seq_len, overlong, train_on_all)
     tmp = entry.with_name(f".{entry.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    data.dataset.save_to_disk(str(tmp / "dataset"))
-    (tmp / "report.json").write_text(data.report.to_json())
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        data.dataset.save_to_disk(str(tmp / "dataset"))
+        (tmp / "report.json").write_text(data.report.to_json())
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (warn or warnings.warn)(f"the tokenized-data cache {root} is not writable ({exc.strerror or exc}): the data "
+                                f"is tokenized without it; give a writable --data-cache-dir (or --no-data-cache)")
+        return data, False
     try:
         os.replace(tmp, entry)
     except OSError:  # another process stored the same entry first
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenizedChat(dataset=Dataset.load_from_disk(str(entry / "dataset")), report=data.report), False
+
+
+def tokenize_for_run(cfg, tokenizer, warn: Callable[[str], None]) -> tuple[TokenizedChat, bool]:
+    """Tokenize ``cfg.data_path`` as the run's flags say: through the cache in ``--data-cache-dir``
+    (or the default), or without it under ``--no-data-cache``.
+
+    Returns:
+        ``(data, hit)`` as :func:`tokenize_chat_file_cached`.
+
+    Raises:
+        Everything :func:`.tokenize.tokenize_chat_file` raises.
+    """
+    args = (cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+    if not cfg.data_cache:
+        return tokenize_chat_file(*args), False
+    return tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir, warn=warn)

@@ -17,7 +17,20 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
+def _compiled(fn):
+    """``fn`` compiled by numba, with its on-disk cache where numba finds a writable place for it
+    (next to this file, or ``$NUMBA_CACHE_DIR``, or the user's cache directory), else without: a
+    read-only install directory and home (a container with a read-only root file system) costs a
+    compilation per process, never the start."""
+    try:
+        return njit(cache=True)(fn)
+    except RuntimeError as exc:  # numba: "cannot cache function ...: no locator available for file ..."
+        if "no locator available" not in str(exc):
+            raise
+        return njit(fn)
+
+
+@_compiled
 def lpt_assign(lengths, n_bins, capacity):  # pragma: no cover - compiled
     """LPT-assign samples to ``n_bins`` bins of ``capacity`` tokens (numba-compiled).
 
