@@ -268,3 +268,42 @@ def dense_forgetting(model_dir: Path, export_dir: Path, urr: float, targets: tup
         out[name] = (float(torch.linalg.matrix_norm(w_new - w) / torch.linalg.matrix_norm(w)),
                      float(torch.linalg.svdvals(w_new - w_high)[0] / s[k_high - 1]))
     return out
+
+
+def float64_grad_norm(trainer, indices) -> float:
+    """Field case B51's reference: the global gradient norm of one optimizer step of ``trainer`` (a
+    prepared one-rank :class:`osft.trainer.loop.Trainer`, before the step) on the samples
+    ``indices``, computed in float64 in this process, independently of the trainer's step.
+
+    A float64 copy of the model runs each sample alone (no packing); the loss is the sum of the
+    token losses over the number of loss tokens of the batch, as the trainer normalises it. OSFT
+    factor gradients are projected in float64 as the trainer projects them (U side
+    ``g − B(Bᵀg)``, or ``B(Bᵀg)`` for a stored complement basis; V side likewise on rows); the norm
+    is that of every gradient, clipped or not."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from osft.trainer.data.tokenize import IGNORE_INDEX
+    from osft.trainer.osft.decomposition import OSFTLinear
+
+    model = copy.deepcopy(trainer.model).double().train()
+    loss = torch.zeros((), dtype=torch.float64)
+    for i in indices:
+        sample = trainer.data[int(i)]
+        logits = model(input_ids=torch.tensor([sample["input_ids"]]), use_cache=False).logits[0, :-1]
+        loss = loss + F.cross_entropy(logits, torch.tensor(sample["labels"][1:]), ignore_index=IGNORE_INDEX,
+                                      reduction="sum")
+    (loss / int(trainer.loss_tokens[np.asarray(indices)].sum())).backward()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, OSFTLinear) and m.U_low.grad is not None:
+                u, v = m.U_low.grad, m.V_low.grad
+                if m.U_basis.shape[1]:
+                    c = m.U_basis @ (m.U_basis.t() @ u)
+                    u.copy_(c if m.u_keep else u - c)
+                if m.V_basis.shape[0]:
+                    c = (v @ m.V_basis.t()) @ m.V_basis
+                    v.copy_(c if m.v_keep else v - c)
+    grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.cat(grads)))

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QA, chat, write_jsonl
+from helpers import QA, chat, float64_grad_norm, write_jsonl
 from safetensors.torch import load_file
 
 from osft.trainer.cli import main
+from osft.trainer.config import build_parser, config_from_args
+from osft.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
@@ -168,3 +170,16 @@ def test_osft_cache_v_env_sets_the_flag_default(monkeypatch):
     assert build_parser().parse_args(argv).osft_cache_v_high is True
     monkeypatch.setenv("OSFT_CACHE_V", "0")
     assert build_parser().parse_args(argv).osft_cache_v_high is False
+
+
+@pytest.mark.torchrun
+def test_two_ranks_grad_norm_equals_a_float64_reference(tiny, two_ranks, tmp_path):
+    """Field case B51 on two ranks (OSFT on): step 1's reported gradient norm against the float64
+    reference of the same batch, computed in this process (tests/test_grad_norm.py: one rank)."""
+    model, data = tiny
+    argv = ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(tmp_path / "ref"),
+            "--batch-size", "5", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "10"]
+    trainer = Trainer(config_from_args(build_parser().parse_args(argv)))
+    trainer.prepare()  # the same SVD factors as the two-rank run, and its first batch
+    want = float64_grad_norm(trainer, trainer.sampler.batch(0, 0))
+    assert steps(two_ranks)[0]["grad_norm"] == pytest.approx(want, rel=1e-6)

@@ -63,8 +63,9 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
         the config the ranks get: ``--resume`` replaced by the checkpoint it found (or dropped).
 
     Raises:
-        DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count, or
-            protected subspaces that do not fit the model.
+        DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count,
+            protected subspaces that do not fit the model, or a warmup that would leave every step
+            at learning rate 0 (:func:`.schedule.check_warmup`).
         CheckpointError: the checkpoint to resume from is incomplete or corrupt, or was saved with
             another world size, batch setting, data or OSFT setting.
     """
@@ -74,9 +75,10 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from .checkpoint.store import newest_complete, verify_checkpoint
     from .data.cache import tokenize_for_run
     from .data.positions import check_positions, position_limit
-    from .data.sampler import check_enough_samples
+    from .data.sampler import GlobalBatchSampler, check_enough_samples
     from .model_loading import load_tokenizer
     from .parallel import load_protected_bases
+    from .schedule import check_warmup
 
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     data, _ = tokenize_for_run(cfg, tokenizer, lambda message: console.print(
@@ -97,9 +99,13 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
         resume = replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
     elif cfg.resume_from_full_state_checkpoint:
         verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
+    saved = None
     if resume.resume_from_full_state_checkpoint:  # its warnings are logged by the ranks
         path = Path(resume.resume_from_full_state_checkpoint)
-        check_resume_compatible(read_trainer_state(path), cfg, cfg.nproc_per_node * cfg.nnodes, len(data), path)
+        saved = read_trainer_state(path)
+        check_resume_compatible(saved, cfg, cfg.nproc_per_node * cfg.nnodes, len(data), path)
+    steps = GlobalBatchSampler(len(data), cfg.batch_size, cfg.seed).run_steps(cfg.max_steps, cfg.num_epochs)
+    check_warmup(cfg.warmup_steps, steps, saved["step"] if saved else 0)  # its warning too
     return resume
 
 

@@ -35,6 +35,7 @@ from .checkpoint.requests import Request, RequestPoller
 from .checkpoint.resume import (
     RESUME_SETTINGS,
     RESUME_WARN_SETTINGS,
+    changed_settings,
     check_resume_compatible,
     read_trainer_state,
 )
@@ -83,7 +84,7 @@ from .osft.targets import describe_unconstrained, find_target_modules
 from .parallel import build_model, load_protected_bases, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
-from .schedule import build_scheduler
+from .schedule import build_scheduler, check_warmup
 from .trackers import open_trackers
 
 
@@ -264,8 +265,10 @@ class Trainer:
         )
         self.node_of_rank = node_ranks(self.dist)
         self.sampler = GlobalBatchSampler(len(self.data), cfg.batch_size, cfg.seed)
-        # As in HF Trainer, --max-steps overrides --num-epochs (epochs repeat as needed).
-        self.total_steps = cfg.max_steps or cfg.num_epochs * self.sampler.steps_per_epoch
+        self.total_steps = self.sampler.run_steps(cfg.max_steps, cfg.num_epochs)
+        warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved["step"] if saved else 0)
+        if warmup_warning and self.dist.rank == 0:
+            self._warn(warmup_warning)
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
         if cfg.checkpointing or resume_dir is not None:
@@ -277,7 +280,8 @@ class Trainer:
             self.start_step = state["step"]
             self.counters = dict(state["counters"])
             restore_rng(rng)  # last: nothing after this draws random numbers before training
-            self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir))
+            self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir),
+                             changed={k: list(v) for k, v in changed_settings(saved, cfg).items()})
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
 
     def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
@@ -465,7 +469,7 @@ class Trainer:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # what this update uses (also after a resume that changed it)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -57,3 +57,50 @@ def build_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup_steps: i
         return lr_multiplier(name, step, warmup_steps, total_steps)
 
     return LambdaLR(optimizer, multiplier)
+
+
+def restore_position(scheduler: LambdaLR, state: dict) -> list[float]:
+    """Move ``scheduler`` (built with this run's peak lr, schedule, warmup and length) to the
+    position saved in ``state`` (a ``LambdaLR.state_dict()`` of the run being resumed), and set
+    every parameter group's lr to what this run's schedule gives there.
+
+    Only the position (``last_epoch``, the number of optimizer steps taken) comes from ``state``;
+    the peak lr and the multipliers are this run's. With unchanged settings the lrs are the saved
+    ones bit for bit (the same product ``peak × multiplier(step)``).
+
+    Returns:
+        the lr of each parameter group for the next optimizer step.
+    """
+    step = state["last_epoch"]
+    base_lrs = list(scheduler.base_lrs)
+    lrs = [base * fn(step) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    scheduler.load_state_dict({**state, "base_lrs": base_lrs, "_last_lr": lrs})
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    return lrs
+
+
+def check_warmup(warmup_steps: int, total_steps: int, start_step: int = 0) -> str | None:
+    """Field case B55: a warmup that covers the whole run.
+
+    The warmup rises linearly from 0, so the peak learning rate is first used at step index
+    ``warmup_steps``; a run of ``total_steps`` optimizer steps reaches it only if
+    ``warmup_steps < total_steps``. A run whose every remaining step (indices ``start_step`` to
+    ``total_steps - 1``) would use lr 0 would train nothing: that is refused.
+
+    Returns:
+        a warning naming both values when ``warmup_steps >= total_steps`` (None otherwise).
+
+    Raises:
+        ValueError: every step from ``start_step`` on would train at learning rate 0.
+    """
+    if warmup_steps < total_steps:
+        return None
+    steps = range(start_step, total_steps)
+    if steps and not any(lr_multiplier("constant", k, warmup_steps, total_steps) for k in steps):
+        raise ValueError(f"--warmup-steps {warmup_steps} with a run of {total_steps} optimizer step(s): every step "
+                         "would train at learning rate 0 (the warmup starts at 0), so nothing would be trained; "
+                         "use fewer warmup steps than steps")
+    highest = lr_multiplier("constant", total_steps - 1, warmup_steps, total_steps)
+    return (f"--warmup-steps {warmup_steps} >= the run's {total_steps} optimizer steps: the learning rate never "
+            f"reaches its peak (--learning-rate); the last step uses {highest:.3g} × the peak")

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..distributed import DistEnv, agree, barrier, is_distributed
 from ..osft.surgery import OSFTModel
+from ..schedule import restore_position
 from .manifest import (
     MANIFEST,
     CheckpointError,
@@ -50,7 +51,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
-from .resume import TRAINER_STATE, read_trainer_state
+from .resume import TRAINER_STATE, read_trainer_state, with_run_hyperparameters
 from .safe_load import SafeFileSystemReader, load_plain
 from .store import versions
 
@@ -226,6 +227,11 @@ class Checkpointer:
     def load(self, step_dir: Path) -> tuple[dict, dict[str, Any]]:
         """Load model, optimizer and scheduler from a verified checkpoint.
 
+        AdamW's state (moments, step counts) and the schedule's position come from the checkpoint;
+        the hyperparameters (lr, betas, eps, weight decay) and the schedule's shape are this run's
+        (:func:`.resume.with_run_hyperparameters`, :func:`..schedule.restore_position`), so a setting
+        changed on resume applies from the first resumed step.
+
         Returns:
             ``(trainer_state, rng)``: the plain trainer state, and this rank's generator states
             (for the caller to restore last, after everything else that draws random numbers).
@@ -257,7 +263,7 @@ class Checkpointer:
                 s.update({k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                                 run_check=False)
                           for k, v in s.items() if k != "step"})
-        self.optimizer.load_state_dict(optim)
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.optimizer.load_state_dict(with_run_hyperparameters(optim, self.optimizer))
+        restore_position(self.scheduler, trainer_state["scheduler"])
         rng = load_plain(step_dir / f"rng_rank{r}.pt")
         return trainer_state, rng

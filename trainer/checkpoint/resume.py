@@ -1,13 +1,18 @@
 """What must match between a full-state checkpoint and the run resuming from it (field cases B12,
-B13): checked by the launcher before any rank starts, and again by every rank."""
+B13): checked by the launcher before any rank starts, and again by every rank; and what may change
+(field case B46): the optimisation settings, which the resumed run uses from its first step."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import TrainConfig
 from .manifest import CheckpointError
+
+if TYPE_CHECKING:  # the launcher's checks stay free of torch
+    import torch
 
 #: Plain trainer state of a checkpoint (step, counters, scheduler, data position, settings).
 TRAINER_STATE = "trainer_state.json"
@@ -16,7 +21,10 @@ TRAINER_STATE = "trainer_state.json"
 RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
                    "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
                    "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces")
-#: Settings that may change on resume, with a warning that the trajectory then differs.
+#: Settings that may change on resume: the resumed run uses this run's values from its first step
+#: (AdamW's hyperparameters through :func:`with_run_hyperparameters`, the schedule through
+#: :func:`..schedule.restore_position`, the clipping threshold and length read every step), with a
+#: warning that the trajectory then differs from an uninterrupted run.
 RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
                         "max_grad_norm", "max_steps", "num_epochs")
 
@@ -25,7 +33,9 @@ def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, num_
     """Compare a checkpoint's ``trainer_state.json`` with this run (field cases B12, B13).
 
     Returns:
-        warnings for optimisation settings that changed (the run continues, but not bit-identically).
+        one warning per optimisation setting that changed (:data:`RESUME_WARN_SETTINGS`): it is
+        used from the first resumed step on, so the run is no longer bit-identical to an
+        uninterrupted one.
 
     Raises:
         CheckpointError: another world size, batch size, micro-batch budget, seed, data size or
@@ -42,9 +52,33 @@ def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, num_
         if settings.get(key, getattr(cfg, key)) != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} was saved with --{key.replace('_', '-')} {settings[key]}, "
                                   f"this run has {getattr(cfg, key)}: resume with the same setting")
-    return [f"--{k.replace('_', '-')} changed from {settings[k]} to {getattr(cfg, k)} since checkpoint "
-            f"{path}: the resumed run will differ from an uninterrupted one"
-            for k in RESUME_WARN_SETTINGS if settings.get(k, getattr(cfg, k)) != getattr(cfg, k)]
+    return [f"--{k.replace('_', '-')} changed from {old} to {new} since checkpoint {path}: used from step "
+            f"{saved['step'] + 1} on, so the resumed run differs from an uninterrupted one"
+            for k, (old, new) in changed_settings(saved, cfg).items()]
+
+
+def changed_settings(saved: dict, cfg: TrainConfig) -> dict[str, tuple]:
+    """``{setting: (checkpoint's value, this run's value)}`` for every optimisation setting of
+    :data:`RESUME_WARN_SETTINGS` that differs between ``saved`` (a ``trainer_state.json``) and ``cfg``."""
+    settings = saved["settings"]
+    return {k: (settings[k], getattr(cfg, k)) for k in RESUME_WARN_SETTINGS
+            if settings.get(k, getattr(cfg, k)) != getattr(cfg, k)}
+
+
+def with_run_hyperparameters(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A saved optimizer state dict whose parameter groups carry ``optimizer``'s hyperparameters
+    (lr, initial_lr, betas, eps, weight_decay, ...; built from this run's settings) instead of the
+    saved ones: loading it restores AdamW's moments and step counts, never the old settings.
+
+    Raises:
+        CheckpointError: the saved state has another number of parameter groups.
+    """
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"the saved optimizer state has {len(saved['param_groups'])} parameter groups, "
+                              f"this run's optimizer {len(optimizer.param_groups)}")
+    groups = [{**group, **{k: v for k, v in current.items() if k != "params"}}
+              for group, current in zip(saved["param_groups"], optimizer.param_groups)]
+    return {**saved, "param_groups": groups}
 
 
 def read_trainer_state(step_dir: Path) -> dict:

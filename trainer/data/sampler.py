@@ -32,6 +32,11 @@ class GlobalBatchSampler:
         """Optimizer steps in one pass over the data."""
         return math.ceil(self.num_samples / self.batch_size)
 
+    def run_steps(self, max_steps: int | None, num_epochs: int) -> int:
+        """Optimizer steps of the whole run: ``max_steps`` when given (as in HF Trainer it overrides
+        ``num_epochs``; epochs repeat as needed), else ``num_epochs`` passes over the data."""
+        return max_steps or num_epochs * self.steps_per_epoch
+
     def batch(self, epoch: int, index: int) -> list[int]:
         """Sample indices of batch ``index`` (0-based) of ``epoch`` (0-based)."""
         gen = torch.Generator().manual_seed(self.seed + epoch)
