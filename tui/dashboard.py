@@ -27,7 +27,8 @@ from .components.ranks import RankTable
 from .components.violations import ViolationCounters
 from .processes import ProcessView, ProcStats, kill, send_request, this_host
 from .reader import Reader, Update
-from .run_state import RunModel, RunWatcher
+from .run_state import RunModel
+from .watcher import RunWatcher
 from .tail import LogTail
 
 #: Seconds between the costly redraws (sparklines, rank table, event pane) and psutil samples of
