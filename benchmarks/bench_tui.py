@@ -502,7 +502,7 @@ async def run_flood(args, root: Path, logs: list[Path], job_id: str, max_steps: 
 
 def check_counts(reports: list[dict], dash, richlog) -> dict:
     """Written vs read per file and per node; what the dashboard shows; bounded buffers."""
-    from osft.tui.components.format import fmt_rate
+    from osft.tui.format import fmt_rate
     from osft.tui.components.nodes import NodeTable
 
     w, table = dash.run, dash.query_one(NodeTable)

@@ -20,7 +20,7 @@ import pytest
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
 from osft.tui.app import OsftTui
 from osft.tui.components.checkpoints import CheckpointTable
-from osft.tui.components.format import fmt_rate
+from osft.tui.format import fmt_rate
 from osft.tui.components.modals import Choice, LogScreen
 from osft.tui.components.new_run import NewRunScreen
 from osft.tui.components.nodes import NodeTable

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from osft.trainer.checkpoint.manifest import describe_files, write_manifest
 from osft.tui.launch import RunSpec, resume_argv
-from osft.tui.run_state import RunWatcher
 from osft.tui.tail import JsonlTail, LogTail
+from osft.tui.watcher import RunWatcher
 
 
 def _append(path: Path, text: str) -> None:

@@ -15,38 +15,9 @@ from pathlib import Path
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-from .dashboard import CONTROLS, SIGNALLING, Dashboard
+from .controls import offered
+from .dashboard import Dashboard
 from .launch import DEFAULT_LAUNCHER
-
-CSS = """
-#header { height: 1; background: $panel; padding: 0 1; }
-#violations { height: 1; padding: 0 1; background: $success-darken-3; }
-#violations.alert { background: $error; color: $text; text-style: bold; }
-#top { height: 8; }
-#nodes { width: 3fr; }
-#histories { width: 1fr; min-width: 24; padding: 0 1; }
-.history-label { color: $text-muted; }
-Sparkline { height: 1; margin-bottom: 0; }
-#middle { height: 1fr; min-height: 6; }
-#checkpoint-pane { width: 2fr; }
-#rank-pane { width: 3fr; }
-.pane-title { color: $text-muted; padding: 0 1; }
-#events { height: 1fr; min-height: 4; border-top: solid $panel; }
-#buttons { height: 1; }
-#buttons Button { margin: 0 1 0 0; }
-Choice, HelpScreen, LogScreen { align: center middle; }
-.dialog { width: 90; max-width: 95%; height: auto; max-height: 90%; border: thick $primary; background: $surface; padding: 1 2; }
-.dialog.logs { height: 90%; }
-.dialog-title { text-style: bold; margin-bottom: 1; }
-.dialog-body { height: auto; max-height: 16; }
-.dialog-buttons { height: auto; margin-top: 1; }
-.dialog-buttons Button { margin-right: 2; }
-#rank-log { height: 1fr; }
-#new-run { padding: 1 2; }
-#new-run-grid { grid-size: 2; grid-columns: 36 1fr; grid-rows: 3; height: auto; }
-#new-run-grid Label { padding: 1 0; }
-#new-run-problems { height: auto; margin: 1 0; }
-"""
 
 
 class OsftTui(App[int]):
@@ -59,7 +30,7 @@ class OsftTui(App[int]):
         poll_s: seconds between polls (s).
     """
 
-    CSS = CSS
+    CSS_PATH = "app.tcss"
     TITLE = "osft-tui"
 
     def __init__(self, run_dir: Path | None = None, launcher: list[str] | None = None, readonly: bool = False,
@@ -92,9 +63,5 @@ class OsftTui(App[int]):
         yield from super().get_system_commands(screen)
         if screen is not self.dashboard:
             return
-        for key, action, _label, text in CONTROLS:
-            if self.readonly and action in SIGNALLING:
-                continue
-            title = text.rsplit(" (", 1)[0]
-            doc = (getattr(Dashboard, f"action_{action}").__doc__ or "").strip().split("\n")[0]
-            yield SystemCommand(title, doc or title, lambda a=action: self.dashboard.run_action(a))
+        for c in offered(self.readonly):
+            yield SystemCommand(c.title, c.help, lambda a=c.action: self.dashboard.run_action(a))

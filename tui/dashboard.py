@@ -1,34 +1,29 @@
-"""The dashboard screen: one run's state, nodes, violation counters, checkpoints, ranks and events,
-and the controls that act on the run (checkpoint, stop, kill, resume, logs, quit).
+"""The dashboard screen: one run's state, nodes, violation counters, checkpoints, ranks and events.
+
+It polls the run (through a reader process) and redraws; the keys, buttons and palette commands
+run the control flows of :mod:`.controls`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Label, RichLog
 
-from . import launch as launching
 from .components.checkpoints import CheckpointTable
 from .components.header import RunHeader
-from .components.modals import Choice, HelpScreen, LogScreen
-from .components.new_run import NewRunScreen
 from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .processes import ProcessView, ProcStats, kill, send_request, this_host
+from .controls import CONTROLS, SIGNALLING, Controls, offered
+from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
-from .run_state import RunModel, RunWatcher
-from .tail import LogTail
+from .run_state import RunModel
 
 #: Seconds between the costly redraws (sparklines, rank table, event pane) and psutil samples of
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
@@ -38,22 +33,6 @@ SAMPLE_S = 1.0
 #: counted in a "… not shown" line (a flooding run cannot make the UI slow to answer keys).
 EVENT_LINES = 20
 LOG_LINES = 12
-#: Actions that signal a run; --readonly removes them.
-SIGNALLING = frozenset({"checkpoint", "stop", "kill", "resume"})
-#: Seconds to wait for a stopped run's processes beyond its checkpoint grace period.
-STOP_MARGIN_S = 30.0
-
-#: (key, action, footer label, button label) of every dashboard control.
-CONTROLS = (
-    ("c", "checkpoint", "checkpoint", "Checkpoint (c)"),
-    ("s", "stop", "ckpt+stop", "Checkpoint & stop (s)"),
-    ("K", "kill", "kill", "Kill (K)"),
-    ("r", "resume", "resume", "Resume selected (r)"),
-    ("l", "logs", "logs", "Rank logs (l)"),
-    ("n", "new_run", "new run", "New run (n)"),
-    ("question_mark", "help", "help", "Help (?)"),
-    ("q", "request_quit", "quit", "Quit (q)"),
-)
 
 LEVEL_STYLE = {"info": "", "warning": "yellow", "error": "bold red", "log": "dim"}
 
@@ -68,12 +47,11 @@ class Dashboard(Screen):
         poll_s: seconds between polls of the run directory and the processes.
     """
 
-    BINDINGS = [Binding(key, action, label, priority=True, key_display="?" if key == "question_mark" else None)
-                for key, action, label, _ in CONTROLS]
+    BINDINGS = [c.binding for c in CONTROLS]
 
     def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
         super().__init__(id="dashboard")
-        self.launcher = launcher
+        self.controls = Controls(self, launcher)
         self.readonly = readonly
         self.poll_s = poll_s
         self.reader: Reader | None = None
@@ -83,8 +61,6 @@ class Dashboard(Screen):
         self._queued = Update(RunModel("."))
         self._live = False
         self._sampled = float("-inf")
-        self.started: list[subprocess.Popen] = []
-        self.pending: list[tuple[str, int | None]] = []
         if run_dir is not None:
             self.attach(run_dir)
 
@@ -104,9 +80,9 @@ class Dashboard(Screen):
                 yield RankTable(id="ranks")
         yield RichLog(id="events", max_lines=1000, wrap=False, markup=False)
         with Horizontal(id="buttons"):
-            for _key, action, _label, text in CONTROLS:
-                if not (self.readonly and action in SIGNALLING):
-                    yield Button(text, id=f"button-{action}", compact=True)
+            for c in offered(self.readonly):
+                key = self.app.get_key_display(c.binding)
+                yield Button(f"{c.title} ({key})", id=f"button-{c.action}", compact=True)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -122,14 +98,18 @@ class Dashboard(Screen):
         await self.run_action((event.button.id or "").removeprefix("button-"))
 
     # ------------------------------------------------------------------ polling
-    def attach(self, run_dir: Path) -> None:
-        """Watch ``run_dir`` from now on (its history is read from the start, in a reader process)."""
+    def attach(self, run_dir: Path, clear: bool = False) -> None:
+        """Watch ``run_dir`` from now on (its history is read from the start, in a reader process);
+        ``clear`` empties the event pane and the checkpoint list of the run shown before."""
         if self.reader is not None:
             self.reader.close()
         self.reader = Reader(run_dir, self.poll_s)
         self.run = RunModel(run_dir)
         self.view = ProcessView(self.run)
-        self.pending.clear()
+        self.controls.pending.clear()
+        if clear:
+            self.query_one("#events", RichLog).clear()
+            self.query_one(CheckpointTable).show([])
 
     def on_unmount(self) -> None:
         if self.reader is not None:
@@ -137,7 +117,7 @@ class Dashboard(Screen):
 
     def poll(self) -> None:
         """Take the reader's update, sample the processes (every :data:`SAMPLE_S`), redraw."""
-        self.started = [p for p in self.started if p.poll() is None]  # reap launchers that ended
+        self.controls.reap()
         if self.reader is None or self.run is None or self.view is None:
             self.query_one(RunHeader).show(None, None)
             return
@@ -176,7 +156,9 @@ class Dashboard(Screen):
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats)
         for record in update.saved if update else []:
-            self._confirm_saved(record)
+            self.controls.answer(record)
+            if isinstance(step := record.get("step"), int):
+                self.query_one(CheckpointTable).select_step(step)  # r resumes from it
 
     def _queue_events(self, update: Update) -> None:
         """Keep the update's lines for the next write (the newest :data:`EVENT_LINES` event lines
@@ -202,194 +184,39 @@ class Dashboard(Screen):
         return {r: (self.view.sample(self.view.rank(r)) if this_host(info.hostname) else None)
                 for r, info in self.run.ranks.items()}
 
-    def _confirm_saved(self, record: dict) -> None:
-        """A ``checkpoint_saved`` record arrived: answer the pending request and select it in the list."""
-        step, path = record.get("step"), record.get("path")
-        if self.pending:
-            kind, _ = self.pending.pop(0)
-            self.notify(f"checkpoint of step {step} written to {path}", title=kind)
-        if isinstance(step, int):
-            self.query_one(CheckpointTable).select_step(step)
+    def log_event(self, message: str, style: str) -> None:
+        """Append a line of the dashboard's own (a request, a kill, a launch) to the event pane."""
+        self.query_one("#events", RichLog).write(Text(message, style))
 
-    # ------------------------------------------------------------------ controls
-    def _request(self, signum: int, kind: str) -> None:
-        if self.run is None or self.view is None:
-            self.notify("no run to signal", severity="warning")
-            return
-        try:
-            what = send_request(self.view, signum)
-        except OSError as exc:
-            self.notify(f"could not request a checkpoint: {exc}", severity="error")
-            return
-        step = self.run.step
-        self.pending.append((kind, step))
-        message = f"{kind} requested at step {step if step is not None else 0}: {what}"
-        self.query_one("#events", RichLog).write(Text(message, "bold cyan"))
-        self.notify(message, title=kind)
-
+    # ------------------------------------------------------------------ controls (see .controls)
     def action_checkpoint(self) -> None:
-        """``c``: checkpoint now (SIGUSR1); training continues."""
-        self._request(signal.SIGUSR1, "checkpoint")
+        """``c``: :meth:`.Controls.checkpoint`."""
+        self.controls.checkpoint()
 
     def action_stop(self) -> None:
-        """``s``: checkpoint and stop (SIGUSR2); the launcher exits 75 after a complete checkpoint."""
-        self._request(signal.SIGUSR2, "checkpoint and stop")
+        """``s``: :meth:`.Controls.stop`."""
+        self.controls.stop()
 
     def action_kill(self) -> None:
-        """``K``: SIGKILL every process of the run on this host, after a confirmation listing the pids."""
-        if self.view is None:
-            self.notify("no run", severity="warning")
-            return
-        targets = self.view.kill_targets()
-        if not targets:
-            self.notify("no process of this run runs on this host", severity="warning")
-            return
-        body = [f"SIGKILL to pid {t.pid}: {t.role}" for t in targets]
-        body.append("No checkpoint is written: training since the last checkpoint is lost.")
-
-        def done(answer: str | None) -> None:
-            if answer == "kill":
-                left = kill(targets)
-                msg = f"killed {len(targets) - len(left)} processes" + (f"; still alive: {left}" if left else "")
-                self.notify(msg, severity="error" if left else "information")
-                self.query_one("#events", RichLog).write(Text(msg, "bold red"))
-
-        self.app.push_screen(Choice(f"Kill {len(targets)} processes?", body,
-                                    [("cancel", "cancel", "primary"), ("kill", "kill", "error")]), done)
+        """``K``: :meth:`.Controls.kill`."""
+        self.controls.kill()
 
     def action_resume(self) -> None:
-        """``r``: resume from the selected checkpoint; a live run is first stopped (SIGUSR2, after
-        confirmation) and waited for."""
-        if self.run is None or self.view is None:
-            self.notify("no run", severity="warning")
-            return
-        entry = self.query_one(CheckpointTable).selected()
-        if entry is None or not entry.complete:
-            self.notify("select a complete checkpoint in the checkpoint list first", severity="warning")
-            return
-        argvs = [info.data.get("argv") for _, info in sorted(self.run.launchers.items())]
-        if not argvs or not all(argvs):
-            self.notify("run.json has no command line to relaunch", severity="error")
-            return
-        newer = sorted(e.step for e in self.run.checkpoints if e.complete and e.step > entry.step)
-        caveat = (f"Newer checkpoints stay (step {', '.join(map(str, newer))}, and the one the stop writes): "
-                  "a later --resume picks the newest complete checkpoint, whichever run wrote it.") if newer else ""
-        if self.view.any_alive():
-            pids = [f"SIGUSR2 (checkpoint and stop) to pid {t.pid}: {t.role}" for t in self.view.request_targets()]
-            pids += [caveat] if caveat else []
-
-            def done(answer: str | None) -> None:
-                if answer == "resume":
-                    self.run_worker(self._stop_then_resume(entry.path, argvs), exclusive=True, group="resume")
-
-            self.app.push_screen(Choice(f"Stop the running job and resume from step {entry.step}?", pids,
-                                        [("cancel", "cancel", "primary"), ("resume", "stop and resume", "warning")]),
-                                 done)
-        else:
-            if caveat:
-                self.notify(caveat, severity="warning")
-            self._relaunch(entry.path, argvs)
-
-    async def _stop_then_resume(self, checkpoint: Path, argvs: list[list[str]]) -> None:
-        self._request(signal.SIGUSR2, "checkpoint and stop")
-        if await self._wait_stopped():
-            self._relaunch(checkpoint, argvs)
-
-    async def _wait_stopped(self) -> bool:
-        """Wait until no process of the run is alive here (grace period + margin); False on timeout."""
-        assert self.run is not None and self.view is not None
-        grace = float((self.run.run.get("config") or {}).get("checkpoint_grace_seconds") or 300)
-        deadline = time.monotonic() + grace + STOP_MARGIN_S
-        while self.view.any_alive() or any(p.poll() is None for p in self.started):
-            if time.monotonic() > deadline:
-                self.notify("the run did not stop in time", severity="error")
-                return False
-            await asyncio.sleep(0.2)
-        return True
-
-    def _relaunch(self, checkpoint: Path, argvs: list[list[str]]) -> None:
-        assert self.run is not None
-        self._start([launching.resume_argv(argv[1:], checkpoint) for argv in argvs], self.run.root)
-        self.notify(f"resuming from {checkpoint}", title="resume")
-
-    def _start(self, argvs: list[list[str]], root: Path) -> None:
-        try:
-            procs = [launching.start(self.launcher, argv, root) for argv in argvs]
-        except OSError as exc:
-            self.notify(f"could not start {self.launcher[0]}: {exc}", severity="error")
-            return
-        self.started.extend(procs)
-        message = f"launched {len(procs)} launcher(s): pid " + ", ".join(str(p.pid) for p in procs)
-        self.query_one("#events", RichLog).write(Text(message, "bold cyan"))
+        """``r``: :meth:`.Controls.resume`."""
+        self.controls.resume()
 
     def action_logs(self) -> None:
-        """``l``: the selected rank's stderr tail, with its exit code and error when it crashed."""
-        if self.run is None:
-            return
-        rank = self.query_one(RankTable).selected_rank()
-        if rank is None:
-            rank = 0
-        info = self.run.ranks.get(rank)
-        node, local = (info.node_rank, info.local_rank) if info else (0, rank)
-        path = self.run.log_paths.get((node, local))
-        lines = LogTail(path).poll() if path else []
-        lines = lines or ["(no stderr.log yet)"]
-        title = f"rank {rank} (node {node}, local rank {local}) stderr"
-        if info and (info.error or info.exit_code is not None):
-            title += f": exit code {info.exit_code if info.exit_code is not None else '?'}"
-            if info.error:
-                lines.append(f"error: {info.error}")
-        self.app.push_screen(LogScreen(title, lines))
+        """``l``: :meth:`.Controls.logs`."""
+        self.controls.logs()
 
     def action_new_run(self) -> None:
-        """``n``: the new-run form; Launch starts the run and watches it."""
-        self.app.push_screen(NewRunScreen(launching.RunSpec.demo()), self.launch)
-
-    def launch(self, spec: launching.RunSpec | None) -> None:
-        """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run directory."""
-        if spec is None:
-            return
-        root = Path(spec.output_dir)
-        there = RunWatcher(root)
-        there.poll(checkpoints=False)
-        busy = ProcessView(there.model).kill_targets()
-        if busy:
-            self.notify(f"{root} belongs to a live run (pid {busy[0].pid}): attach with osft-tui {root}, "
-                        "or choose another output dir", severity="error")
-            return
-        root.mkdir(parents=True, exist_ok=True)
-        self.attach(root)
-        self.query_one("#events", RichLog).clear()
-        self.query_one(CheckpointTable).show([])
-        self._start(spec.node_argvs(), root)
-        self.poll()
+        """``n``: :meth:`.Controls.new_run`."""
+        self.controls.new_run()
 
     def action_help(self) -> None:
-        self.app.push_screen(HelpScreen())
+        """``?``: :meth:`.Controls.help`."""
+        self.controls.help()
 
     def action_request_quit(self) -> None:
-        """``q``: quit; with a live run, ask whether to detach, checkpoint and stop, or kill."""
-        if self.readonly or self.view is None or not self.view.any_alive():
-            self.app.exit(0)
-            return
-        body = ["detach: the run goes on (it runs in its own session); `osft-tui RUN_DIR` attaches again",
-                "checkpoint and stop: SIGUSR2, wait for the complete checkpoint, then quit",
-                "kill: SIGKILL to " + ", ".join(str(t.pid) for t in self.view.kill_targets())]
-
-        def done(answer: str | None) -> None:
-            if answer == "detach":
-                self.app.exit(0)
-            elif answer == "stop":
-                self.run_worker(self._stop_then_quit(), exclusive=True, group="quit")
-            elif answer == "kill" and self.view is not None:
-                kill(self.view.kill_targets())
-                self.app.exit(0)
-
-        self.app.push_screen(Choice("The run is still running. Quit how?", body,
-                                    [("detach", "detach", "primary"), ("stop", "checkpoint and stop", "warning"),
-                                     ("kill", "kill", "error"), ("cancel", "cancel", "default")]), done)
-
-    async def _stop_then_quit(self) -> None:
-        self._request(signal.SIGUSR2, "checkpoint and stop")
-        if await self._wait_stopped():
-            self.app.exit(0)
+        """``q``: :meth:`.Controls.request_quit`."""
+        self.controls.request_quit()

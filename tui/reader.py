@@ -2,7 +2,7 @@
 
 A run can write tens of thousands of metrics records and log lines per second (field case B29).
 Parsing them on the dashboard's UI thread would take the CPU the UI needs to answer a key press,
-and a thread would not help (the GIL). So a child process runs the :class:`~.run_state.RunWatcher`
+and a thread would not help (the GIL). So a child process runs the :class:`~.watcher.RunWatcher`
 and sends the UI, once per poll, a snapshot of the :class:`~.run_state.RunModel` (a few KB) and at
 most :data:`EVENTS_PER_UPDATE` event lines and :data:`LOG_LINES_PER_UPDATE` log lines: the UI's
 work per poll no longer grows with the run's output.
@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .run_state import Event, RunModel, RunWatcher
+from .run_state import Event, RunModel
+from .watcher import RunWatcher
 
 #: Event lines (run events, warnings, errors, malformed-line reports) per update at most.
 EVENTS_PER_UPDATE = 40

@@ -6,7 +6,7 @@ from rich.markup import escape
 from textual.widgets import DataTable
 
 from ..run_state import CheckpointEntry
-from .format import fmt_bytes, fmt_clock
+from ..format import fmt_bytes, fmt_clock
 
 
 class CheckpointTable(DataTable):

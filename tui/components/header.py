@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from ..run_state import RunModel
-from .format import fmt_duration
+from ..format import fmt_duration
 
 #: Colour of each run.json state.
 STATE_STYLE = {"running": "green", "checkpointing": "yellow", "starting": "cyan", "stopped": "yellow",

@@ -42,32 +42,28 @@ class Choice(ModalScreen[str]):
         self.dismiss(event.button.id or "cancel")
 
 
-HELP = """\
-c   checkpoint now: SIGUSR1 to the launcher; training continues
-s   checkpoint and stop: SIGUSR2; the run exits 75 after a complete checkpoint
-K   kill: SIGKILL to every process of the run (lists the pids first)
-r   resume from the checkpoint selected in the checkpoint list
-l   logs (stderr) of the rank selected in the rank table
-n   new run
-q   quit: detach (the run goes on), checkpoint and stop, or kill
-?   this help        ctrl+p  command palette        tab  next panel
-
-Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a
-torchrun agent. When no process of the run is on this host, c and s write control/checkpoint
-or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.
-With --readonly, c, s, K and r are not available.
-"""
-
-
 class HelpScreen(ModalScreen[None]):
-    """The key bindings and what each sends."""
+    """The keys and what each does, then notes.
+
+    Args:
+        keys: ``(key, what it does)`` per line, keys by their Textual names (shown as the footer
+            shows them).
+        notes: text under the keys.
+    """
 
     BINDINGS = [Binding("escape,q,question_mark", "dismiss(None)", "close")]
 
+    def __init__(self, keys: list[tuple[str, str]], notes: str) -> None:
+        super().__init__()
+        self.keys, self.notes = keys, notes
+
     def compose(self) -> ComposeResult:
+        shown = [(self.app.get_key_display(Binding(key, "")), text) for key, text in self.keys]
+        width = max(len(key) for key, _ in shown)
+        lines = [f"{key:<{width}}  {text}" for key, text in shown]
         with Vertical(classes="dialog help"):
             yield Label("osft-tui keys", classes="dialog-title")
-            yield Static(HELP, markup=False)
+            yield Static("\n".join(lines) + "\n\n" + self.notes, markup=False)
             yield Button("close", id="close", variant="primary")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

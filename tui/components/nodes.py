@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Label, Sparkline
 
 from ..run_state import RunModel
-from .format import fmt_bytes, fmt_rate
+from ..format import fmt_bytes, fmt_rate
 
 COLUMNS = ("node", "host", "ranks", "step", "tokens/s", "samples/s", "loss", "CPU %", "RSS", "GPU mem", "")
 #: Column widths (fixed, so the header never lags rows that arrive later).

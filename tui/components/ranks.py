@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from osft.trainer.checkpoint.signals import signal_name
+from osft.trainer.checkpoint.signals import EXIT_STOPPED, signal_name
 from rich.markup import escape
 from textual.widgets import DataTable
 
 from ..processes import ProcStats
 from ..run_state import RankInfo
-from .format import fmt_bytes
+from ..format import fmt_bytes
 
 COLUMNS = ("rank", "node", "local", "pid", "host", "state", "CPU %", "RSS")
 #: Column widths (fixed, so the header never lags rows that arrive later).
@@ -63,5 +63,6 @@ def rank_state(info: RankInfo, stats: ProcStats | None) -> str:
             by = f"signal {-info.exit_code}"
         return f"[b red]killed by {by}[/] (exit code {info.exit_code})"
     if info.exit_code is not None:
-        return f"exited (code {info.exit_code})" if info.exit_code in (0, 75) else f"[b red]exited (code {info.exit_code})[/]"
+        exited = f"exited (code {info.exit_code})"
+        return exited if info.exit_code in (0, EXIT_STOPPED) else f"[b red]{exited}[/]"
     return "[b red]gone[/] (no exit record)"

@@ -1,0 +1,325 @@
+"""The dashboard's controls: the key table and the flows behind the keys (request a checkpoint, stop,
+kill, resume, relaunch, start, logs, new run, help, quit).
+
+The controls act on a run only through signals and ``control/`` files (:mod:`.processes`) and by
+starting ``osft-train`` launchers (:mod:`.launch`); :class:`~.dashboard.Dashboard` shows the run
+and turns keys, buttons and palette commands into these flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from textual.binding import Binding
+
+from . import launch as launching
+from .components.checkpoints import CheckpointTable
+from .components.modals import Choice, HelpScreen, LogScreen
+from .components.new_run import NewRunScreen
+from .components.ranks import RankTable
+from .processes import ProcessView, send_request
+from .processes import kill as kill_processes
+from .tail import LogTail
+from .watcher import RunWatcher
+
+if TYPE_CHECKING:
+    from .dashboard import Dashboard
+
+#: Seconds to wait for a stopped run's processes beyond its checkpoint grace period.
+STOP_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class Control:
+    """One dashboard control.
+
+    Attributes:
+        key: its key (Textual's name for it).
+        action: the dashboard action it runs (``Dashboard.action_<action>``).
+        label: its footer label.
+        title: its button (followed by the key) and its command-palette entry.
+        help: what it does, on the help screen and in the command palette.
+        signals: it acts on the run (signal, kill, relaunch); ``--readonly`` removes it.
+    """
+
+    key: str
+    action: str
+    label: str
+    title: str
+    help: str
+    signals: bool = False
+
+    @property
+    def binding(self) -> Binding:
+        """Its key binding: a priority binding, so the key works whatever has the focus."""
+        return Binding(self.key, self.action, self.label, priority=True)
+
+
+#: Every dashboard control, in footer and button order.
+CONTROLS = (
+    Control("c", "checkpoint", "checkpoint", "Checkpoint",
+            "checkpoint now: SIGUSR1 to the launcher; training continues", signals=True),
+    Control("s", "stop", "ckpt+stop", "Checkpoint & stop",
+            f"checkpoint and stop: SIGUSR2; the run exits {EXIT_STOPPED} after a complete checkpoint", signals=True),
+    Control("K", "kill", "kill", "Kill",
+            "kill: SIGKILL to every process of the run (lists the pids first)", signals=True),
+    Control("r", "resume", "resume", "Resume selected",
+            "resume from the checkpoint selected in the checkpoint list", signals=True),
+    Control("l", "logs", "logs", "Rank logs", "logs (stderr) of the rank selected in the rank table"),
+    Control("n", "new_run", "new run", "New run", "new run"),
+    Control("question_mark", "help", "help", "Help", "this help"),
+    Control("q", "request_quit", "quit", "Quit", "quit: detach (the run goes on), checkpoint and stop, or kill"),
+)
+#: Actions that act on the run (removed by ``--readonly``).
+SIGNALLING = frozenset(c.action for c in CONTROLS if c.signals)
+#: Textual's own keys, listed on the help screen after the controls.
+TEXTUAL_KEYS = (("ctrl+p", "command palette"), ("tab", "next panel"))
+
+
+def offered(readonly: bool) -> list[Control]:
+    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not signal."""
+    return [c for c in CONTROLS if not (readonly and c.signals)]
+
+
+def help_screen() -> HelpScreen:
+    """The help screen: one line per control and Textual key, then how requests reach a run."""
+    signalling = [c.key for c in CONTROLS if c.signals]
+    notes = ("Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a\n"
+             "torchrun agent. When no process of the run is on this host, c and s write control/checkpoint\n"
+             "or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.\n"
+             f"With --readonly, {', '.join(signalling[:-1])} and {signalling[-1]} are not available.")
+    return HelpScreen([(c.key, c.help) for c in CONTROLS] + list(TEXTUAL_KEYS), notes)
+
+
+class Controls:
+    """The control flows of a :class:`~.dashboard.Dashboard`.
+
+    Args:
+        dashboard: the screen; the flows read its run model, process view and table selections,
+            and report in its event pane and notifications.
+        launcher: the command that runs ``osft-train`` (the launcher).
+
+    Attributes:
+        started: launchers started here that may still run.
+        pending: requests waiting for their checkpoint: (kind, step at the request).
+    """
+
+    def __init__(self, dashboard: Dashboard, launcher: list[str]) -> None:
+        self.dashboard = dashboard
+        self.launcher = launcher
+        self.started: list[subprocess.Popen] = []
+        self.pending: list[tuple[str, int | None]] = []
+
+    def reap(self) -> None:
+        """Forget the started launchers that ended."""
+        self.started = [p for p in self.started if p.poll() is None]
+
+    def answer(self, record: dict) -> None:
+        """A ``checkpoint_saved`` record arrived: answer the oldest pending request."""
+        if self.pending:
+            kind, _ = self.pending.pop(0)
+            self.dashboard.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}",
+                                  title=kind)
+
+    # ------------------------------------------------------------------ requests
+    def request(self, signum: int, kind: str) -> None:
+        """Send the run a checkpoint request (``signum``: SIGUSR1 or SIGUSR2) and wait for its save."""
+        d = self.dashboard
+        if d.run is None or d.view is None:
+            d.notify("no run to signal", severity="warning")
+            return
+        try:
+            what = send_request(d.view, signum)
+        except OSError as exc:
+            d.notify(f"could not request a checkpoint: {exc}", severity="error")
+            return
+        step = d.run.step
+        self.pending.append((kind, step))
+        message = f"{kind} requested at step {step if step is not None else 0}: {what}"
+        d.log_event(message, "bold cyan")
+        d.notify(message, title=kind)
+
+    def checkpoint(self) -> None:
+        """Checkpoint now (SIGUSR1); training continues."""
+        self.request(signal.SIGUSR1, "checkpoint")
+
+    def stop(self) -> None:
+        """Checkpoint and stop (SIGUSR2); the launcher exits with :data:`EXIT_STOPPED` after a complete
+        checkpoint."""
+        self.request(signal.SIGUSR2, "checkpoint and stop")
+
+    def kill(self) -> None:
+        """SIGKILL every process of the run on this host, after a confirmation listing the pids."""
+        d = self.dashboard
+        if d.view is None:
+            d.notify("no run", severity="warning")
+            return
+        targets = d.view.kill_targets()
+        if not targets:
+            d.notify("no process of this run runs on this host", severity="warning")
+            return
+        body = [f"SIGKILL to pid {t.pid}: {t.role}" for t in targets]
+        body.append("No checkpoint is written: training since the last checkpoint is lost.")
+
+        def done(answer: str | None) -> None:
+            if answer == "kill":
+                left = kill_processes(targets)
+                msg = f"killed {len(targets) - len(left)} processes" + (f"; still alive: {left}" if left else "")
+                d.notify(msg, severity="error" if left else "information")
+                d.log_event(msg, "bold red")
+
+        d.app.push_screen(Choice(f"Kill {len(targets)} processes?", body,
+                                 [("cancel", "cancel", "primary"), ("kill", "kill", "error")]), done)
+
+    # ------------------------------------------------------------------ resume and launch
+    def resume(self) -> None:
+        """Resume from the selected checkpoint; a live run is first stopped (SIGUSR2, after
+        confirmation) and waited for."""
+        d = self.dashboard
+        if d.run is None or d.view is None:
+            d.notify("no run", severity="warning")
+            return
+        entry = d.query_one(CheckpointTable).selected()
+        if entry is None or not entry.complete:
+            d.notify("select a complete checkpoint in the checkpoint list first", severity="warning")
+            return
+        argvs = [info.data.get("argv") for _, info in sorted(d.run.launchers.items())]
+        if not argvs or not all(argvs):
+            d.notify("run.json has no command line to relaunch", severity="error")
+            return
+        newer = sorted(e.step for e in d.run.checkpoints if e.complete and e.step > entry.step)
+        caveat = (f"Newer checkpoints stay (step {', '.join(map(str, newer))}, and the one the stop writes): "
+                  "a later --resume picks the newest complete checkpoint, whichever run wrote it.") if newer else ""
+        if d.view.any_alive():
+            pids = [f"SIGUSR2 (checkpoint and stop) to pid {t.pid}: {t.role}" for t in d.view.request_targets()]
+            pids += [caveat] if caveat else []
+
+            def done(answer: str | None) -> None:
+                if answer == "resume":
+                    d.run_worker(self._stop_then_resume(entry.path, argvs), exclusive=True, group="resume")
+
+            d.app.push_screen(Choice(f"Stop the running job and resume from step {entry.step}?", pids,
+                                     [("cancel", "cancel", "primary"), ("resume", "stop and resume", "warning")]),
+                              done)
+        else:
+            if caveat:
+                d.notify(caveat, severity="warning")
+            self.relaunch(entry.path, argvs)
+
+    async def _stop_then_resume(self, checkpoint: Path, argvs: list[list[str]]) -> None:
+        self.stop()
+        if await self._wait_stopped():
+            self.relaunch(checkpoint, argvs)
+
+    async def _wait_stopped(self) -> bool:
+        """Wait until no process of the run is alive here (grace period + margin); False on timeout."""
+        d = self.dashboard
+        assert d.run is not None and d.view is not None
+        grace = float((d.run.run.get("config") or {}).get("checkpoint_grace_seconds") or 300)
+        deadline = time.monotonic() + grace + STOP_MARGIN_S
+        while d.view.any_alive() or any(p.poll() is None for p in self.started):
+            if time.monotonic() > deadline:
+                d.notify("the run did not stop in time", severity="error")
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+    def relaunch(self, checkpoint: Path, argvs: list[list[str]]) -> None:
+        """Start each node's ``osft-train`` command line ``argvs`` again, resuming from ``checkpoint``."""
+        d = self.dashboard
+        assert d.run is not None
+        self.start([launching.resume_argv(argv[1:], checkpoint) for argv in argvs], d.run.root)
+        d.notify(f"resuming from {checkpoint}", title="resume")
+
+    def start(self, argvs: list[list[str]], root: Path) -> None:
+        """Start one launcher per command line in ``argvs`` (``osft-train`` arguments), in ``root``."""
+        d = self.dashboard
+        try:
+            procs = [launching.start(self.launcher, argv, root) for argv in argvs]
+        except OSError as exc:
+            d.notify(f"could not start {self.launcher[0]}: {exc}", severity="error")
+            return
+        self.started.extend(procs)
+        d.log_event(f"launched {len(procs)} launcher(s): pid " + ", ".join(str(p.pid) for p in procs), "bold cyan")
+
+    def new_run(self) -> None:
+        """The new-run form; Launch starts the run and watches it."""
+        self.dashboard.app.push_screen(NewRunScreen(launching.RunSpec.demo()), self.launch)
+
+    def launch(self, spec: launching.RunSpec | None) -> None:
+        """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run directory."""
+        if spec is None:
+            return
+        d = self.dashboard
+        root = Path(spec.output_dir)
+        there = RunWatcher(root)
+        there.poll(checkpoints=False)
+        busy = ProcessView(there.model).kill_targets()
+        if busy:
+            d.notify(f"{root} belongs to a live run (pid {busy[0].pid}): attach with osft-tui {root}, "
+                     "or choose another output dir", severity="error")
+            return
+        root.mkdir(parents=True, exist_ok=True)
+        d.attach(root, clear=True)
+        self.start(spec.node_argvs(), root)
+        d.poll()
+
+    # ------------------------------------------------------------------ screens
+    def logs(self) -> None:
+        """The selected rank's stderr tail, with its exit code and error when it crashed."""
+        d = self.dashboard
+        if d.run is None:
+            return
+        rank = d.query_one(RankTable).selected_rank()
+        if rank is None:
+            rank = 0
+        info = d.run.ranks.get(rank)
+        node, local = (info.node_rank, info.local_rank) if info else (0, rank)
+        path = d.run.log_paths.get((node, local))
+        lines = LogTail(path).poll() if path else []
+        lines = lines or ["(no stderr.log yet)"]
+        title = f"rank {rank} (node {node}, local rank {local}) stderr"
+        if info and (info.error or info.exit_code is not None):
+            title += f": exit code {info.exit_code if info.exit_code is not None else '?'}"
+            if info.error:
+                lines.append(f"error: {info.error}")
+        d.app.push_screen(LogScreen(title, lines))
+
+    def help(self) -> None:
+        """The keys."""
+        self.dashboard.app.push_screen(help_screen())
+
+    def request_quit(self) -> None:
+        """Quit; with a live run, ask whether to detach, checkpoint and stop, or kill."""
+        d = self.dashboard
+        if d.readonly or d.view is None or not d.view.any_alive():
+            d.app.exit(0)
+            return
+        body = ["detach: the run goes on (it runs in its own session); `osft-tui RUN_DIR` attaches again",
+                "checkpoint and stop: SIGUSR2, wait for the complete checkpoint, then quit",
+                "kill: SIGKILL to " + ", ".join(str(t.pid) for t in d.view.kill_targets())]
+
+        def done(answer: str | None) -> None:
+            if answer == "detach":
+                d.app.exit(0)
+            elif answer == "stop":
+                d.run_worker(self._stop_then_quit(), exclusive=True, group="quit")
+            elif answer == "kill" and d.view is not None:
+                kill_processes(d.view.kill_targets())
+                d.app.exit(0)
+
+        d.app.push_screen(Choice("The run is still running. Quit how?", body,
+                                 [("detach", "detach", "primary"), ("stop", "checkpoint and stop", "warning"),
+                                  ("kill", "kill", "error"), ("cancel", "cancel", "default")]), done)
+
+    async def _stop_then_quit(self) -> None:
+        self.stop()
+        if await self._wait_stopped():
+            self.dashboard.app.exit(0)
