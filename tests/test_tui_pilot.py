@@ -321,8 +321,9 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
         ranks = dash.query_one(RankTable)
         # the run's state and the rank rows come from different files: on a busy machine the failure
         # can be read a poll before rank 1's row appears
-        await wait_until(pilot, lambda: "rank1" in ranks.rows, 30, "rank 1's row")
-        await pilot.pause(0.3)
+        # the table redraws once per sample (1 s): wait until rank 1's row shows its end, then check it
+        await wait_until(pilot, lambda: "rank1" in ranks.rows and "exit code" in str(ranks.get_row("rank1")[5]), 30,
+                         "rank 1's row to show its exit")
         state = ranks.get_row("rank1")[5]
         assert state.startswith("[b red]failed (exit code 3)[/]: RuntimeError: fake crash of rank 1 at step 3")
         ranks.focus()
