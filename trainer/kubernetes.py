@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from .checkpoint.signals import EXIT_STOPPED
+from .exit_codes import EXIT_BAD_INPUT, EXIT_STOPPED
 from .cluster import GRACE_MARGIN_S, TrainJob, cluster_parser, non_negative_int, parse_train_flags, positive_int
 
 #: A DNS-1123 label: what Job, Service and pod host names must be.
@@ -174,7 +174,7 @@ spec:
         onExitCodes:
           containerName: {CONTAINER}
           operator: In
-          values: [2]
+          values: [{EXIT_BAD_INPUT}]
   template:
     spec:
       subdomain: {job.service}

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint.signals import EXIT_STOPPED
+from .exit_codes import EXIT_STOPPED
 from .cluster import GRACE_MARGIN_S, TrainJob, cluster_parser, parse_train_flags, positive_int
 
 #: SLURM's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
