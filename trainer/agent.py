@@ -2,8 +2,8 @@
 
 ``python -m osft.trainer.agent <torchrun flags> -m osft.trainer.worker <flags>`` is
 ``torchrun`` (:func:`torch.distributed.run.run`), except that when ranks fail it writes
-``$OSFT_AGENT_FAILURES`` (JSON: per global rank its local rank, pid, exit code, the signal that
-killed it, and the message of its error file), prints torchrun's table of failed ranks and exits
+``$OSFT_AGENT_FAILURES`` (JSON: per global rank, the first failure first, its local rank, pid,
+exit code, the signal that killed it, and the message of its error file), prints torchrun's table of failed ranks and exits
 with code 1 without a traceback: the
 ``osft-train`` launcher reads the file and reports which rank died and how
 (:mod:`.failure_report`).
@@ -29,10 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as exc:
+        first, _ = exc.get_first_failure()
         failures = {str(rank): {"local_rank": f.local_rank, "pid": f.pid, "exit_code": f.exitcode,
                                 "signal": f.signal_name() if f.exitcode < 0 else None,
-                                "message": f.message if f.error_file_data else None}
-                    for rank, f in sorted(exc.failures.items())}
+                                "message": f.message if os.path.isfile(f.error_file) else None}
+                    for rank, f in sorted(exc.failures.items(), key=lambda item: item[0] != first)}
         if os.environ.get(FAILURES_ENV):
             write_json_atomic(Path(os.environ[FAILURES_ENV]), failures)
         print(exc.format_msg(), file=sys.stderr)  # torchrun's table of failed ranks, without its traceback

@@ -62,7 +62,10 @@ def failure_paragraph(run_dir: RunDir, job_id: str, agent_code: int, failures_fi
     if cause:
         parts.append(cause)
     failures = json.loads(failures_file.read_text()) if failures_file.is_file() else {}
-    for rank, failure in failures.items():
+    for n, (rank, failure) in enumerate(failures.items()):  # the first failure first (.agent)
+        if n:  # torchrun stops the other ranks once one has failed
+            parts.append(f"Then rank {rank} {_how(failure)}.")
+            continue
         line = f"Rank {rank} (local rank {failure['local_rank']}, pid {failure['pid']}) {_how(failure)}"
         message = errors.get(int(rank)) or failure.get("message")
         parts.append(f"{line}: {message}." if message else f"{line}.")

@@ -17,6 +17,7 @@ from rich.console import Console
 from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
+from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,12 +59,18 @@ def _main(argv: list[str]) -> int:
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except BaseException as exc:
-        # An uncaught exception ends the interpreter with exit code 1; the record says so for watchers.
-        code = exc.code if isinstance(exc, SystemExit) else 1
+        code = exc.code if isinstance(exc, SystemExit) else EXIT_FAILED
         trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                             exit_code=code)
-        raise
-    return 0
+        if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: as Python ends on them
+            raise
+        # One line here (a peer's death makes every other rank fail too); the launcher reports the
+        # failure as one paragraph, and the traceback is in the error record.
+        console.print(f"osft worker: rank {trainer.dist.rank} failed: {type(exc).__name__}: {exc} "
+                      f"(traceback: the error record in {trainer.metrics.path})",
+                      markup=False, highlight=False, soft_wrap=True)
+        return EXIT_FAILED
+    return EXIT_COMPLETED
 
 
 if __name__ == "__main__":
