@@ -70,12 +70,12 @@ def test_poller_agrees_on_the_strongest_request_and_forgets_served_ones(trigger,
     trigger.record(signal.SIGTERM)
     request = poller.poll("after_backward", 1, 1)
     assert (request.action, request.signal, request.point) == (Action.CHECKPOINT_AND_EXIT, "SIGTERM", "after_backward")
-    poller.served(time.time())
+    poller.served()
     assert poller.poll("after_step", 1) is None
     (tmp_path / "checkpoint").touch()  # a watcher on another host
     request = poller.poll("after_step", 2)
     assert (request.action, request.signal) == (Action.CHECKPOINT, "control")
-    poller.served(time.time())
+    poller.served()
     assert not (tmp_path / "checkpoint").exists()
 
 
@@ -83,7 +83,7 @@ def test_requests_older_than_the_job_are_stale(trigger, tmp_path):
     trigger.record(signal.SIGTERM)
     (tmp_path / "checkpoint-and-exit").touch()
     old = time.time() - 30
-    os.utime(trigger.path / f"sig{int(signal.SIGTERM)}", (old, old))
+    os.utime(trigger.pending()[0].path, (old, old))
     os.utime(tmp_path / "checkpoint-and-exit", (old, old))
     trigger.record(signal.SIGUSR1)  # arrived during this job's start-up: kept
     poller = RequestPoller(trigger, tmp_path, "checkpoint", rank=0)

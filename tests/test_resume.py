@@ -161,7 +161,7 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
     trigger = TriggerDir(job_id)
     trigger.record(signal.SIGTERM)
     past = time.time() - 60
-    os.utime(trigger.path / f"sig{int(signal.SIGTERM)}", (past, past))
+    os.utime(trigger.pending()[0].path, (past, past))
     metrics = out / "metrics" / "node0.jsonl"
     want = {r["step"]: r for r in records(reference, "step")}
     resumed_from = []

@@ -10,11 +10,11 @@ for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`).
 ``--config FILE`` reads flag values from a YAML file (:mod:`.config_file`); ``--print-config``
 prints the resolved config as such a file and exits with code 0.
 
-Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, config file, data, model
-path, checkpoint to resume from), reported on one line (data problems: one line per problem) before any
-training starts; 75 stopped on request after writing a complete full-state checkpoint (resume
-with ``--resume``); 128 + N stopped by signal N without a checkpoint (``--on-demand-checkpointing``
-off, several ranks).
+Exit codes: the table in :mod:`.exit_codes`. Bad input is reported on one line (data problems: one
+line per problem) before any training starts; a failed worker group with one paragraph
+(:mod:`.failure_report`). Every checkpoint signal is held from the first line of :func:`main`
+(:func:`.checkpoint.signals.hold_signals`), so a request during start-up is served at the first
+safe point (the rule: :mod:`.checkpoint.requests`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from .checkpoint.signals import EXIT_STOPPED
+from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
+from .exit_codes import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
 
-EXIT_COMPLETED = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
+#: Subcommands that do not train: signals keep their default handling there.
+NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest")
 
 #: Demo run: SmolLM2-135M-Instruct on chit-chat, sized for a few minutes on two CPU cores.
 DEMO_DEFAULTS = dict(
@@ -104,17 +104,18 @@ def _demo_reply(export_dir: str, console: Console) -> None:
     console.print(f"[bold]user:[/bold] {escape(DEMO_PROMPT)}\n[bold]fine-tuned model:[/bold] {escape(reply)}")
 
 
-def _train(cfg, console: Console) -> tuple[int, str | None]:
-    """Train in this process (one rank) or through a torchrun worker group.
+def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
+    """Train in this process (one rank) or through a torchrun worker group (``argv``: the command
+    line's flags, for the resume command of a failure report).
 
     Returns:
-        ``(exit code, export dir)``: 0 and the final export, or :data:`EXIT_STOPPED` and None.
+        ``(exit code, export dir)``: 0 and the final export, or :data:`EXIT_STOPPED`,
+        :data:`EXIT_FAILED` (the launcher printed what happened) or 128 + N and None.
 
     Raises:
         InputError: bad data, model path or sample count (before any training), or an output
             directory that another job owns or an earlier run left without --resume or
             --overwrite-output-dir (before anything is written).
-        RuntimeError: the worker group failed.
     """
     from .ownership import Heartbeat, OutputDirInUse, check_output_dir, clear_previous_run, process_identity
     from .rundir import RunDir, write_text_atomic
@@ -139,10 +140,10 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
         **process_identity(),
     )
     with Heartbeat(run_dir, job_id):
-        return _run(cfg, console, run_dir, job_id)
+        return _run(cfg, console, run_dir, job_id, argv)
 
 
-def _run(cfg, console: Console, run_dir, job_id: str) -> tuple[int, str | None]:
+def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[int, str | None]:
     """:func:`_train` once the run directory is this job's: prepare, train, record the end in ``run.json``."""
     from .data.validate import DataValidationError
     from .launcher import launch, preflight
@@ -163,18 +164,18 @@ def _run(cfg, console: Console, run_dir, job_id: str) -> tuple[int, str | None]:
             run_dir.update_run_json(state="running")
             result = trainer.run()
             code = result.exit_code
-            summary = (f"{result.steps} steps, last loss {result.last_loss:.4f}, "
-                       f"orthogonality violations {result.violations_total}")
+            summary = result.summary()
             export_dir = result.export_dir
         else:
-            code = launch(cfg, console, job_id)
-            if code > 128:
+            code = launch(cfg, console, job_id, argv)
+            if code > EXIT_SIGNAL_BASE:
                 run_dir.update_run_json(state="stopped", exit_code=code)
-                console.print(f"stopped by {signal.Signals(code - 128).name} without a checkpoint "
+                console.print(f"stopped by {signal.Signals(code - EXIT_SIGNAL_BASE).name} without a checkpoint "
                               "(--on-demand-checkpointing is off)", markup=False, highlight=False)
                 return code, None
-            if code not in (EXIT_COMPLETED, EXIT_STOPPED):
-                raise RuntimeError(f"worker group exited with code {code}; rank logs under {run_dir.root / 'logs'}")
+            if code == EXIT_FAILED:
+                run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
+                return code, None
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
             export_dir = str(run_dir.root / "hf_format" / f"step_{_last_step(run_dir)}") if code == EXIT_COMPLETED else None
     except BaseException:
@@ -208,8 +209,17 @@ def _last_step(run_dir) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``osft-train``; returns the process exit code."""
+    """Entry point of ``osft-train``; returns the process exit code (:mod:`.exit_codes`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] not in ([name] for name in NOT_TRAINING):
+        hold_signals()  # before anything slow is imported (field case B49)
+    try:
+        return _main(argv)
+    finally:
+        release_held_signals(deliver=False)  # held signals that no run took over: the command has ended
+
+
+def _main(argv: list[str]) -> int:
     console = Console(stderr=True)
     try:
         if argv[:1] == ["fetch-demo"]:
@@ -248,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args = parse_with_config_file(build_parser(), argv)
         cfg = config_from_args(args)
+        if not cfg.on_demand_checkpointing:
+            release_held_signals()  # no request to serve: what arrived takes its default action now
         if args.print_config:
             sys.stdout.write(config_to_yaml(cfg))
             return EXIT_COMPLETED
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             check_config(cfg)
         except ValueError as exc:
             raise InputError(str(exc)) from exc
-        code, export_dir = _train(cfg, console)
+        code, export_dir = _train(cfg, console, argv)
         if demo and export_dir:
             _demo_reply(export_dir, console)
         return code

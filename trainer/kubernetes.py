@@ -32,9 +32,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from .checkpoint.signals import EXIT_STOPPED
 from .cluster import (GRACE_MARGIN_S, TrainJob, cache_env, check_printable, cluster_parser, non_negative_int,
                       parse_train_flags, positive_int)
+from .exit_codes import EXIT_BAD_INPUT, EXIT_STOPPED
 
 #: A DNS-1123 label: what Job, Service and pod host names must be.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -191,7 +191,7 @@ spec:
         onExitCodes:
           containerName: {CONTAINER}
           operator: In
-          values: [2]
+          values: [{EXIT_BAD_INPUT}]
   template:
     spec:
       subdomain: {job.service}

@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
+from .agent import FAILURES_ENV
 from .checkpoint.signals import (
-    EXIT_STOPPED,
     JOB_START_ENV,
     Action,
     TriggerDir,
@@ -42,6 +42,8 @@ from .checkpoint.signals import (
     signal_name,
 )
 from .config import TrainConfig, config_to_argv
+from .exit_codes import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, stopped_by_signal
+from .failure_report import failure_paragraph
 from .rundir import RunDir
 
 #: Signals that stop the job at once when on-demand checkpointing is off.
@@ -110,9 +112,10 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
 
 def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str]:
-    """The torchrun command line of this node's worker group. Its shutdown timeout (how long it
-    waits for ranks after forwarding a signal it received directly) is the checkpoint grace period."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc_per_node),
+    """The torchrun command line of this node's worker group (through :mod:`.agent`, which writes
+    down how failed ranks ended). Its shutdown timeout (how long it waits for ranks after
+    forwarding a signal it received directly) is the checkpoint grace period."""
+    cmd = [sys.executable, "-m", "osft.trainer.agent", "--nproc-per-node", str(cfg.nproc_per_node),
            "--shutdown-timeout", str(cfg.checkpoint_grace_seconds)]
     if cfg.nnodes == 1 and not cfg.rdzv_endpoint:
         cmd += ["--standalone"]
@@ -158,16 +161,20 @@ def _kill_tree(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(alive, timeout=10)
 
 
-def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
-    """Run the worker group to its end and return the exit code: 0 completed,
-    :data:`.checkpoint.signals.EXIT_STOPPED` stopped after a complete checkpoint, 128 + N stopped
-    by signal N without a checkpoint (on-demand checkpointing off), 1 otherwise."""
+def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> int:
+    """Run the worker group to its end and return the exit code (:mod:`.exit_codes`): 0 completed,
+    75 stopped after a complete checkpoint, 128 + N stopped by signal N without a checkpoint
+    (on-demand checkpointing off), 1 failed, after printing what happened
+    (:func:`.failure_report.failure_paragraph`; ``argv``, the ``osft-train`` flags, make its
+    resume command)."""
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     run_dir.create()
     trigger = TriggerDir(job_id)
     trigger.create()
     cmd = torchrun_command(cfg, run_dir, job_id)
-    env = dict(os.environ, OSFT_JOB_ID=job_id, OSFT_LAUNCHER_PID=str(os.getpid()))
+    failures = run_dir.root / "logs" / f"node{cfg.node_rank}" / f"failures-{job_id}.json"
+    failures.unlink(missing_ok=True)
+    env = dict(os.environ, OSFT_JOB_ID=job_id, OSFT_LAUNCHER_PID=str(os.getpid()), **{FAILURES_ENV: str(failures)})
     env.setdefault(JOB_START_ENV, repr(time.time()))
     if cfg.resume_from_full_state_checkpoint:  # verified by preflight: rank 0 need not hash it again
         from .checkpoint.store import VERIFIED_CHECKPOINT_ENV
@@ -229,10 +236,14 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
         _kill_tree([p for p in family.values() if p.is_running()])
         trigger.remove()
     if stopped_by:
-        return 128 + stopped_by[0]
+        return stopped_by_signal(stopped_by[0])
     stopped = _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED
     # A scheduler that signals every process of the job (SLURM's scancel and time limit send SIGTERM)
     # also stops torchrun's agent, which then fails even though the ranks saved and stopped.
     if killed or (code != 0 and not (deadline and stopped)):
-        return 1
-    return EXIT_STOPPED if stopped else 0
+        cause = (f"No complete checkpoint within --checkpoint-grace-seconds {cfg.checkpoint_grace_seconds} after "
+                 "the stop request: the launcher killed the worker group." if killed else None)
+        console.print(failure_paragraph(run_dir, job_id, code, failures, argv, cause),
+                      markup=False, highlight=False, soft_wrap=True)
+        return EXIT_FAILED
+    return EXIT_STOPPED if stopped else EXIT_COMPLETED

@@ -40,7 +40,6 @@ from .checkpoint.resume import (
     read_trainer_state,
 )
 from .checkpoint.signals import (
-    EXIT_STOPPED,
     Action,
     TriggerDir,
     install_handlers,
@@ -57,6 +56,7 @@ from .checkpoint.store import (
 )
 from .config import TrainConfig
 from .data.cache import tokenize_for_run
+from .exit_codes import EXIT_STOPPED
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.positions import check_positions, position_limit
@@ -90,9 +90,11 @@ from .trackers import open_trackers
 
 @dataclass
 class TrainResult:
-    """Outcome of :meth:`Trainer.run`: steps done, the last loss, the total orthogonality violations,
-    the final HF export (None when the run stopped on request), the last full-state checkpoint
-    written (or None) and the exit code (0 completed, :data:`.checkpoint.signals.EXIT_STOPPED`)."""
+    """Outcome of :meth:`Trainer.run`: the step reached, the last loss (NaN when this run trained
+    no step), the total orthogonality violations, the final HF export (None when the run stopped on
+    request), the last full-state checkpoint written (or None), the exit code (0 completed,
+    :data:`.exit_codes.EXIT_STOPPED`) and the steps trained by this run (fewer than ``steps``
+    after a resume)."""
 
     steps: int
     last_loss: float
@@ -100,6 +102,17 @@ class TrainResult:
     export_dir: str | None
     checkpoint: str | None = None
     exit_code: int = 0
+    steps_run: int = 0
+
+    def summary(self) -> str:
+        """One line for the console: steps, last loss and violations; after a resume with no
+        step left, that no step was trained (field case B50)."""
+        if self.steps_run == 0:
+            return (f"no step left to train: the run was resumed at step {self.steps}, its last step; "
+                    f"orthogonality violations {self.violations_total}")
+        resumed = f" ({self.steps_run} in this run)" if self.steps_run != self.steps else ""
+        return (f"{self.steps} steps{resumed}, last loss {self.last_loss:.4f}, "
+                f"orthogonality violations {self.violations_total}")
 
 
 class StepInterrupted(Exception):
@@ -176,6 +189,7 @@ class Trainer:
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
         self.checkpointer: Checkpointer | None = None
+        self._saved: tuple[int, str] | None = None  # (step, path) of this run's newest checkpoint
         self.rank_plan: RankPlan | None = None
 
     def _say(self, message: str) -> None:
@@ -278,6 +292,7 @@ class Trainer:
         if resume_dir is not None:
             state, rng = self.checkpointer.load(resume_dir)
             self.start_step = state["step"]
+            self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
             self.counters = dict(state["counters"])
             restore_rng(rng)  # last: nothing after this draws random numbers before training
             self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir),
@@ -386,13 +401,20 @@ class Trainer:
 
     def checkpoint(self, step: int, request: Request | None) -> str:
         """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective),
-        log it, apply retention, and return its path."""
+        log it, apply retention, and return its path. A request for the step this run last saved
+        (it arrived while that checkpoint was written) or resumed from is served by that
+        checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`)."""
         if request is not None:
             self.metrics.log("checkpoint_requested", signal=request.signal, step=step, point=request.point)
+            if self._saved and self._saved[0] == step and Path(self._saved[1]).is_dir():
+                self.poller.served()
+                self._say(f"{request.signal}: served by the complete checkpoint of step {step}: {self._saved[1]}")
+                return self._saved[1]
             self._say(f"{request.signal}: saving a full-state checkpoint of step {step} (requested {request.point.replace('_', ' ')})")
         saved = self.checkpointer.save(step, self._trainer_state(step), capture_rng())
+        self._saved = (step, str(saved.path))
         if request is not None:
-            self.poller.served(time.time())
+            self.poller.served()
         self.metrics.log("checkpoint_saved", step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
                          frozen_bytes=saved.frozen_bytes)
         if self.dist.rank == 0:
@@ -671,13 +693,19 @@ class Trainer:
                     progress.print(f"exported {self.export(step)}")
         export_dir = self.export(step)
         self._say(f"export: {export_dir}")
+        late = self.poller.poll("after_export", step) if self.poller else None
+        if late:  # after the last step's safe point: the completed run answers it (.checkpoint.requests)
+            self.poller.served()
+            self.metrics.log("request_after_completion", signal=late.signal, step=step)
+            self._say(f"{late.signal} arrived after the last step: the run completed (exit code 0), nothing to resume")
         self._finish("completed", 0, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
-                           export_dir=export_dir, checkpoint=last_checkpoint)
+                           export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
 
     def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
         self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "
                   f"--resume-from-full-state-checkpoint {checkpoint}")
         self._finish("stopped", EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
-                           export_dir=None, checkpoint=checkpoint, exit_code=EXIT_STOPPED)
+                           export_dir=None, checkpoint=checkpoint, exit_code=EXIT_STOPPED,
+                           steps_run=step - self.start_step)

@@ -37,9 +37,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint.signals import EXIT_STOPPED
 from .cluster import (GRACE_MARGIN_S, TrainJob, cache_env, check_printable, cluster_parser, parse_train_flags,
                       positive_int)
+from .exit_codes import EXIT_STOPPED
 
 #: SLURM's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 #: days-hours:minutes, days-hours:minutes:seconds.

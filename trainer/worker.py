@@ -1,8 +1,10 @@
 """torchrun entry point of one rank: ``torchrun --nproc-per-node K -m osft.trainer.worker <flags>``.
 
 Takes the same flags as ``osft-train`` (the launch flags are ignored: torchrun already placed this
-process). Exit codes: 0 completed, 1 failed (the error is also written to the metrics as an
-``error`` record by whichever rank raised it), 2 bad input.
+process). Exit codes (:mod:`.exit_codes`): 0 completed, 1 failed (the error is also written to the
+metrics as an ``error`` record by whichever rank raised it), 2 bad input, 75 stopped after a
+complete checkpoint. The checkpoint signals are held from the first line of :func:`main`, before
+the training modules are imported.
 """
 
 from __future__ import annotations
@@ -12,22 +14,34 @@ import traceback
 
 from rich.console import Console
 
+from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
+from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run this rank's part of the job; returns the exit code."""
+    """Run this rank's part of the job; returns the exit code (:mod:`.exit_codes`)."""
+    hold_signals()  # before anything slow is imported: a request during start-up is served (B49)
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        release_held_signals(deliver=False)
+
+
+def _main(argv: list[str]) -> int:
     from .data.validate import DataValidationError
     from .loop import Trainer
 
     console = Console(stderr=True)
     try:
-        args = parse_with_config_file(build_parser("osft.trainer.worker"), sys.argv[1:] if argv is None else argv)
+        args = parse_with_config_file(build_parser("osft.trainer.worker"), argv)
     except ConfigFileError as exc:
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     cfg = config_from_args(args)
+    if not cfg.on_demand_checkpointing:
+        release_held_signals()  # no request to serve: what arrived takes its default action now
     if args.print_config:
         sys.stdout.write(config_to_yaml(cfg))
         return 0
@@ -45,12 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except BaseException as exc:
-        # An uncaught exception ends the interpreter with exit code 1; the record says so for watchers.
-        code = exc.code if isinstance(exc, SystemExit) else 1
+        code = exc.code if isinstance(exc, SystemExit) else EXIT_FAILED
         trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                             exit_code=code)
-        raise
-    return 0
+        if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: as Python ends on them
+            raise
+        # One line here (a peer's death makes every other rank fail too); the launcher reports the
+        # failure as one paragraph, and the traceback is in the error record.
+        console.print(f"osft worker: rank {trainer.dist.rank} failed: {type(exc).__name__}: {exc} "
+                      f"(traceback: the error record in {trainer.metrics.path})",
+                      markup=False, highlight=False, soft_wrap=True)
+        return EXIT_FAILED
+    return EXIT_COMPLETED
 
 
 if __name__ == "__main__":

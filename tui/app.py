@@ -15,6 +15,9 @@ from pathlib import Path
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
+from osft.trainer.checkpoint.signals import take_held_signals
+
+from .cli import ENDING_SIGNALS
 from .controls import offered
 from .dashboard import Dashboard
 from .launch import DEFAULT_LAUNCHER
@@ -44,8 +47,12 @@ class OsftTui(App[int]):
 
     def on_mount(self) -> None:
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGHUP):
+        arrived = take_held_signals()  # during start-up (held by osft-tui's main)
+        for signum in ENDING_SIGNALS:
             loop.add_signal_handler(signum, self.exit, 128 + signum)
+        if arrived:
+            self.exit(128 + arrived[0])
+            return
         # Textual's Linux driver re-enters application mode on SIGCONT (resume after ctrl+z). A
         # closed terminal sends SIGHUP and SIGCONT; re-entering on the hung-up tty deadlocks the
         # shutdown (tests/test_tui_terminal.py). osft-tui never suspends itself: no handler needed.

@@ -2,15 +2,22 @@
 
 ``osft-tui`` opens the new-run form (prefilled with the demo job); ``osft-tui RUN_DIR`` attaches
 to a run directory. Exit codes: 0 quit; 2 bad arguments; 128 + N ended by signal N (SIGTERM,
-SIGHUP), after restoring the terminal and leaving the run running.
+SIGHUP), after restoring the terminal and leaving the run running; such a signal during start-up
+is held and ends the app as soon as it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from pathlib import Path
+
+from osft.trainer.checkpoint.signals import hold_signals, take_held_signals
+
+#: Signals that end the dashboard (after restoring the terminal) with 128 + their number.
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``osft-tui``; returns the exit code."""
+    hold_signals(ENDING_SIGNALS)  # before Textual is imported: the app ends on them once it runs (B49)
+    try:
+        return _main(argv)
+    finally:
+        take_held_signals()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.run_dir is not None and not args.run_dir.is_dir():

@@ -1,9 +1,35 @@
-"""Serving checkpoint requests at safe points: every rank polls, all agree with one all_reduce(MAX).
+"""Checkpoint requests, and the one rule for how every request is served and how the run ends.
 
 DESIGN.md section 6. Requests come from the job's trigger directory (signals to any rank or to the
 launcher, see :mod:`.signals`) and, on rank 0, from ``<output_dir>/control/`` (a watcher on another
 host creates ``control/checkpoint`` or ``control/checkpoint-and-exit``). Safe points: before the
-forward and before and after the backward of each micro-batch, and after the optimizer step.
+forward and before and after the backward of each micro-batch, and after the optimizer step. Every
+rank polls at each of them and all agree on the strongest request with one ``all_reduce(MAX)``.
+
+The rule (README, "Checkpoints, signals and resume"):
+
+- **Pending**: a request is pending from the moment it is recorded until a checkpoint serves it.
+  Signals are recorded by whichever process of the job receives them (launcher or rank, at any
+  moment: each entry point holds the signals from its first line, :func:`.signals.hold_signals`,
+  and hands what arrived during start-up to the trigger directory); control files are pending
+  while they exist. Nothing else removes a request, except a trigger or control file older than
+  the job (left by a killed run): it is removed at start-up with a warning.
+- **Served**: by the first complete checkpoint of the training state *after* the request was
+  agreed at a safe point. A request agreed inside a step saves the state at the start of that
+  step (the step is replayed after a resume). A request that arrives while a checkpoint is being
+  written (on request or periodic) stays pending and is served at the next safe point by that
+  same checkpoint, since the state has not changed: the same step is never saved twice. Only the
+  files a rank saw when the request was agreed are removed (:meth:`RequestPoller.served`), so a
+  request recorded meanwhile is never lost.
+- **Exit code**: a served checkpoint-and-exit request (every stop signal; SIGUSR1 only with
+  ``--sigusr1-action checkpoint-and-exit``; ``control/checkpoint-and-exit``) ends the run right
+  after that checkpoint with exit code 75; a plain checkpoint request (SIGUSR1,
+  ``control/checkpoint``) lets training go on. A request during start-up is served at the first
+  safe point (before the forward of the first step): a stop writes a complete checkpoint of the
+  start step (0 for a fresh run) and exits 75. A request that arrives after the last step's
+  safe point (during the final export, or when a resumed run has no step left) is answered by
+  the run completing: exit code 0 and the final export, nothing left to resume; the run says so.
+  Every exit code: :mod:`..exit_codes`.
 """
 
 from __future__ import annotations
@@ -58,6 +84,7 @@ class RequestPoller:
         self.trigger = trigger
         self.control_dir = control_dir if rank == 0 else None
         self.sigusr1_action = sigusr1_action
+        self._seen: tuple[list[Path], list[tuple[Path, float]]] = ([], [])
         specs = os.environ.get(TEST_SIGNAL_ENV, "") if rank == 0 else ""
         self._test_hooks = [spec.split(":") for spec in specs.split(",") if spec]
 
@@ -65,42 +92,48 @@ class RequestPoller:
         return [(path, CONTROL_ACTIONS[name], mtime) for name, path, mtime in request_files(self.control_dir)
                 if name in CONTROL_ACTIONS]
 
-    def _local_code(self) -> int:
-        """This rank's strongest pending request, encoded as action * 256 + signal number."""
-        code = 0
-        for t in self.trigger.pending():
-            code = max(code, int(action_for_signal(t.signum, self.sigusr1_action)) * 256 + t.signum)
-        for _path, action, _mtime in self._control_files():
-            code = max(code, int(action) * 256)
-        return code
-
     def poll(self, point: str, step: int, micro: int = 0) -> Request | None:
         """Collective: every rank must call it at the same safe point. Returns the agreed request
-        (the strongest any rank saw), or None.
+        (the strongest any rank saw), or None. The files this rank saw are remembered for
+        :meth:`served`.
 
         Args:
             point: one of :data:`SAFE_POINTS`. step: the step being trained (1-based) or just
                 finished (``after_step``). micro: micro-batch index within the step (0-based).
         """
         self._maybe_test_signal(point, step, micro)
-        code = self._local_code()
+        triggers, controls = self.trigger.files(), self._control_files()
+        code = max([int(action_for_signal(t.signum, self.sigusr1_action)) * 256 + t.signum for t in triggers]
+                   + [int(action) * 256 for _path, action, _mtime in controls], default=0)
         if is_distributed():
             t = torch.tensor([code], dtype=torch.int64, device=backend_device())
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             code = int(t.item())
         if code == 0:
             return None
+        self._seen = ([t.path for t in triggers], [(path, mtime) for path, _action, mtime in controls])
         return Request(Action(code // 256), code % 256, point)
 
-    def served(self, until: float) -> None:
-        """Forget every request recorded up to ``until`` (unix s): signals that arrived while the
-        checkpoint was being written are served by it, not by a second one."""
-        for t in self.trigger.pending():
-            if t.mtime <= until:
-                t.path.unlink(missing_ok=True)
-        for path, _action, mtime in self._control_files():
-            if mtime <= until:
-                path.unlink(missing_ok=True)
+    def served(self) -> None:
+        """Remove the requests this rank saw when the last request was agreed (it has been served
+        by a complete checkpoint). A signal recorded since is a file of its own and stays pending;
+        a control file written again since is kept."""
+        triggers, controls = self._seen
+        self._seen = ([], [])
+        for path in triggers:
+            path.unlink(missing_ok=True)
+        for path, mtime in controls:
+            claimed = path.with_name(f".served-{path.name}.{time.time_ns()}")
+            try:
+                os.rename(path, claimed)  # atomic: a file created after this is a new request
+            except FileNotFoundError:
+                continue
+            if claimed.stat().st_mtime > mtime:  # touched again after the poll: still pending
+                try:
+                    os.link(claimed, path)
+                except FileExistsError:
+                    pass
+            claimed.unlink()
 
     def remove_stale(self, job_start: float) -> list[str]:
         """Delete requests older than the job (a killed earlier run's leftovers); return what was removed."""
@@ -123,7 +156,7 @@ class RequestPoller:
         sent = time.time()
         os.kill(target, signum)
         deadline = time.monotonic() + 60
-        while not any(t.signum == signum and t.mtime >= sent - 1 for t in self.trigger.pending()):
+        while not any(t.signum == signum and t.mtime >= sent - 1 for t in self.trigger.files()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"test hook: {hook[3]} sent to pid {target} was not recorded within 60 s")
             time.sleep(0.01)

@@ -1,11 +1,11 @@
 """Checkpoint requests: the seven signals, what each asks for, and the per-job trigger directory.
 
-DESIGN.md section 6. A signal handler only records the request, as a file ``sig<NUMBER>`` in a
-per-job directory under ``/dev/shm`` (mode 0700): every local rank of the node and the launcher
+DESIGN.md section 6. A signal handler only records the request, as a new file
+``sig<NUMBER>.<ns>.<pid>`` in a per-job directory under ``/dev/shm`` (mode 0700): every local rank of the node and the launcher
 share it, and a signal sent to any one of them reaches the whole job at the next safe point (see
 :mod:`.requests`). The directory is keyed by the job id, so triggers of another job are never read;
 a trigger older than this job's start (left by a killed run with the same id) is removed with a
-warning.
+warning. How requests are served and how the run then ends: :mod:`.requests`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import exit_codes
+
 #: Every signal that asks for a checkpoint (DESIGN.md section 6).
 CHECKPOINT_SIGNALS = (
     signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU, signal.SIGHUP, signal.SIGQUIT,
 )
 
-#: Exit code of a run that stopped on request after writing a complete checkpoint (EX_TEMPFAIL:
-#: "try again later", here: resume). 0 stays reserved for a completed run.
-EXIT_STOPPED = 75
+#: Exit code of a run that stopped on request after writing a complete checkpoint (the table of
+#: every exit code is :mod:`..exit_codes`).
+EXIT_STOPPED = exit_codes.EXIT_STOPPED
 
 #: Environment variable with the job's start time (unix s), set by the launcher for its workers.
 JOB_START_ENV = "OSFT_JOB_START"
@@ -105,29 +107,36 @@ class TriggerDir:
         os.chmod(self.path, 0o700)
 
     def record(self, signum: int) -> None:
-        """Record a request for ``signum`` (safe to call from a signal handler; repeated signals of
-        one kind coalesce into one file, whose time is that of the latest)."""
+        """Record a request for ``signum`` as a new file ``sig<N>.<ns>.<pid>`` (safe to call from a
+        signal handler). A file is never touched again once written, so a request that arrives
+        while an earlier one is being served is a file of its own and is never removed with it."""
         self.create()
-        path = self.path / f"sig{signum}"
-        path.touch()
-        os.utime(path)
+        (self.path / f"sig{signum}.{time.time_ns()}.{os.getpid()}").touch()
+
+    def files(self) -> list[Trigger]:
+        """Every recorded request file, oldest first (files that vanish meanwhile are skipped)."""
+        found = []
+        for name, path, mtime in request_files(self.path):
+            number = name[3:].split(".", 1)[0]
+            if name.startswith("sig") and number.isdigit():
+                found.append(Trigger(int(number), path, mtime))
+        return sorted(found, key=lambda t: t.mtime)
 
     def pending(self) -> list[Trigger]:
-        """Recorded requests, oldest first (files that vanish meanwhile are skipped)."""
-        found = [Trigger(int(name[3:]), path, mtime) for name, path, mtime in request_files(self.path)
-                 if name.startswith("sig") and name[3:].isdigit()]
-        return sorted(found, key=lambda t: t.mtime)
+        """Recorded requests, oldest first, repeated signals of one kind coalesced into their latest."""
+        latest = {t.signum: t for t in self.files()}
+        return sorted(latest.values(), key=lambda t: t.mtime)
 
     def remove_stale(self, job_start: float) -> list[str]:
         """Delete triggers older than ``job_start`` (unix s); return their signal names."""
-        stale = [t for t in self.pending() if t.mtime < job_start]
+        stale = [t for t in self.files() if t.mtime < job_start]
         for t in stale:
             t.path.unlink(missing_ok=True)
-        return [signal_name(t.signum) for t in stale]
+        return list(dict.fromkeys(signal_name(t.signum) for t in stale))
 
     def remove(self) -> None:
         """Delete the directory and what is left in it (end of the job)."""
-        for t in self.pending():
+        for t in self.files():
             t.path.unlink(missing_ok=True)
         try:
             self.path.rmdir()
@@ -135,14 +144,67 @@ class TriggerDir:
             pass
 
 
+@dataclass
+class _Held:
+    """Signals received while held (:func:`hold_signals`), and the handlers in place before."""
+
+    previous: dict[int, object]
+    received: list[int]
+
+
+_held: _Held | None = None
+
+
+def hold_signals(signals: tuple[int, ...] = CHECKPOINT_SIGNALS) -> None:
+    """Record ``signals`` (default every checkpoint signal) in memory until
+    :func:`install_handlers` takes them over (and serves what arrived meanwhile),
+    :func:`take_held_signals` hands them to the caller, or :func:`release_held_signals` gives them
+    their previous handling back. Each entry point calls it first, before anything slow is
+    imported, so a signal during start-up never takes its default action (field case B49).
+    A second call while held does nothing."""
+    global _held
+    if _held is not None:
+        return
+    received: list[int] = []
+    _held = _Held({s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in signals}, received)
+
+
+def take_held_signals() -> list[int]:
+    """End the hold: the previous handlers are back; returns the signals received meanwhile, in
+    order (none when nothing was held)."""
+    global _held
+    held, _held = _held, None
+    if held is None:
+        return []
+    restore_handlers(held.previous)
+    return held.received
+
+
+def release_held_signals(deliver: bool = True) -> None:
+    """End the hold (:func:`take_held_signals`) and, with ``deliver``, send this process again what
+    arrived meanwhile (a stop signal then takes its default action: no on-demand checkpointing)."""
+    received = take_held_signals()
+    for signum in received if deliver else ():
+        os.kill(os.getpid(), signum)
+
+
 def install_handlers(on_signal: Callable[[int], None]) -> dict[int, object]:
     """Make every signal of :data:`CHECKPOINT_SIGNALS` call ``on_signal(signum)`` instead of its
-    default action (which for SIGUSR1 would kill the process). Returns the previous handlers."""
+    default action (which for SIGUSR1 would kill the process), then pass it the signals received
+    while held (:func:`hold_signals`), in order. Returns the handlers to restore: those from before
+    the hold, if there was one."""
+    global _held
 
     def handler(signum, _frame):
         on_signal(signum)
 
-    return {s: signal.signal(s, handler) for s in CHECKPOINT_SIGNALS}
+    previous = {s: signal.signal(s, handler) for s in CHECKPOINT_SIGNALS}
+    held, _held = _held, None
+    if held is not None:
+        previous = held.previous
+        for signum in held.received:
+            on_signal(signum)
+    return previous
 
 
 def restore_handlers(previous: dict[int, object]) -> None:
@@ -152,5 +214,8 @@ def restore_handlers(previous: dict[int, object]) -> None:
 
 
 def job_start_time() -> float:
-    """The job's start (unix s): ``$OSFT_JOB_START`` from the launcher, else now."""
-    return float(os.environ.get(JOB_START_ENV) or time.time())
+    """The job's start (unix s): ``$OSFT_JOB_START`` from the launcher, else this process's start
+    (a request recorded while it started up is never stale)."""
+    import psutil  # only here: this module is imported before anything slow (hold_signals)
+
+    return float(os.environ.get(JOB_START_ENV) or psutil.Process().create_time())
