@@ -124,6 +124,10 @@ def test_a_launcher_on_another_host_is_live_while_its_heartbeat_is_fresh(tmp_pat
     monkeypatch.setenv("SLURM_JOB_ID", "77")  # a requeued start of the same SLURM job: its earlier start is over
     assert check_output_dir(run_dir, resuming=True, overwrite=False).job_id == "jobA"
     monkeypatch.delenv("SLURM_JOB_ID")
+    # a replacement pod of the same multi-node job (same derived job id) while the killed pod's heartbeat is fresh
+    assert check_output_dir(run_dir, resuming=True, overwrite=False, job_id="jobA").job_id == "jobA"
+    with pytest.raises(OutputDirInUse, match="in use by job jobA"):
+        check_output_dir(run_dir, resuming=True, overwrite=False, job_id="jobB")
     write_json_atomic(run_dir.heartbeat, {"job_id": "jobA", "time": time.time() - STALE_S - 1})
     assert check_output_dir(run_dir, resuming=True, overwrite=False).job_id == "jobA"
     with pytest.raises(OutputDirInUse, match="holds the run of job jobA .* continue it with --resume"):

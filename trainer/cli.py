@@ -122,8 +122,9 @@ def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
 
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     resuming = bool(cfg.resume or cfg.resume_from_full_state_checkpoint)
+    job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
     try:  # before anything is written: another job's directory stays as it is
-        previous = check_output_dir(run_dir, resuming, cfg.overwrite_output_dir)
+        previous = check_output_dir(run_dir, resuming, cfg.overwrite_output_dir, job_id)
     except OutputDirInUse as exc:
         raise InputError(str(exc)) from exc
     if previous and cfg.overwrite_output_dir and not resuming and cfg.node_rank == 0:
@@ -133,7 +134,6 @@ def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
     run_dir.create()
     if cfg.node_rank == 0:
         write_text_atomic(run_dir.config_yaml, config_to_yaml(cfg))
-    job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
     run_dir.update_run_json(
         argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
         nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,

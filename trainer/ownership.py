@@ -8,8 +8,11 @@ node N, :class:`.rundir.RunDir`) before it writes anything:
   launcher's pid must be running with the process creation time the file recorded (a reused pid
   is another process); on another host, where no pid can be checked, the job's heartbeat file
   (rewritten every :data:`HEARTBEAT_S` seconds while it runs) must be newer than :data:`STALE_S`
-  seconds. A start of the same SLURM job (a requeue: the same ``$SLURM_JOB_ID``) is never refused
-  for an earlier start of itself;
+  seconds. A start of the same job on another host is never refused for an earlier start of
+  itself: the same ``$SLURM_JOB_ID`` (a requeue), or the same job id (a multi-node job's id is
+  derived from the output directory and the rendezvous endpoint, or given by ``OSFT_JOB_ID``: a
+  Kubernetes replacement pod starts within :data:`STALE_S` of its killed predecessor's last
+  heartbeat);
 - otherwise (completed, stopped, failed, or killed without a word), when the directory holds
   checkpoints or exports: ``--resume`` (or ``--resume-from-full-state-checkpoint``) continues the
   run, ``--overwrite-output-dir`` starts over; without either the job is refused, since a fresh
@@ -64,12 +67,13 @@ def process_identity() -> dict:
     return {"launcher_create_time": psutil.Process().create_time(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
 
 
-def _is_live(record: dict, run_dir: RunDir) -> bool:
-    """Whether the launcher ``record`` (a state file's content) names still runs."""
+def _is_live(record: dict, run_dir: RunDir, job_id: str | None) -> bool:
+    """Whether the launcher ``record`` (a state file's content) names still runs, as far as the
+    job ``job_id`` starting now is concerned."""
     if record.get("hostname") != socket.gethostname():
         slurm_job = os.environ.get("SLURM_JOB_ID")
-        if slurm_job and record.get("slurm_job_id") == slurm_job:
-            return False  # an earlier start of this same job, requeued
+        if (slurm_job and record.get("slurm_job_id") == slurm_job) or (job_id and record.get("job_id") == job_id):
+            return False  # an earlier start of this same job, requeued or replaced
         try:
             beat = json.loads(run_dir.heartbeat.read_text())
         except (OSError, ValueError):
@@ -93,8 +97,9 @@ def _has_outputs(run_dir: RunDir) -> bool:
     return any(any(d.glob("[!.]*")) for d in (run_dir.checkpoints, run_dir.root / "hf_format") if d.is_dir())
 
 
-def check_output_dir(run_dir: RunDir, resuming: bool, overwrite: bool) -> Owner | None:
-    """Decide whether a job may start in ``run_dir`` (see the module docstring); writes nothing.
+def check_output_dir(run_dir: RunDir, resuming: bool, overwrite: bool, job_id: str | None = None) -> Owner | None:
+    """Decide whether the job ``job_id`` may start in ``run_dir`` (see the module docstring); writes
+    nothing.
 
     Returns:
         the earlier job whose directory this is (for ``--overwrite-output-dir``: its outputs are
@@ -114,7 +119,7 @@ def check_output_dir(run_dir: RunDir, resuming: bool, overwrite: bool) -> Owner 
                              "no job uses the directory") from exc
     owner = Owner(str(record.get("job_id")), record.get("launcher_pid"), str(record.get("hostname")),
                   str(record.get("state")), record.get("exit_code"))
-    if _is_live(record, run_dir):
+    if _is_live(record, run_dir, job_id):
         raise OutputDirInUse(f"--output-dir {run_dir.root} is in use by {owner.describe()}, which is running "
                              f"(state {owner.state}): wait for it to end or stop it, or choose another --output-dir")
     if resuming or overwrite or not _has_outputs(run_dir):

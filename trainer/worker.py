@@ -1,10 +1,14 @@
 """torchrun entry point of one rank: ``torchrun --nproc-per-node K -m osft.trainer.worker <flags>``.
 
 Takes the same flags as ``osft-train`` (the launch flags are ignored: torchrun already placed this
-process). Exit codes (:mod:`.exit_codes`): 0 completed, 1 failed (the error is also written to the
-metrics as an ``error`` record by whichever rank raised it), 2 bad input, 75 stopped after a
-complete checkpoint. The checkpoint signals are held from the first line of :func:`main`, before
-the training modules are imported.
+process). Exit codes (:mod:`.exit_codes`): 0 completed **or stopped after a complete checkpoint**,
+1 failed (the error is also written to the metrics as an ``error`` record by whichever rank raised
+it), 2 bad input. A rank does not exit 75 after a stop: torchrun's agent takes any non-zero exit
+of a rank for a failure (it stops the other ranks and exits 1 itself), so the stop is told by the
+``run_finished`` record, which the ``osft-train`` launcher reads to exit 75. A worker group started
+by hand (``torchrun -m osft.trainer.worker``) therefore ends 0 after a stop: read ``run_finished``
+(its ``reason`` and ``exit_code``) to tell a stop from a completion. The checkpoint signals are
+held from the first line of :func:`main`, before the training modules are imported.
 """
 
 from __future__ import annotations
