@@ -75,8 +75,8 @@ def run(tmp_path: Path, scenario) -> None:
         kill_run(out)
 
 
-async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
-    """Fill the new-run form and launch (ctrl+l); wait for the dashboard and the first step."""
+async def fill_form(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
+    """Fill the new-run form (fake model and data in ``tmp_path``) and launch (ctrl+l)."""
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "train.jsonl").write_text("{}\n")
     form = await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen) and app.screen, 10, "the form")
@@ -86,6 +86,11 @@ async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_s
     for name, value in values.items():
         form.query_one(f"#field-{name}", Input).value = value
     await pilot.press("ctrl+l")
+
+
+async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
+    """Fill the new-run form and launch (ctrl+l); wait for the dashboard and the first step."""
+    await fill_form(app, pilot, tmp_path, out, nnodes, nproc, max_steps, extra)
     dash = app.dashboard
     await wait_until(pilot, lambda: app.screen is dash and dash.run and dash.run.step, 30, "the first step")
 
@@ -115,8 +120,30 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
         assert f"total [b]{total}[/b]" in str(counters.content)
         worst = max(r["ortho_max_dev_deg"] for r in steps)
         assert f"{worst:.3f}°" in str(counters.content)
-        assert len(dash.query_one(RankTable).rows) == 4
+        ranks = dash.query_one(RankTable)
+        assert len(ranks.rows) == 4
         assert dash.run.state == "completed"
+        # a rank that wrote no exit record of its own ended with its node, cleanly
+        def states() -> list[str]:
+            return [str(ranks.get_row(f"rank{r}")[5]) for r in range(4)]
+
+        clean = ("exited (code 0)", "ended (node code 0)")
+        await wait_until(pilot, lambda: all(x in clean for x in states()), 10, f"every rank row in {clean}")
+
+        # another run: every pane forgets this one; the form has the values of the last launch
+        await pilot.press("n")
+        form = await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen) and app.screen, 10, "the form")
+        assert form.query_one("#field-output_dir", Input).value == str(out)
+        assert form.query_one("#field-nnodes", Input).value == "2"
+        await fill_form(app, pilot, tmp_path, tmp_path / "second", nnodes=1, nproc=1, max_steps=300)
+        await wait_until(pilot, lambda: app.screen is dash and dash.run.root == tmp_path / "second"
+                         and dash.run.step, 30, "the second run's first step")
+        await pilot.pause(1.2)  # a slow redraw (rank table, sparklines)
+        assert set(table.rows) == {"node0"} and set(ranks.rows) == {"rank0"}
+        assert not dash.query("#tokens-node1")
+        events = "\n".join(line.text for line in dash.query_one("#events", RichLog).lines)
+        assert "rank 3 started" not in events and not counters.has_class("alert")
+        kill_run(tmp_path / "second")
 
     run(tmp_path, scenario)
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.ownership import OutputDirInUse, check_output_dir
+from osft.trainer.rundir import RunDir
 from textual.binding import Binding
 
 from . import launch as launching
@@ -26,6 +28,7 @@ from .components.new_run import NewRunScreen
 from .components.ranks import RankTable
 from .processes import ProcessView, send_request
 from .processes import kill as kill_processes
+from .status import FAILURE_LINES, LaunchFailure
 from .tail import LogTail
 from .watcher import RunWatcher
 
@@ -98,6 +101,23 @@ def help_screen() -> HelpScreen:
     return HelpScreen([(c.key, c.help) for c in CONTROLS] + list(TEXTUAL_KEYS), notes)
 
 
+@dataclass(frozen=True)
+class Started:
+    """A launcher this dashboard started.
+
+    Attributes:
+        proc: its process.
+        root: the run directory it writes.
+        node_rank: its node.
+        spec: the new-run form's values it was started from (None for a relaunch).
+    """
+
+    proc: subprocess.Popen
+    root: Path
+    node_rank: int
+    spec: launching.RunSpec | None = None
+
+
 class Controls:
     """The control flows of a :class:`~.dashboard.Dashboard`.
 
@@ -109,17 +129,50 @@ class Controls:
     Attributes:
         started: launchers started here that may still run.
         pending: requests waiting for their checkpoint: (kind, step at the request).
+        failure: the last launcher of the run shown that failed (None when none did).
+        form_spec: the values last launched from the new-run form (the form opens with them).
     """
 
     def __init__(self, dashboard: Dashboard, launcher: list[str]) -> None:
         self.dashboard = dashboard
         self.launcher = launcher
-        self.started: list[subprocess.Popen] = []
+        self.started: list[Started] = []
         self.pending: list[tuple[str, int | None]] = []
+        self.failure: LaunchFailure | None = None
+        self.form_spec: launching.RunSpec | None = None
 
     def reap(self) -> None:
-        """Forget the started launchers that ended."""
-        self.started = [p for p in self.started if p.poll() is None]
+        """Forget the started launchers that ended. One of the run shown that failed (an exit code
+        other than 0 and 75; a signal's end is the dead run the status line shows) becomes
+        :attr:`failure`, with a toast and the end of its log in the event pane; one started from
+        the form before the run made a step reopens the form with the same values."""
+        ended = [s for s in self.started if s.proc.poll() is not None]
+        self.started = [s for s in self.started if s.proc.returncode is None]
+        d = self.dashboard
+        for s in ended:
+            code = s.proc.returncode
+            if code in (0, EXIT_STOPPED) or code < 0 or d.run is None or s.root != d.run.root:
+                continue
+            log = RunDir(s.root).launcher_log(s.node_rank)
+            lines = tuple(LogTail(log, FAILURE_LINES).poll())
+            self.failure = LaunchFailure(s.proc.pid, s.node_rank, code, lines)
+            d.log_event(f"launcher of node {s.node_rank} (pid {s.proc.pid}) exited with code {code}; "
+                        f"the end of {log}:", "bold red")
+            for line in lines:
+                d.log_event(f"  {line}", "red")
+            d.notify(lines[-1] if lines else f"no output in {log}", title=f"launcher exited with code {code}",
+                     severity="error", timeout=15)
+            if s.spec is not None and d.run.step is None and not isinstance(d.app.screen, NewRunScreen):
+                self.new_run(s.spec)
+
+    def starting(self) -> bool:
+        """Whether a launcher started here for the run shown runs and has not written its state file
+        yet (the file is absent, or an earlier launcher's)."""
+        d = self.dashboard
+        if d.run is None:
+            return False
+        written = {info.pid for info in d.run.launchers.values()}
+        return any(s.root == d.run.root and s.proc.poll() is None and s.proc.pid not in written for s in self.started)
 
     def answer(self, record: dict) -> None:
         """A ``checkpoint_saved`` record arrived: answer the oldest pending request."""
@@ -186,6 +239,9 @@ class Controls:
         if d.run is None or d.view is None:
             d.notify("no run", severity="warning")
             return
+        if d.run.run_json_error:
+            d.notify(f"cannot resume: its command line is in {d.run.run_json_error}", severity="error")
+            return
         entry = d.query_one(CheckpointTable).selected()
         if entry is None or not entry.complete:
             d.notify("select a complete checkpoint in the checkpoint list first", severity="warning")
@@ -224,7 +280,7 @@ class Controls:
         assert d.run is not None and d.view is not None
         grace = float((d.run.run.get("config") or {}).get("checkpoint_grace_seconds") or 300)
         deadline = time.monotonic() + grace + STOP_MARGIN_S
-        while d.view.any_alive() or any(p.poll() is None for p in self.started):
+        while d.view.any_alive() or any(s.proc.poll() is None for s in self.started):
             if time.monotonic() > deadline:
                 d.notify("the run did not stop in time", severity="error")
                 return False
@@ -238,26 +294,34 @@ class Controls:
         self.start([launching.resume_argv(argv[1:], checkpoint) for argv in argvs], d.run.root)
         d.notify(f"resuming from {checkpoint}", title="resume")
 
-    def start(self, argvs: list[list[str]], root: Path) -> None:
-        """Start one launcher per command line in ``argvs`` (``osft-train`` arguments), in ``root``."""
+    def start(self, argvs: list[list[str]], root: Path, spec: launching.RunSpec | None = None) -> None:
+        """Start one launcher per command line in ``argvs`` (``osft-train`` arguments), in ``root``;
+        ``spec``: the form's values they come from."""
         d = self.dashboard
         try:
             procs = [launching.start(self.launcher, argv, root) for argv in argvs]
         except OSError as exc:
             d.notify(f"could not start {self.launcher[0]}: {exc}", severity="error")
             return
-        self.started.extend(procs)
+        self.failure = None
+        self.started += [Started(p, root, launching.node_of(argv), spec) for p, argv in zip(procs, argvs)]
         d.log_event(f"launched {len(procs)} launcher(s): pid " + ", ".join(str(p.pid) for p in procs), "bold cyan")
 
-    def new_run(self) -> None:
-        """The new-run form; Launch starts the run and watches it."""
-        self.dashboard.app.push_screen(NewRunScreen(launching.RunSpec.demo()), self.launch)
+    def new_run(self, spec: launching.RunSpec | None = None) -> None:
+        """The new-run form, with ``spec``'s values (default: those last launched, else the demo
+        job's); Launch starts the run and watches it."""
+        spec = spec or self.form_spec or launching.RunSpec.demo()
+        self.dashboard.app.push_screen(NewRunScreen(spec), self.launch)
 
     def launch(self, spec: launching.RunSpec | None) -> None:
-        """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run directory."""
+        """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run
+        directory. A directory of a live run is refused (the form opens again); one an earlier run
+        left checkpoints or exports in (``osft-train`` would refuse it) asks first: resume it,
+        overwrite it, or edit the form."""
         if spec is None:
             return
         d = self.dashboard
+        self.form_spec = spec
         root = Path(spec.output_dir)
         there = RunWatcher(root)
         there.poll(checkpoints=False)
@@ -265,11 +329,36 @@ class Controls:
         if busy:
             d.notify(f"{root} belongs to a live run (pid {busy[0].pid}): attach with osft-tui {root}, "
                      "or choose another output dir", severity="error")
+            self.new_run(spec)
+            return
+        try:
+            check_output_dir(RunDir(root), spec.has_flag(*launching.RESUME_FLAGS), spec.has_flag(launching.OVERWRITE_FLAG))
+        except OutputDirInUse as exc:
+            self._ask_about_earlier_run(spec, str(exc))
             return
         root.mkdir(parents=True, exist_ok=True)
-        d.attach(root, clear=True)
-        self.start(spec.node_argvs(), root)
+        d.attach(root)
+        self.start(spec.node_argvs(), root, spec)
         d.poll()
+
+    def _ask_about_earlier_run(self, spec: launching.RunSpec, why: str) -> None:
+        """``osft-train`` would refuse ``spec`` (``why``): resume, overwrite, or back to the form."""
+        body = [why, "", "resume: continue that run (--resume: from its newest complete checkpoint)",
+                f"overwrite: start over ({launching.OVERWRITE_FLAG} removes its checkpoints, exports and metrics)",
+                "edit: back to the form (choose another output dir)"]
+
+        def done(answer: str | None) -> None:
+            if answer == "resume":
+                self.launch(spec.with_flag("--resume"))
+            elif answer == "overwrite":
+                self.launch(spec.with_flag(launching.OVERWRITE_FLAG))
+            elif answer == "edit":
+                self.new_run(spec)
+
+        self.dashboard.app.push_screen(
+            Choice(f"{spec.output_dir} holds an earlier run", body,
+                   [("edit", "edit", "primary"), ("resume", "resume", "warning"),
+                    ("overwrite", "overwrite", "error"), ("cancel", "cancel", "default")]), done)
 
     # ------------------------------------------------------------------ screens
     def logs(self) -> None:

@@ -23,7 +23,8 @@ from .components.violations import ViolationCounters
 from .controls import CONTROLS, SIGNALLING, Controls, offered
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
-from .run_state import RunModel
+from .run_state import RunModel, Violations
+from .status import Status, judge
 
 #: Seconds between the costly redraws (sparklines, rank table, event pane) and psutil samples of
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
@@ -34,6 +35,8 @@ SAMPLE_S = 1.0
 EVENT_LINES = 20
 LOG_LINES = 12
 
+#: States the event pane reports in red.
+ALARMS = ("dead", "launch failed", "unreadable run.json", "failed")
 LEVEL_STYLE = {"info": "", "warning": "yellow", "error": "bold red", "log": "dim"}
 
 
@@ -61,6 +64,7 @@ class Dashboard(Screen):
         self._queued = Update(RunModel("."))
         self._live = False
         self._sampled = float("-inf")
+        self._told: tuple[str, str] | None = None
         if run_dir is not None:
             self.attach(run_dir)
 
@@ -98,18 +102,25 @@ class Dashboard(Screen):
         await self.run_action((event.button.id or "").removeprefix("button-"))
 
     # ------------------------------------------------------------------ polling
-    def attach(self, run_dir: Path, clear: bool = False) -> None:
+    def attach(self, run_dir: Path) -> None:
         """Watch ``run_dir`` from now on (its history is read from the start, in a reader process);
-        ``clear`` empties the event pane and the checkpoint list of the run shown before."""
+        every pane forgets the run shown before."""
         if self.reader is not None:
             self.reader.close()
         self.reader = Reader(run_dir, self.poll_s)
         self.run = RunModel(run_dir)
         self.view = ProcessView(self.run)
         self.controls.pending.clear()
-        if clear:
+        self.controls.failure = None
+        self._queued = Update(RunModel("."))
+        self._stats, self._live, self._sampled, self._told = {}, False, float("-inf"), None
+        if self.is_mounted:
             self.query_one("#events", RichLog).clear()
             self.query_one(CheckpointTable).show([])
+            self.query_one(NodeTable).clear()
+            self.query_one(RankTable).clear()
+            self.query_one(Histories).reset()
+            self.query_one(ViolationCounters).show(Violations())
 
     def on_unmount(self) -> None:
         if self.reader is not None:
@@ -119,7 +130,7 @@ class Dashboard(Screen):
         """Take the reader's update, sample the processes (every :data:`SAMPLE_S`), redraw."""
         self.controls.reap()
         if self.reader is None or self.run is None or self.view is None:
-            self.query_one(RunHeader).show(None, None)
+            self.query_one(RunHeader).show(None, None, self.readonly)
             return
         try:
             update = self.reader.receive()
@@ -147,18 +158,28 @@ class Dashboard(Screen):
             cpu, rss = usage.get(node, (0.0, 0))
             usage[node] = ((cpu or 0.0) + (s.cpu_percent or 0.0), (rss or 0) + (s.rss_bytes or 0))
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
-        self.query_one(RunHeader).show(run, self._live if here else None)
+        status = judge(run, self._live if here else None, self.controls.starting(), self.controls.failure, time.time())
+        self.query_one(RunHeader).show(run, status, self.readonly)
+        self._tell(status)
         self.query_one(ViolationCounters).show(run.violations)
         self.query_one(NodeTable).show(run, usage)
         if slow:
             self.query_one(Histories).show(run)
         self.query_one(CheckpointTable).show(run.checkpoints)
         if slow:
-            self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats)
+            self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
         for record in update.saved if update else []:
             self.controls.answer(record)
             if isinstance(step := record.get("step"), int):
                 self.query_one(CheckpointTable).select_step(step)  # r resumes from it
+
+    def _tell(self, status: Status) -> None:
+        """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in
+        the event pane once, in full (the run line may be cut)."""
+        told = (status.state, status.detail)
+        if told != self._told and status.detail and status.state != "starting":
+            self.log_event(f"{status.state}: {status.detail}", "bold red" if status.state in ALARMS else "yellow")
+        self._told = told
 
     def _queue_events(self, update: Update) -> None:
         """Keep the update's lines for the next write (the newest :data:`EVENT_LINES` event lines
