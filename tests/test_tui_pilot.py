@@ -20,6 +20,7 @@ import pytest
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
 from osft.tui.app import OsftTui
 from osft.tui.components.checkpoints import CheckpointTable
+from osft.tui.components.header import RunHeader
 from osft.tui.format import fmt_rate
 from osft.tui.components.modals import Choice, LogScreen
 from osft.tui.components.new_run import NewRunScreen
@@ -93,6 +94,19 @@ async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_s
     await fill_form(app, pilot, tmp_path, out, nnodes, nproc, max_steps, extra)
     dash = app.dashboard
     await wait_until(pilot, lambda: app.screen is dash and dash.run and dash.run.step, 30, "the first step")
+
+
+async def checkpoint(app, pilot, out: Path) -> dict:
+    """After the next step, press ``c`` and wait until the dashboard has taken in the save (its
+    request answered); returns the ``checkpoint_saved`` record."""
+    dash = app.dashboard
+    done = len(records(out, event="checkpoint_saved"))
+    step = dash.run.step
+    await wait_until(pilot, lambda: dash.run.step > step, 20, "a step")
+    await pilot.press("c")
+    await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done
+                     and not dash.controls.pending.steps, 20, "a checkpoint")
+    return records(out, event="checkpoint_saved")[done]
 
 
 def test_tables_and_counters_show_the_values_written(tmp_path):
@@ -194,13 +208,8 @@ def test_r_resumes_from_the_selected_checkpoint_with_the_resume_flag(tmp_path):
         await launch(app, pilot, tmp_path, out)
         dash = app.dashboard
         table = dash.query_one(CheckpointTable)
-        for _ in range(2):  # two checkpoints; the older one is resumed from
-            done = len(records(out, event="checkpoint_saved"))
-            step = dash.run.step
-            await wait_until(pilot, lambda: dash.run.step > step, 20, "a step")
-            await pilot.press("c")
-            await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done, 20, "a checkpoint")
-        first = records(out, event="checkpoint_saved")[0]
+        first = await checkpoint(app, pilot, out)  # two checkpoints; the older one is resumed from
+        await checkpoint(app, pilot, out)
         await wait_until(pilot, lambda: sum(e.complete for e in dash.run.checkpoints) == 2, 10, "both listed")
         await wait_until(pilot, lambda: table.select_step(first["step"]), 10, "the first checkpoint listed")
         old_launcher = run_json(out)["launcher_pid"]
@@ -291,12 +300,13 @@ def test_readonly_removes_every_key_that_signals(tmp_path):
         async with app.run_test(size=(140, 42)) as pilot:
             dash = app.dashboard
             await wait_until(pilot, lambda: dash.run.step, 20, "the first step")
-            for key in ("c", "s", "K", "r"):
+            for key in ("c", "s", "K", "r", "n"):
                 await pilot.press(key)
             await pilot.pause(0.5)
             assert signals_received(out) == [] and isinstance(app.screen, type(dash))
             shown = {key for key, active in app.screen.active_bindings.items() if active.enabled}
-            assert {"c", "s", "K", "r"}.isdisjoint(shown) and {"l", "q"} <= shown
+            assert {"c", "s", "K", "r", "n"}.isdisjoint(shown) and {"l", "q"} <= shown
+            assert "read-only" in str(dash.query_one(RunHeader).content)
             buttons = {b.id for b in dash.query(Button)}
             assert "button-checkpoint" not in buttons and "button-logs" in buttons
             titles = {c.title for c in app.get_system_commands(dash)}

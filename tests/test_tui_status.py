@@ -126,6 +126,10 @@ def test_a_run_that_died_without_a_word_is_dead_with_its_clock_stopped(tmp_path)
         assert "elapsed 10s" in line and "ETA" not in line and "no process of the run is left" in line
         await pilot.pause(1.2)
         assert "elapsed 10s" in header(app)  # the clock stopped at the last sign of life
+        await pilot.press("c")  # nothing to ask: refused with the reason, no control/ file
+        await wait_until(pilot, lambda: any("nothing sent: no process of the run is alive" in n.message
+                                            for n in app._notifications), 10, "c's reason")
+        assert not (tmp_path / "control").exists()
 
     in_app(tmp_path, scenario)
 

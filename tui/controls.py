@@ -9,6 +9,7 @@ and turns keys, buttons and palette commands into these flows.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import time
@@ -26,8 +27,9 @@ from .components.checkpoints import CheckpointTable
 from .components.modals import Choice, HelpScreen, LogScreen
 from .components.new_run import NewRunScreen
 from .components.ranks import RankTable
-from .processes import ProcessView, send_request
+from .processes import ProcessView, send_request, this_host
 from .processes import kill as kill_processes
+from .requests import CHECKPOINT, STOP, PendingRequests
 from .status import FAILURE_LINES, LaunchFailure
 from .tail import LogTail
 from .watcher import RunWatcher
@@ -49,7 +51,7 @@ class Control:
         label: its footer label.
         title: its button (followed by the key) and its command-palette entry.
         help: what it does, on the help screen and in the command palette.
-        signals: it acts on the run (signal, kill, relaunch); ``--readonly`` removes it.
+        acts: it acts on a run (signal, kill, relaunch) or starts one; ``--readonly`` removes it.
     """
 
     key: str
@@ -57,7 +59,7 @@ class Control:
     label: str
     title: str
     help: str
-    signals: bool = False
+    acts: bool = False
 
     @property
     def binding(self) -> Binding:
@@ -68,36 +70,36 @@ class Control:
 #: Every dashboard control, in footer and button order.
 CONTROLS = (
     Control("c", "checkpoint", "checkpoint", "Checkpoint",
-            "checkpoint now: SIGUSR1 to the launcher; training continues", signals=True),
+            "checkpoint now: SIGUSR1 to the launcher; training continues", acts=True),
     Control("s", "stop", "ckpt+stop", "Checkpoint & stop",
-            f"checkpoint and stop: SIGUSR2; the run exits {EXIT_STOPPED} after a complete checkpoint", signals=True),
+            f"checkpoint and stop: SIGUSR2; the run exits {EXIT_STOPPED} after a complete checkpoint", acts=True),
     Control("K", "kill", "kill", "Kill",
-            "kill: SIGKILL to every process of the run (lists the pids first)", signals=True),
+            "kill: SIGKILL to every process of the run (lists the pids first)", acts=True),
     Control("r", "resume", "resume", "Resume selected",
-            "resume from the checkpoint selected in the checkpoint list", signals=True),
+            "resume from the checkpoint selected in the checkpoint list", acts=True),
     Control("l", "logs", "logs", "Rank logs", "logs (stderr) of the rank selected in the rank table"),
-    Control("n", "new_run", "new run", "New run", "new run"),
+    Control("n", "new_run", "new run", "New run", "new run", acts=True),
     Control("question_mark", "help", "help", "Help", "this help"),
     Control("q", "request_quit", "quit", "Quit", "quit: detach (the run goes on), checkpoint and stop, or kill"),
 )
-#: Actions that act on the run (removed by ``--readonly``).
-SIGNALLING = frozenset(c.action for c in CONTROLS if c.signals)
+#: Actions that act on a run or start one (removed by ``--readonly``).
+ACTING = frozenset(c.action for c in CONTROLS if c.acts)
 #: Textual's own keys, listed on the help screen after the controls.
 TEXTUAL_KEYS = (("ctrl+p", "command palette"), ("tab", "next panel"))
 
 
 def offered(readonly: bool) -> list[Control]:
-    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not signal."""
-    return [c for c in CONTROLS if not (readonly and c.signals)]
+    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not act."""
+    return [c for c in CONTROLS if not (readonly and c.acts)]
 
 
 def help_screen() -> HelpScreen:
     """The help screen: one line per control and Textual key, then how requests reach a run."""
-    signalling = [c.key for c in CONTROLS if c.signals]
+    acting = [c.key for c in CONTROLS if c.acts]
     notes = ("Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a\n"
              "torchrun agent. When no process of the run is on this host, c and s write control/checkpoint\n"
              "or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.\n"
-             f"With --readonly, {', '.join(signalling[:-1])} and {signalling[-1]} are not available.")
+             f"With --readonly, {', '.join(acting[:-1])} and {acting[-1]} are not available.")
     return HelpScreen([(c.key, c.help) for c in CONTROLS] + list(TEXTUAL_KEYS), notes)
 
 
@@ -118,6 +120,17 @@ class Started:
     spec: launching.RunSpec | None = None
 
 
+def wrote_state_file(started: Started) -> bool:
+    """Whether the launcher ``started`` wrote its node's state file (``run.json`` or
+    ``run.node<N>.json``), i.e. got past its input checks; read from the file, not the model (the
+    reader may lag behind a launcher that ended at once)."""
+    try:
+        return json.loads(RunDir(started.root, started.node_rank).run_json.read_text()).get("launcher_pid") \
+            == started.proc.pid
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class Controls:
     """The control flows of a :class:`~.dashboard.Dashboard`.
 
@@ -128,7 +141,7 @@ class Controls:
 
     Attributes:
         started: launchers started here that may still run.
-        pending: requests waiting for their checkpoint: (kind, step at the request).
+        pending: requests waiting for their checkpoint, one per kind.
         failure: the last launcher of the run shown that failed (None when none did).
         form_spec: the values last launched from the new-run form (the form opens with them).
     """
@@ -137,7 +150,7 @@ class Controls:
         self.dashboard = dashboard
         self.launcher = launcher
         self.started: list[Started] = []
-        self.pending: list[tuple[str, int | None]] = []
+        self.pending = PendingRequests()
         self.failure: LaunchFailure | None = None
         self.form_spec: launching.RunSpec | None = None
 
@@ -145,7 +158,8 @@ class Controls:
         """Forget the started launchers that ended. One of the run shown that failed (an exit code
         other than 0 and 75; a signal's end is the dead run the status line shows) becomes
         :attr:`failure`, with a toast and the end of its log in the event pane; one started from
-        the form before the run made a step reopens the form with the same values."""
+        the form that ended before it wrote its state file (a bad flag, a refused output dir) opens
+        the form again with the same values."""
         ended = [s for s in self.started if s.proc.poll() is not None]
         self.started = [s for s in self.started if s.proc.returncode is None]
         d = self.dashboard
@@ -162,7 +176,7 @@ class Controls:
                 d.log_event(f"  {line}", "red")
             d.notify(lines[-1] if lines else f"no output in {log}", title=f"launcher exited with code {code}",
                      severity="error", timeout=15)
-            if s.spec is not None and d.run.step is None and not isinstance(d.app.screen, NewRunScreen):
+            if s.spec is not None and not wrote_state_file(s) and not isinstance(d.app.screen, NewRunScreen):
                 self.new_run(s.spec)
 
     def starting(self) -> bool:
@@ -175,18 +189,38 @@ class Controls:
         return any(s.root == d.run.root and s.proc.poll() is None and s.proc.pid not in written for s in self.started)
 
     def answer(self, record: dict) -> None:
-        """A ``checkpoint_saved`` record arrived: answer the oldest pending request."""
-        if self.pending:
-            kind, _ = self.pending.pop(0)
-            self.dashboard.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}",
-                                  title=kind)
+        """A ``checkpoint_requested`` or ``checkpoint_saved`` record arrived: a save that serves a
+        pending request of ours answers it, in one notification titled with the request's kind."""
+        d = self.dashboard
+        action = (d.run.run.get("config") or {}).get("sigusr1_action") if d.run else None
+        kind = self.pending.take(record, action)
+        if kind is not None:
+            d.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}", title=kind)
+
+    def unavailable(self, live: bool) -> str | None:
+        """Why ``c``, ``s`` and ``K`` cannot act now (None when they can): no run, or no process of
+        the run alive on this host (``live``) while its run.json names this host (a run on another
+        host is asked through ``control/``)."""
+        d = self.dashboard
+        if d.run is None:
+            return "no run"
+        remote = bool(d.run.launchers) and not any(this_host(i.hostname) for i in d.run.launchers.values())
+        if live or remote:
+            return None
+        return f"no process of the run is alive on this host (run.json: {d.run.state})"
 
     # ------------------------------------------------------------------ requests
     def request(self, signum: int, kind: str) -> None:
         """Send the run a checkpoint request (``signum``: SIGUSR1 or SIGUSR2) and wait for its save."""
         d = self.dashboard
-        if d.run is None or d.view is None:
-            d.notify("no run to signal", severity="warning")
+        why = self.unavailable(d.view is not None and d.view.any_alive())
+        if why is not None or d.run is None or d.view is None:
+            d.notify(f"{kind}: nothing sent: {why}", severity="warning")
+            return
+        if kind in self.pending.steps:
+            at = self.pending.steps[kind]
+            d.notify(f"{kind} already requested at step {at if at is not None else 0}; waiting for its checkpoint",
+                     title=kind)
             return
         try:
             what = send_request(d.view, signum)
@@ -194,19 +228,19 @@ class Controls:
             d.notify(f"could not request a checkpoint: {exc}", severity="error")
             return
         step = d.run.step
-        self.pending.append((kind, step))
+        self.pending.steps[kind] = step
         message = f"{kind} requested at step {step if step is not None else 0}: {what}"
         d.log_event(message, "bold cyan")
         d.notify(message, title=kind)
 
     def checkpoint(self) -> None:
         """Checkpoint now (SIGUSR1); training continues."""
-        self.request(signal.SIGUSR1, "checkpoint")
+        self.request(signal.SIGUSR1, CHECKPOINT)
 
     def stop(self) -> None:
         """Checkpoint and stop (SIGUSR2); the launcher exits with :data:`EXIT_STOPPED` after a complete
         checkpoint."""
-        self.request(signal.SIGUSR2, "checkpoint and stop")
+        self.request(signal.SIGUSR2, STOP)
 
     def kill(self) -> None:
         """SIGKILL every process of the run on this host, after a confirmation listing the pids."""

@@ -20,7 +20,8 @@ from .components.header import RunHeader
 from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .controls import CONTROLS, SIGNALLING, Controls, offered
+from .controls import ACTING, CONTROLS, Controls, offered
+from .requests import CHECKPOINT, STOP
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
 from .run_state import RunModel, Violations
@@ -94,8 +95,8 @@ class Dashboard(Screen):
         self.set_interval(self.poll_s, self.poll)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """--readonly hides and disables every control that signals."""
-        return not (self.readonly and action in SIGNALLING)
+        """--readonly hides and disables every control that acts on a run or starts one."""
+        return not (self.readonly and action in ACTING)
 
     async def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
@@ -168,10 +169,23 @@ class Dashboard(Screen):
         self.query_one(CheckpointTable).show(run.checkpoints)
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
-        for record in update.saved if update else []:
+        for record in update.checkpoint_records if update else []:
             self.controls.answer(record)
-            if isinstance(step := record.get("step"), int):
-                self.query_one(CheckpointTable).select_step(step)  # r resumes from it
+        if slow:
+            self._offer_controls()
+
+    def _offer_controls(self) -> None:
+        """Dim the buttons that cannot act now, with the reason as their tooltip: checkpoint and
+        stop while a request of their kind waits for its checkpoint, checkpoint, stop and kill
+        while no process of the run is alive here (the keys say why when pressed)."""
+        why, pending = self.controls.unavailable(self._live), self.controls.pending.steps
+        for action, kind in (("checkpoint", CHECKPOINT), ("stop", STOP), ("kill", None)):
+            reason = why
+            if reason is None and kind in pending:
+                reason = f"{kind} requested at step {pending[kind] or 0}; waiting for its checkpoint"
+            for button in self.query(f"#button-{action}").results(Button):
+                if (button.disabled, button.tooltip) != (reason is not None, reason):
+                    button.disabled, button.tooltip = reason is not None, reason
 
     def _tell(self, status: Status) -> None:
         """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in
@@ -197,7 +211,7 @@ class Dashboard(Screen):
         lines += [Text(e.text, LEVEL_STYLE[e.level]) for e in q.events]
         if lines:
             self.query_one("#events", RichLog).write(Text("\n").join(lines))
-        q.events, q.dropped_events, q.dropped_logs, q.saved = [], 0, 0, []  # saves are answered per poll
+        q.events, q.dropped_events, q.dropped_logs, q.checkpoint_records = [], 0, 0, []  # answered per poll
 
     def _sample(self) -> dict[int, ProcStats | None]:
         """psutil stats of each rank on this host (None for a rank on another host)."""

@@ -165,10 +165,11 @@ def describe(record: dict) -> Event | None:
 
 @dataclass
 class PollResult:
-    """What changed in one :meth:`RunWatcher.poll`: event lines and ``checkpoint_saved`` records."""
+    """What changed in one :meth:`RunWatcher.poll`: event lines, and ``checkpoint_requested`` and
+    ``checkpoint_saved`` records in the order read."""
 
     events: list[Event] = field(default_factory=list)
-    saved: list[dict] = field(default_factory=list)
+    checkpoint_records: list[dict] = field(default_factory=list)
 
 
 class RunModel:
@@ -288,8 +289,8 @@ class RunModel:
                 self.ranks[rank].exit_code = record["exit_code"]
         elif ev == "run_finished" and rank in self.ranks:
             self.ranks[rank].exit_code = record.get("exit_code")
-        elif ev == "checkpoint_saved":
-            result.saved.append(record)
+        if ev in ("checkpoint_requested", "checkpoint_saved"):
+            result.checkpoint_records.append(record)
         event = describe(record)
         if event:
             result.events.append(event)
