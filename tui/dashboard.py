@@ -51,7 +51,8 @@ class Dashboard(Screen):
         poll_s: seconds between polls of the run directory and the processes.
     """
 
-    BINDINGS = [c.binding for c in CONTROLS]
+    #: Help and quit first: the footer cuts what does not fit on its right (80 columns).
+    BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in ("help", "request_quit"))
 
     def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
         super().__init__(id="dashboard")
