@@ -21,9 +21,9 @@ from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
 from .controls import ACTING, CONTROLS, Controls, offered
-from .requests import CHECKPOINT, STOP
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
+from .requests import CHECKPOINT, STOP
 from .run_state import RunModel, Violations
 from .status import Status, judge
 
