@@ -20,6 +20,7 @@ import pytest
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
 from osft.tui.app import OsftTui
 from osft.tui.components.checkpoints import CheckpointTable
+from osft.tui.components.header import RunHeader
 from osft.tui.format import fmt_rate
 from osft.tui.components.modals import Choice, LogScreen
 from osft.tui.components.new_run import NewRunScreen
@@ -75,8 +76,8 @@ def run(tmp_path: Path, scenario) -> None:
         kill_run(out)
 
 
-async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
-    """Fill the new-run form and launch (ctrl+l); wait for the dashboard and the first step."""
+async def fill_form(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
+    """Fill the new-run form (fake model and data in ``tmp_path``) and launch (ctrl+l)."""
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "train.jsonl").write_text("{}\n")
     form = await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen) and app.screen, 10, "the form")
@@ -86,8 +87,26 @@ async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_s
     for name, value in values.items():
         form.query_one(f"#field-{name}", Input).value = value
     await pilot.press("ctrl+l")
+
+
+async def launch(app, pilot, tmp_path: Path, out: Path, nnodes=1, nproc=2, max_steps=300, extra="") -> None:
+    """Fill the new-run form and launch (ctrl+l); wait for the dashboard and the first step."""
+    await fill_form(app, pilot, tmp_path, out, nnodes, nproc, max_steps, extra)
     dash = app.dashboard
     await wait_until(pilot, lambda: app.screen is dash and dash.run and dash.run.step, 30, "the first step")
+
+
+async def checkpoint(app, pilot, out: Path) -> dict:
+    """After the next step, press ``c`` and wait until the dashboard has taken in the save (its
+    request answered); returns the ``checkpoint_saved`` record."""
+    dash = app.dashboard
+    done = len(records(out, event="checkpoint_saved"))
+    step = dash.run.step
+    await wait_until(pilot, lambda: dash.run.step > step, 20, "a step")
+    await pilot.press("c")
+    await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done
+                     and not dash.controls.pending.steps, 20, "a checkpoint")
+    return records(out, event="checkpoint_saved")[done]
 
 
 def test_tables_and_counters_show_the_values_written(tmp_path):
@@ -115,8 +134,30 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
         assert f"total [b]{total}[/b]" in str(counters.content)
         worst = max(r["ortho_max_dev_deg"] for r in steps)
         assert f"{worst:.3f}°" in str(counters.content)
-        assert len(dash.query_one(RankTable).rows) == 4
+        ranks = dash.query_one(RankTable)
+        assert len(ranks.rows) == 4
         assert dash.run.state == "completed"
+        # a rank that wrote no exit record of its own ended with its node, cleanly
+        def states() -> list[str]:
+            return [str(ranks.get_row(f"rank{r}")[5]) for r in range(4)]
+
+        clean = ("exited (code 0)", "ended (node code 0)")
+        await wait_until(pilot, lambda: all(x in clean for x in states()), 10, f"every rank row in {clean}")
+
+        # another run: every pane forgets this one; the form has the values of the last launch
+        await pilot.press("n")
+        form = await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen) and app.screen, 10, "the form")
+        assert form.query_one("#field-output_dir", Input).value == str(out)
+        assert form.query_one("#field-nnodes", Input).value == "2"
+        await fill_form(app, pilot, tmp_path, tmp_path / "second", nnodes=1, nproc=1, max_steps=300)
+        await wait_until(pilot, lambda: app.screen is dash and dash.run.root == tmp_path / "second"
+                         and dash.run.step, 30, "the second run's first step")
+        await pilot.pause(1.2)  # a slow redraw (rank table, sparklines)
+        assert set(table.rows) == {"node0"} and set(ranks.rows) == {"rank0"}
+        assert not dash.query("#tokens-node1")
+        events = "\n".join(line.text for line in dash.query_one("#events", RichLog).lines)
+        assert "rank 3 started" not in events and not counters.has_class("alert")
+        kill_run(tmp_path / "second")
 
     run(tmp_path, scenario)
 
@@ -167,13 +208,8 @@ def test_r_resumes_from_the_selected_checkpoint_with_the_resume_flag(tmp_path):
         await launch(app, pilot, tmp_path, out)
         dash = app.dashboard
         table = dash.query_one(CheckpointTable)
-        for _ in range(2):  # two checkpoints; the older one is resumed from
-            done = len(records(out, event="checkpoint_saved"))
-            step = dash.run.step
-            await wait_until(pilot, lambda: dash.run.step > step, 20, "a step")
-            await pilot.press("c")
-            await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done, 20, "a checkpoint")
-        first = records(out, event="checkpoint_saved")[0]
+        first = await checkpoint(app, pilot, out)  # two checkpoints; the older one is resumed from
+        await checkpoint(app, pilot, out)
         await wait_until(pilot, lambda: sum(e.complete for e in dash.run.checkpoints) == 2, 10, "both listed")
         await wait_until(pilot, lambda: table.select_step(first["step"]), 10, "the first checkpoint listed")
         old_launcher = run_json(out)["launcher_pid"]
@@ -264,12 +300,13 @@ def test_readonly_removes_every_key_that_signals(tmp_path):
         async with app.run_test(size=(140, 42)) as pilot:
             dash = app.dashboard
             await wait_until(pilot, lambda: dash.run.step, 20, "the first step")
-            for key in ("c", "s", "K", "r"):
+            for key in ("c", "s", "K", "r", "n"):
                 await pilot.press(key)
             await pilot.pause(0.5)
             assert signals_received(out) == [] and isinstance(app.screen, type(dash))
             shown = {key for key, active in app.screen.active_bindings.items() if active.enabled}
-            assert {"c", "s", "K", "r"}.isdisjoint(shown) and {"l", "q"} <= shown
+            assert {"c", "s", "K", "r", "n"}.isdisjoint(shown) and {"l", "q"} <= shown
+            assert "read-only" in str(dash.query_one(RunHeader).content)
             buttons = {b.id for b in dash.query(Button)}
             assert "button-checkpoint" not in buttons and "button-logs" in buttons
             titles = {c.title for c in app.get_system_commands(dash)}

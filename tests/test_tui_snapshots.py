@@ -1,5 +1,5 @@
-"""Snapshot tests of osft-tui: the new-run form, the dashboard of a two-node run, and the alert
-state of the violation counters, compared with SVG screenshots under ``tests/snapshots/``.
+"""Snapshot tests of osft-tui: the new-run form and the dashboard of a two-node run at 80x24,
+120x40 and 200x60, and the alert state of the violation counters, compared with SVG screenshots under ``tests/snapshots/``.
 
 The screenshots are Textual's own (``App.export_screenshot``). A run directory written by the test
 with fixed times, hosts and pids (none alive here) makes the screen the same on every machine.
@@ -26,6 +26,9 @@ from textual.widgets import Input, RichLog, Sparkline
 from tui_support import wait_until
 
 SNAPSHOTS = Path(__file__).with_name("snapshots")
+#: Terminal sizes of the form and dashboard snapshots: the smallest supported, two common ones.
+SIZES = [(80, 24), (120, 40), (200, 60)]
+#: The size of the other snapshots.
 SIZE = (140, 40)
 T0 = 1_790_000_000.0  # a fixed start time (unix s)
 
@@ -117,9 +120,9 @@ def write_two_node_run(root: Path, violation_at: int | None) -> None:
     os.utime(partial, (T0 + 123, T0 + 123))
 
 
-async def _dashboard_svg(root: Path) -> tuple[str, bool]:
+async def _dashboard_svg(root: Path, size: tuple[int, int] = SIZE) -> tuple[str, bool]:
     app = OsftTui(root, poll_s=0.1)
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=size) as pilot:
         dash = app.dashboard
         await wait_until(pilot, lambda: dash.run.step == 12 and dash.run.nodes.get(1)
                          and all(s.data for s in dash.query(Sparkline)) and len(dash.query(Sparkline)) == 3
@@ -129,24 +132,26 @@ async def _dashboard_svg(root: Path) -> tuple[str, bool]:
         return await settled_screenshot(app, pilot, "palette"), alert
 
 
-def test_new_run_form(fixed_clock, tmp_path):
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_new_run_form(fixed_clock, tmp_path, size):
     async def main():
         app = OsftTui(None)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=size) as pilot:
             await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen), 10, "the form")
             for field in app.screen.query(Input):
                 field.cursor_blink = False
             return await settled_screenshot(app, pilot, "palette")
 
-    assert_snapshot(asyncio.run(main()), "new_run_form", tmp_path)
+    assert_snapshot(asyncio.run(main()), f"new_run_form_{size[0]}x{size[1]}", tmp_path)
 
 
 @pytest.mark.tui_process
-def test_dashboard_with_two_nodes(fixed_clock, tmp_path):
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dashboard_with_two_nodes(fixed_clock, tmp_path, size):
     write_two_node_run(Path("run"), violation_at=None)
-    svg, alert = asyncio.run(_dashboard_svg(Path("run")))
+    svg, alert = asyncio.run(_dashboard_svg(Path("run"), size))
     assert not alert
-    assert_snapshot(svg, "dashboard_two_nodes", tmp_path)
+    assert_snapshot(svg, f"dashboard_two_nodes_{size[0]}x{size[1]}", tmp_path)
 
 
 @pytest.mark.tui_process

@@ -58,7 +58,7 @@ class OsftTui(App[int]):
         # shutdown (tests/test_tui_terminal.py). osft-tui never suspends itself: no handler needed.
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
         self.push_screen(self.dashboard)
-        if self.run_dir is None:
+        if self.run_dir is None and not self.readonly:
             self.dashboard.action_new_run()
 
     def action_quit(self) -> None:

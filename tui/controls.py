@@ -9,6 +9,7 @@ and turns keys, buttons and palette commands into these flows.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.ownership import OutputDirInUse, check_output_dir
+from osft.trainer.rundir import RunDir
 from textual.binding import Binding
 
 from . import launch as launching
@@ -24,8 +27,10 @@ from .components.checkpoints import CheckpointTable
 from .components.modals import Choice, HelpScreen, LogScreen
 from .components.new_run import NewRunScreen
 from .components.ranks import RankTable
-from .processes import ProcessView, send_request
+from .processes import ProcessView, send_request, this_host
 from .processes import kill as kill_processes
+from .requests import CHECKPOINT, STOP, PendingRequests
+from .status import FAILURE_LINES, LaunchFailure
 from .tail import LogTail
 from .watcher import RunWatcher
 
@@ -46,7 +51,7 @@ class Control:
         label: its footer label.
         title: its button (followed by the key) and its command-palette entry.
         help: what it does, on the help screen and in the command palette.
-        signals: it acts on the run (signal, kill, relaunch); ``--readonly`` removes it.
+        acts: it acts on a run (signal, kill, relaunch) or starts one; ``--readonly`` removes it.
     """
 
     key: str
@@ -54,7 +59,7 @@ class Control:
     label: str
     title: str
     help: str
-    signals: bool = False
+    acts: bool = False
 
     @property
     def binding(self) -> Binding:
@@ -65,37 +70,65 @@ class Control:
 #: Every dashboard control, in footer and button order.
 CONTROLS = (
     Control("c", "checkpoint", "checkpoint", "Checkpoint",
-            "checkpoint now: SIGUSR1 to the launcher; training continues", signals=True),
+            "checkpoint now: SIGUSR1 to the launcher; training continues", acts=True),
     Control("s", "stop", "ckpt+stop", "Checkpoint & stop",
-            f"checkpoint and stop: SIGUSR2; the run exits {EXIT_STOPPED} after a complete checkpoint", signals=True),
+            f"checkpoint and stop: SIGUSR2; the run exits {EXIT_STOPPED} after a complete checkpoint", acts=True),
     Control("K", "kill", "kill", "Kill",
-            "kill: SIGKILL to every process of the run (lists the pids first)", signals=True),
+            "kill: SIGKILL to every process of the run (lists the pids first)", acts=True),
     Control("r", "resume", "resume", "Resume selected",
-            "resume from the checkpoint selected in the checkpoint list", signals=True),
+            "resume from the checkpoint selected in the checkpoint list", acts=True),
     Control("l", "logs", "logs", "Rank logs", "logs (stderr) of the rank selected in the rank table"),
-    Control("n", "new_run", "new run", "New run", "new run"),
+    Control("n", "new_run", "new run", "New run", "new run", acts=True),
     Control("question_mark", "help", "help", "Help", "this help"),
     Control("q", "request_quit", "quit", "Quit", "quit: detach (the run goes on), checkpoint and stop, or kill"),
 )
-#: Actions that act on the run (removed by ``--readonly``).
-SIGNALLING = frozenset(c.action for c in CONTROLS if c.signals)
+#: Actions that act on a run or start one (removed by ``--readonly``).
+ACTING = frozenset(c.action for c in CONTROLS if c.acts)
 #: Textual's own keys, listed on the help screen after the controls.
 TEXTUAL_KEYS = (("ctrl+p", "command palette"), ("tab", "next panel"))
 
 
 def offered(readonly: bool) -> list[Control]:
-    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not signal."""
-    return [c for c in CONTROLS if not (readonly and c.signals)]
+    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not act."""
+    return [c for c in CONTROLS if not (readonly and c.acts)]
 
 
 def help_screen() -> HelpScreen:
     """The help screen: one line per control and Textual key, then how requests reach a run."""
-    signalling = [c.key for c in CONTROLS if c.signals]
+    acting = [c.key for c in CONTROLS if c.acts]
     notes = ("Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a\n"
              "torchrun agent. When no process of the run is on this host, c and s write control/checkpoint\n"
              "or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.\n"
-             f"With --readonly, {', '.join(signalling[:-1])} and {signalling[-1]} are not available.")
+             f"With --readonly, {', '.join(acting[:-1])} and {acting[-1]} are not available.")
     return HelpScreen([(c.key, c.help) for c in CONTROLS] + list(TEXTUAL_KEYS), notes)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A launcher this dashboard started.
+
+    Attributes:
+        proc: its process.
+        root: the run directory it writes.
+        node_rank: its node.
+        spec: the new-run form's values it was started from (None for a relaunch).
+    """
+
+    proc: subprocess.Popen
+    root: Path
+    node_rank: int
+    spec: launching.RunSpec | None = None
+
+
+def wrote_state_file(started: Started) -> bool:
+    """Whether the launcher ``started`` wrote its node's state file (``run.json`` or
+    ``run.node<N>.json``), i.e. got past its input checks; read from the file, not the model (the
+    reader may lag behind a launcher that ended at once)."""
+    try:
+        return json.loads(RunDir(started.root, started.node_rank).run_json.read_text()).get("launcher_pid") \
+            == started.proc.pid
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class Controls:
@@ -108,32 +141,86 @@ class Controls:
 
     Attributes:
         started: launchers started here that may still run.
-        pending: requests waiting for their checkpoint: (kind, step at the request).
+        pending: requests waiting for their checkpoint, one per kind.
+        failure: the last launcher of the run shown that failed (None when none did).
+        form_spec: the values last launched from the new-run form (the form opens with them).
     """
 
     def __init__(self, dashboard: Dashboard, launcher: list[str]) -> None:
         self.dashboard = dashboard
         self.launcher = launcher
-        self.started: list[subprocess.Popen] = []
-        self.pending: list[tuple[str, int | None]] = []
+        self.started: list[Started] = []
+        self.pending = PendingRequests()
+        self.failure: LaunchFailure | None = None
+        self.form_spec: launching.RunSpec | None = None
 
     def reap(self) -> None:
-        """Forget the started launchers that ended."""
-        self.started = [p for p in self.started if p.poll() is None]
+        """Forget the started launchers that ended. One of the run shown that failed (an exit code
+        other than 0 and 75; a signal's end is the dead run the status line shows) becomes
+        :attr:`failure`, with a toast and the end of its log in the event pane; one started from
+        the form that ended before it wrote its state file (a bad flag, a refused output dir) opens
+        the form again with the same values."""
+        ended = [s for s in self.started if s.proc.poll() is not None]
+        self.started = [s for s in self.started if s.proc.returncode is None]
+        d = self.dashboard
+        for s in ended:
+            code = s.proc.returncode
+            if code in (0, EXIT_STOPPED) or code < 0 or d.run is None or s.root != d.run.root:
+                continue
+            log = RunDir(s.root).launcher_log(s.node_rank)
+            lines = tuple(LogTail(log, FAILURE_LINES).poll())
+            self.failure = LaunchFailure(s.proc.pid, s.node_rank, code, lines)
+            d.log_event(f"launcher of node {s.node_rank} (pid {s.proc.pid}) exited with code {code}; "
+                        f"the end of {log}:", "bold red")
+            for line in lines:
+                d.log_event(f"  {line}", "red")
+            d.notify(lines[-1] if lines else f"no output in {log}", title=f"launcher exited with code {code}",
+                     severity="error", timeout=15)
+            if s.spec is not None and not wrote_state_file(s) and not isinstance(d.app.screen, NewRunScreen):
+                self.new_run(s.spec)
+
+    def starting(self) -> bool:
+        """Whether a launcher started here for the run shown runs and has not written its state file
+        yet (the file is absent, or an earlier launcher's)."""
+        d = self.dashboard
+        if d.run is None:
+            return False
+        written = {info.pid for info in d.run.launchers.values()}
+        return any(s.root == d.run.root and s.proc.poll() is None and s.proc.pid not in written for s in self.started)
 
     def answer(self, record: dict) -> None:
-        """A ``checkpoint_saved`` record arrived: answer the oldest pending request."""
-        if self.pending:
-            kind, _ = self.pending.pop(0)
-            self.dashboard.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}",
-                                  title=kind)
+        """A ``checkpoint_requested`` or ``checkpoint_saved`` record arrived: a save that serves a
+        pending request of ours answers it, in one notification titled with the request's kind."""
+        d = self.dashboard
+        action = (d.run.run.get("config") or {}).get("sigusr1_action") if d.run else None
+        kind = self.pending.take(record, action)
+        if kind is not None:
+            d.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}", title=kind)
+
+    def unavailable(self, live: bool) -> str | None:
+        """Why ``c``, ``s`` and ``K`` cannot act now (None when they can): no run, or no process of
+        the run alive on this host (``live``) while its run.json names this host (a run on another
+        host is asked through ``control/``)."""
+        d = self.dashboard
+        if d.run is None:
+            return "no run"
+        remote = bool(d.run.launchers) and not any(this_host(i.hostname) for i in d.run.launchers.values())
+        if live or remote:
+            return None
+        return f"no process of the run is alive on this host (run.json: {d.run.state})"
 
     # ------------------------------------------------------------------ requests
     def request(self, signum: int, kind: str) -> None:
         """Send the run a checkpoint request (``signum``: SIGUSR1 or SIGUSR2) and wait for its save."""
         d = self.dashboard
-        if d.run is None or d.view is None:
-            d.notify("no run to signal", severity="warning")
+        why = self.unavailable(d.view is not None and d.view.any_alive())
+        if why is not None or d.run is None or d.view is None:
+            d.notify(f"{kind}: nothing sent: {why}", severity="warning")
+            return
+        if kind in self.pending.steps:
+            at = self.pending.steps[kind]
+            d.notify(f"{kind} already requested at step {at if at is not None else 0}; waiting for its checkpoint",
+                     title=kind)
             return
         try:
             what = send_request(d.view, signum)
@@ -141,19 +228,19 @@ class Controls:
             d.notify(f"could not request a checkpoint: {exc}", severity="error")
             return
         step = d.run.step
-        self.pending.append((kind, step))
+        self.pending.steps[kind] = step
         message = f"{kind} requested at step {step if step is not None else 0}: {what}"
         d.log_event(message, "bold cyan")
         d.notify(message, title=kind)
 
     def checkpoint(self) -> None:
         """Checkpoint now (SIGUSR1); training continues."""
-        self.request(signal.SIGUSR1, "checkpoint")
+        self.request(signal.SIGUSR1, CHECKPOINT)
 
     def stop(self) -> None:
         """Checkpoint and stop (SIGUSR2); the launcher exits with :data:`EXIT_STOPPED` after a complete
         checkpoint."""
-        self.request(signal.SIGUSR2, "checkpoint and stop")
+        self.request(signal.SIGUSR2, STOP)
 
     def kill(self) -> None:
         """SIGKILL every process of the run on this host, after a confirmation listing the pids."""
@@ -185,6 +272,9 @@ class Controls:
         d = self.dashboard
         if d.run is None or d.view is None:
             d.notify("no run", severity="warning")
+            return
+        if d.run.run_json_error:
+            d.notify(f"cannot resume: its command line is in {d.run.run_json_error}", severity="error")
             return
         entry = d.query_one(CheckpointTable).selected()
         if entry is None or not entry.complete:
@@ -224,7 +314,7 @@ class Controls:
         assert d.run is not None and d.view is not None
         grace = float((d.run.run.get("config") or {}).get("checkpoint_grace_seconds") or 300)
         deadline = time.monotonic() + grace + STOP_MARGIN_S
-        while d.view.any_alive() or any(p.poll() is None for p in self.started):
+        while d.view.any_alive() or any(s.proc.poll() is None for s in self.started):
             if time.monotonic() > deadline:
                 d.notify("the run did not stop in time", severity="error")
                 return False
@@ -238,26 +328,34 @@ class Controls:
         self.start([launching.resume_argv(argv[1:], checkpoint) for argv in argvs], d.run.root)
         d.notify(f"resuming from {checkpoint}", title="resume")
 
-    def start(self, argvs: list[list[str]], root: Path) -> None:
-        """Start one launcher per command line in ``argvs`` (``osft-train`` arguments), in ``root``."""
+    def start(self, argvs: list[list[str]], root: Path, spec: launching.RunSpec | None = None) -> None:
+        """Start one launcher per command line in ``argvs`` (``osft-train`` arguments), in ``root``;
+        ``spec``: the form's values they come from."""
         d = self.dashboard
         try:
             procs = [launching.start(self.launcher, argv, root) for argv in argvs]
         except OSError as exc:
             d.notify(f"could not start {self.launcher[0]}: {exc}", severity="error")
             return
-        self.started.extend(procs)
+        self.failure = None
+        self.started += [Started(p, root, launching.node_of(argv), spec) for p, argv in zip(procs, argvs)]
         d.log_event(f"launched {len(procs)} launcher(s): pid " + ", ".join(str(p.pid) for p in procs), "bold cyan")
 
-    def new_run(self) -> None:
-        """The new-run form; Launch starts the run and watches it."""
-        self.dashboard.app.push_screen(NewRunScreen(launching.RunSpec.demo()), self.launch)
+    def new_run(self, spec: launching.RunSpec | None = None) -> None:
+        """The new-run form, with ``spec``'s values (default: those last launched, else the demo
+        job's); Launch starts the run and watches it."""
+        spec = spec or self.form_spec or launching.RunSpec.demo()
+        self.dashboard.app.push_screen(NewRunScreen(spec), self.launch)
 
     def launch(self, spec: launching.RunSpec | None) -> None:
-        """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run directory."""
+        """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run
+        directory. A directory of a live run is refused (the form opens again); one an earlier run
+        left checkpoints or exports in (``osft-train`` would refuse it) asks first: resume it,
+        overwrite it, or edit the form."""
         if spec is None:
             return
         d = self.dashboard
+        self.form_spec = spec
         root = Path(spec.output_dir)
         there = RunWatcher(root)
         there.poll(checkpoints=False)
@@ -265,11 +363,36 @@ class Controls:
         if busy:
             d.notify(f"{root} belongs to a live run (pid {busy[0].pid}): attach with osft-tui {root}, "
                      "or choose another output dir", severity="error")
+            self.new_run(spec)
+            return
+        try:
+            check_output_dir(RunDir(root), spec.has_flag(*launching.RESUME_FLAGS), spec.has_flag(launching.OVERWRITE_FLAG))
+        except OutputDirInUse as exc:
+            self._ask_about_earlier_run(spec, str(exc))
             return
         root.mkdir(parents=True, exist_ok=True)
-        d.attach(root, clear=True)
-        self.start(spec.node_argvs(), root)
+        d.attach(root)
+        self.start(spec.node_argvs(), root, spec)
         d.poll()
+
+    def _ask_about_earlier_run(self, spec: launching.RunSpec, why: str) -> None:
+        """``osft-train`` would refuse ``spec`` (``why``): resume, overwrite, or back to the form."""
+        body = [why, "", "resume: continue that run (--resume: from its newest complete checkpoint)",
+                f"overwrite: start over ({launching.OVERWRITE_FLAG} removes its checkpoints, exports and metrics)",
+                "edit: back to the form (choose another output dir)"]
+
+        def done(answer: str | None) -> None:
+            if answer == "resume":
+                self.launch(spec.with_flag("--resume"))
+            elif answer == "overwrite":
+                self.launch(spec.with_flag(launching.OVERWRITE_FLAG))
+            elif answer == "edit":
+                self.new_run(spec)
+
+        self.dashboard.app.push_screen(
+            Choice(f"{spec.output_dir} holds an earlier run", body,
+                   [("edit", "edit", "primary"), ("resume", "resume", "warning"),
+                    ("overwrite", "overwrite", "error"), ("cancel", "cancel", "default")]), done)
 
     # ------------------------------------------------------------------ screens
     def logs(self) -> None:

@@ -20,10 +20,12 @@ from .components.header import RunHeader
 from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .controls import CONTROLS, SIGNALLING, Controls, offered
+from .controls import ACTING, CONTROLS, Controls, offered
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
-from .run_state import RunModel
+from .requests import CHECKPOINT, STOP
+from .run_state import RunModel, Violations
+from .status import Status, judge
 
 #: Seconds between the costly redraws (sparklines, rank table, event pane) and psutil samples of
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
@@ -34,6 +36,8 @@ SAMPLE_S = 1.0
 EVENT_LINES = 20
 LOG_LINES = 12
 
+#: States the event pane reports in red.
+ALARMS = ("dead", "launch failed", "unreadable run.json", "failed")
 LEVEL_STYLE = {"info": "", "warning": "yellow", "error": "bold red", "log": "dim"}
 
 
@@ -47,7 +51,8 @@ class Dashboard(Screen):
         poll_s: seconds between polls of the run directory and the processes.
     """
 
-    BINDINGS = [c.binding for c in CONTROLS]
+    #: Help and quit first: the footer cuts what does not fit on its right (80 columns).
+    BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in ("help", "request_quit"))
 
     def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
         super().__init__(id="dashboard")
@@ -61,6 +66,7 @@ class Dashboard(Screen):
         self._queued = Update(RunModel("."))
         self._live = False
         self._sampled = float("-inf")
+        self._told: tuple[str, str] | None = None
         if run_dir is not None:
             self.attach(run_dir)
 
@@ -90,26 +96,33 @@ class Dashboard(Screen):
         self.set_interval(self.poll_s, self.poll)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """--readonly hides and disables every control that signals."""
-        return not (self.readonly and action in SIGNALLING)
+        """--readonly hides and disables every control that acts on a run or starts one."""
+        return not (self.readonly and action in ACTING)
 
     async def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
         await self.run_action((event.button.id or "").removeprefix("button-"))
 
     # ------------------------------------------------------------------ polling
-    def attach(self, run_dir: Path, clear: bool = False) -> None:
+    def attach(self, run_dir: Path) -> None:
         """Watch ``run_dir`` from now on (its history is read from the start, in a reader process);
-        ``clear`` empties the event pane and the checkpoint list of the run shown before."""
+        every pane forgets the run shown before."""
         if self.reader is not None:
             self.reader.close()
         self.reader = Reader(run_dir, self.poll_s)
         self.run = RunModel(run_dir)
         self.view = ProcessView(self.run)
         self.controls.pending.clear()
-        if clear:
+        self.controls.failure = None
+        self._queued = Update(RunModel("."))
+        self._stats, self._live, self._sampled, self._told = {}, False, float("-inf"), None
+        if self.is_mounted:
             self.query_one("#events", RichLog).clear()
             self.query_one(CheckpointTable).show([])
+            self.query_one(NodeTable).clear()
+            self.query_one(RankTable).clear()
+            self.query_one(Histories).reset()
+            self.query_one(ViolationCounters).show(Violations())
 
     def on_unmount(self) -> None:
         if self.reader is not None:
@@ -119,7 +132,7 @@ class Dashboard(Screen):
         """Take the reader's update, sample the processes (every :data:`SAMPLE_S`), redraw."""
         self.controls.reap()
         if self.reader is None or self.run is None or self.view is None:
-            self.query_one(RunHeader).show(None, None)
+            self.query_one(RunHeader).show(None, None, self.readonly)
             return
         try:
             update = self.reader.receive()
@@ -147,18 +160,41 @@ class Dashboard(Screen):
             cpu, rss = usage.get(node, (0.0, 0))
             usage[node] = ((cpu or 0.0) + (s.cpu_percent or 0.0), (rss or 0) + (s.rss_bytes or 0))
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
-        self.query_one(RunHeader).show(run, self._live if here else None)
+        status = judge(run, self._live if here else None, self.controls.starting(), self.controls.failure, time.time())
+        self.query_one(RunHeader).show(run, status, self.readonly)
+        self._tell(status)
         self.query_one(ViolationCounters).show(run.violations)
         self.query_one(NodeTable).show(run, usage)
         if slow:
             self.query_one(Histories).show(run)
         self.query_one(CheckpointTable).show(run.checkpoints)
         if slow:
-            self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats)
-        for record in update.saved if update else []:
+            self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
+        for record in update.checkpoint_records if update else []:
             self.controls.answer(record)
-            if isinstance(step := record.get("step"), int):
-                self.query_one(CheckpointTable).select_step(step)  # r resumes from it
+        if slow:
+            self._offer_controls()
+
+    def _offer_controls(self) -> None:
+        """Dim the buttons that cannot act now, with the reason as their tooltip: checkpoint and
+        stop while a request of their kind waits for its checkpoint, checkpoint, stop and kill
+        while no process of the run is alive here (the keys say why when pressed)."""
+        why, pending = self.controls.unavailable(self._live), self.controls.pending.steps
+        for action, kind in (("checkpoint", CHECKPOINT), ("stop", STOP), ("kill", None)):
+            reason = why
+            if reason is None and kind in pending:
+                reason = f"{kind} requested at step {pending[kind] or 0}; waiting for its checkpoint"
+            for button in self.query(f"#button-{action}").results(Button):
+                if (button.disabled, button.tooltip) != (reason is not None, reason):
+                    button.disabled, button.tooltip = reason is not None, reason
+
+    def _tell(self, status: Status) -> None:
+        """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in
+        the event pane once, in full (the run line may be cut)."""
+        told = (status.state, status.detail)
+        if told != self._told and status.detail and status.state != "starting":
+            self.log_event(f"{status.state}: {status.detail}", "bold red" if status.state in ALARMS else "yellow")
+        self._told = told
 
     def _queue_events(self, update: Update) -> None:
         """Keep the update's lines for the next write (the newest :data:`EVENT_LINES` event lines
@@ -176,7 +212,7 @@ class Dashboard(Screen):
         lines += [Text(e.text, LEVEL_STYLE[e.level]) for e in q.events]
         if lines:
             self.query_one("#events", RichLog).write(Text("\n").join(lines))
-        q.events, q.dropped_events, q.dropped_logs, q.saved = [], 0, 0, []  # saves are answered per poll
+        q.events, q.dropped_events, q.dropped_logs, q.checkpoint_records = [], 0, 0, []  # answered per poll
 
     def _sample(self) -> dict[int, ProcStats | None]:
         """psutil stats of each rank on this host (None for a rank on another host)."""

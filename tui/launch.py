@@ -9,7 +9,7 @@ import shlex
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from osft.trainer.demo_assets import DATA_DIRNAME, MODEL_DIRNAME, default_demo_dir
@@ -19,6 +19,8 @@ from osft.trainer.rundir import RunDir
 DEFAULT_LAUNCHER = [sys.executable, "-m", "osft.trainer.cli"]
 #: Flags that choose what to resume from; a relaunch replaces them.
 RESUME_FLAGS = ("--resume", "--resume-from-full-state-checkpoint")
+#: The flag that lets a new run start over in a directory an earlier run left outputs in.
+OVERWRITE_FLAG = "--overwrite-output-dir"
 
 
 @dataclass
@@ -57,6 +59,14 @@ class RunSpec:
         and supplies its CPU-sized batch settings)."""
         demo = RunSpec.demo()
         return (Path(self.model), Path(self.data)) == (Path(demo.model), Path(demo.data))
+
+    def has_flag(self, *flags: str) -> bool:
+        """Whether the extra flags hold one of ``flags`` (alone or as ``--flag=value``)."""
+        return any(arg.split("=", 1)[0] in flags for arg in shlex.split(self.extra_args))
+
+    def with_flag(self, flag: str) -> RunSpec:
+        """This spec with ``flag`` added to its extra flags."""
+        return replace(self, extra_args=f"{self.extra_args} {flag}".strip())
 
     def check(self) -> list[str]:
         """Problems with the form's values, each naming its field (empty when it can launch)."""

@@ -41,7 +41,8 @@ class Update:
         events: the newest event and log lines (capped).
         dropped_events: event lines left out by the cap (all are in ``metrics/*.jsonl``).
         dropped_logs: log lines left out by the cap (``l`` shows a rank's log).
-        saved: every ``checkpoint_saved`` record read (never dropped: requests wait for them).
+        checkpoint_records: every ``checkpoint_requested`` and ``checkpoint_saved`` record read, in
+            order (never dropped: requests wait for them).
         read_s: seconds the reader spent on the polls merged here (s).
     """
 
@@ -49,7 +50,7 @@ class Update:
     events: list[Event] = field(default_factory=list)
     dropped_events: int = 0
     dropped_logs: int = 0
-    saved: list[dict] = field(default_factory=list)
+    checkpoint_records: list[dict] = field(default_factory=list)
     read_s: float = 0.0
 
     def cap(self, events: int = EVENTS_PER_UPDATE, logs: int = LOG_LINES_PER_UPDATE) -> Update:
@@ -62,12 +63,12 @@ class Update:
         return self
 
     def merge(self, later: Update) -> Update:
-        """Take in an update sent after this one: its model, and its lines and saves after ours."""
+        """Take in an update sent after this one: its model, and its lines and records after ours."""
         self.model = later.model
         self.events += later.events
         self.dropped_events += later.dropped_events
         self.dropped_logs += later.dropped_logs
-        self.saved += later.saved
+        self.checkpoint_records += later.checkpoint_records
         self.read_s += later.read_s
         return self
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     while os.getppid() == int(parent):
         start = time.monotonic()
         result = watcher.poll()
-        update = Update(watcher.model, result.events, saved=result.saved, read_s=time.monotonic() - start)
+        update = Update(watcher.model, result.events, checkpoint_records=result.checkpoint_records, read_s=time.monotonic() - start)
         data = pickle.dumps(update.cap(), pickle.HIGHEST_PROTOCOL)
         try:
             out.write(_HEADER.pack(len(data)) + data)  # blocks while the dashboard is behind

@@ -165,10 +165,11 @@ def describe(record: dict) -> Event | None:
 
 @dataclass
 class PollResult:
-    """What changed in one :meth:`RunWatcher.poll`: event lines and ``checkpoint_saved`` records."""
+    """What changed in one :meth:`RunWatcher.poll`: event lines, and ``checkpoint_requested`` and
+    ``checkpoint_saved`` records in the order read."""
 
     events: list[Event] = field(default_factory=list)
-    saved: list[dict] = field(default_factory=list)
+    checkpoint_records: list[dict] = field(default_factory=list)
 
 
 class RunModel:
@@ -185,6 +186,7 @@ class RunModel:
         consumed_bytes: path of each file read -> bytes taken in so far (the rest is backlog).
         event_counts: event lines produced so far, by level (before the UI's caps).
         log_buffers: ``node<N>/local<L>`` -> lines kept, their cap, and bytes skipped by a flood.
+        run_json_error: why ``run.json`` cannot be read now (None when it can, or is absent).
     """
 
     def __init__(self, root: str | Path) -> None:
@@ -198,6 +200,7 @@ class RunModel:
         self.max_steps: int | None = None
         self.step: int | None = None
         self.problems: list[str] = []
+        self.run_json_error: str | None = None
         self.records_read: dict[str, int] = {}
         self.log_paths: dict[tuple[int, int], Path] = {}
         self.consumed_bytes: dict[str, int] = {}
@@ -226,13 +229,16 @@ class RunModel:
     def finished(self) -> bool:
         return bool(self.launchers) and all(info.state in FINAL_STATES for info in self.launchers.values())
 
-    def elapsed_s(self, now: float | None = None) -> float | None:
-        """Seconds since the launcher started (until its last update once finished)."""
-        start = self.run.get("start_time")
-        if start is None:
-            return None
-        end = self.run.get("updated_at", start) if self.finished else (now or time.time())
-        return max(0.0, end - start)
+    def last_activity(self) -> float | None:
+        """Unix time of the run's last sign of life: run.json's last update or the newest step
+        record, whichever is later (None before either)."""
+        times = [t for t in [self.run.get("updated_at"), *(n.last_ts for n in self.nodes.values())] if t]
+        return max(times) if times else None
+
+    def node_exit_codes(self) -> dict[int, int]:
+        """Node rank -> its launcher's exit code, for the nodes whose launcher ended."""
+        return {n: info.data["exit_code"] for n, info in self.launchers.items()
+                if info.state in FINAL_STATES and info.data.get("exit_code") is not None}
 
     def eta_s(self) -> float | None:
         """Seconds to ``max_steps`` at the mean step time of the last 10 steps."""
@@ -283,8 +289,8 @@ class RunModel:
                 self.ranks[rank].exit_code = record["exit_code"]
         elif ev == "run_finished" and rank in self.ranks:
             self.ranks[rank].exit_code = record.get("exit_code")
-        elif ev == "checkpoint_saved":
-            result.saved.append(record)
+        if ev in ("checkpoint_requested", "checkpoint_saved"):
+            result.checkpoint_records.append(record)
         event = describe(record)
         if event:
             result.events.append(event)

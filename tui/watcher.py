@@ -43,6 +43,7 @@ class RunWatcher:
         self._logs: dict[tuple[int, int], LogTail] = {}
         self._launcher_logs: dict[int, LogTail] = {}
         self._json_mtimes: dict[Path, float] = {}
+        self._json_errors: dict[str, str] = {}
         self._ckpt_cache: dict[Path, tuple[float, CheckpointEntry]] = {}
 
     def _read_run_jsons(self) -> None:
@@ -59,10 +60,17 @@ class RunWatcher:
                 if self._json_mtimes.get(path) == mtime:
                     continue
                 data = json.loads(path.read_text())
-            except (OSError, ValueError):
+                if not isinstance(data, dict):
+                    raise ValueError(f"not a JSON object but {type(data).__name__}")
+            except OSError:
                 continue  # being replaced; the next poll reads it
+            except ValueError as exc:  # written in place and cut short, or by something else: say so
+                self._json_errors[path.name] = f"{path.name}: {exc}"
+                continue
+            self._json_errors.pop(path.name, None)
             self._json_mtimes[path] = mtime
             self.model.set_launcher(int(m.group(1) or 0), data)
+        self.model.run_json_error = "; ".join(self._json_errors[k] for k in sorted(self._json_errors)) or None
 
     def _log_files(self) -> dict[tuple[int, int], Path]:
         """``(node rank, local rank) -> stderr.log`` of each node's newest torchrun run id."""

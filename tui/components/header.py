@@ -1,34 +1,43 @@
-"""The run line: directory, state, elapsed time, step / max steps and ETA."""
+"""The run line: directory, state (as :func:`~..status.judge` weighs it), step / max steps, elapsed
+time, ETA, the age of the last step (a stall warning), the read-only badge, and why when the
+state is not simply run.json's."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
-from ..run_state import RunModel
 from ..format import fmt_duration
+from ..run_state import RunModel
+from ..status import Status
 
-#: Colour of each run.json state.
+#: Colour of each state.
 STATE_STYLE = {"running": "green", "checkpointing": "yellow", "starting": "cyan", "stopped": "yellow",
-               "completed": "green", "failed": "bold red"}
+               "completed": "green", "failed": "bold red", "dead": "bold red", "launch failed": "bold red",
+               "unreadable run.json": "bold red"}
 
 
 class RunHeader(Static):
     """One line about the whole run; :meth:`show` redraws it."""
 
-    def show(self, model: RunModel | None, live: bool | None) -> None:
-        """Redraw from ``model``; ``live`` says whether a process of the run runs on this host
-        (None: unknown, e.g. the run is on another host)."""
-        if model is None:
-            self.update("no run: press n for a new run", layout=False)
+    def show(self, model: RunModel | None, status: Status | None, readonly: bool = False) -> None:
+        """Redraw from ``model`` and its ``status`` (None: no run)."""
+        badge = Text.assemble((" read-only ", "bold reverse"), " ") if readonly else Text("")
+        if model is None or status is None:
+            self.update(Text.assemble(badge, "no run" if readonly else "no run: press n for a new run"), layout=False)
             return
-        state = model.state
-        text = Text.assemble(("run ", "dim"), (str(model.root), "bold"), "  ", (state, STATE_STYLE.get(state, "")))
-        if live is False and state in ("starting", "running", "checkpointing"):
-            text.append(" (no process left on this host)", "bold red")
+        text = Text.assemble(badge, ("run ", "dim"), (str(model.root), "bold"), "  ",
+                             (status.state, STATE_STYLE.get(status.state, "")))
         step = "-" if model.step is None else str(model.step)
         text.append(f"  step {step}/{model.max_steps or '?'}")
-        text.append(f"  elapsed {fmt_duration(model.elapsed_s())}")
-        if not model.finished:
-            text.append(f"  ETA {fmt_duration(model.eta_s())}")
+        text.append(f"  elapsed {fmt_duration(status.elapsed_s)}")
+        if status.eta_s is not None:
+            text.append(f"  ETA {fmt_duration(status.eta_s)}")
+        if status.last_step_age_s is not None and status.state in ("running", "checkpointing"):
+            text.append(f"  last step {fmt_duration(status.last_step_age_s)} ago",
+                        "bold yellow" if status.stalled else "dim")
+            if status.stalled:
+                text.append(" (stalled?)", "bold yellow")
+        if status.detail:
+            text.append(f"  {status.detail}", "red" if "red" in STATE_STYLE.get(status.state, "") else "yellow")
         self.update(text, layout=False)  # height 1 (CSS): no screen layout per poll

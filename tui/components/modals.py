@@ -63,7 +63,8 @@ class HelpScreen(ModalScreen[None]):
         lines = [f"{key:<{width}}  {text}" for key, text in shown]
         with Vertical(classes="dialog help"):
             yield Label("osft-tui keys", classes="dialog-title")
-            yield Static("\n".join(lines) + "\n\n" + self.notes, markup=False)
+            with VerticalScroll(classes="dialog-body"):
+                yield Static("\n".join(lines) + "\n\n" + self.notes, markup=False)
             yield Button("close", id="close", variant="primary")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, Static
 
@@ -35,7 +35,7 @@ class NewRunScreen(Screen[RunSpec | None]):
         self.spec = spec
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="new-run"):
+        with VerticalScroll(id="new-run"):  # scrolls to the focused field on small terminals
             yield Label("New OSFT run (on-demand checkpointing on: c/s on the dashboard)", classes="dialog-title")
             with Grid(id="new-run-grid"):
                 for name, label, kind in FIELDS:

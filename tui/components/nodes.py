@@ -69,14 +69,21 @@ class Histories(Vertical):
         yield Label("loss", classes="history-label", id="loss-label")
         yield Sparkline([], id="loss-history")
 
+    def reset(self) -> None:
+        """Forget every node's sparkline and the loss history (another run is shown)."""
+        for spark in self.query(".node-history"):
+            spark.remove()
+        self.query_one("#loss-history", Sparkline).data = []
+
     def show(self, model: RunModel) -> None:
         """Update the sparklines, mounting one for each node seen for the first time."""
         for n, stats in sorted(model.nodes.items()):
             spark_id = f"tokens-node{n}"
             found = self.query(f"#{spark_id}")
             if not found:
-                self.mount(Label(f"node {n} tokens/s", classes="history-label"),
-                           Sparkline(list(stats.tokens_history), id=spark_id), before="#loss-label")
+                self.mount(Label(f"node {n} tokens/s", classes="history-label node-history"),
+                           Sparkline(list(stats.tokens_history), id=spark_id, classes="node-history"),
+                           before="#loss-label")
             else:
                 found.first(Sparkline).data = list(stats.tokens_history)
         self.query_one("#loss-history", Sparkline).data = list(model.loss_history)

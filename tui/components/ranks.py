@@ -24,12 +24,13 @@ class RankTable(DataTable):
             self.add_column(name, key=name, width=width)
         self._order: list[int] = []
 
-    def show(self, ranks: list[RankInfo], stats: dict[int, ProcStats | None]) -> None:
-        """Redraw; ``stats[rank]`` is None for a rank on another host."""
+    def show(self, ranks: list[RankInfo], stats: dict[int, ProcStats | None], node_codes: dict[int, int]) -> None:
+        """Redraw; ``stats[rank]`` is None for a rank on another host; ``node_codes`` maps each node
+        whose launcher ended to its exit code."""
         for info in ranks:
             s = stats.get(info.rank)
             row = (str(info.rank), str(info.node_rank), str(info.local_rank), str(info.pid), escape(info.hostname),
-                   rank_state(info, s), "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
+                   rank_state(info, s, node_codes.get(info.node_rank)), "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
                    fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-")
             key = f"rank{info.rank}"
             if key in self.rows:
@@ -40,6 +41,11 @@ class RankTable(DataTable):
                 self.add_row(*row, key=key)
                 self._order.append(info.rank)
 
+    def clear(self, columns: bool = False) -> RankTable:
+        """Remove every row (and with ``columns`` the columns)."""
+        self._order = []
+        return super().clear(columns)
+
     def selected_rank(self) -> int | None:
         """The rank under the cursor, if any."""
         if not self._order or not 0 <= self.cursor_row < len(self._order):
@@ -47,8 +53,13 @@ class RankTable(DataTable):
         return self._order[self.cursor_row]
 
 
-def rank_state(info: RankInfo, stats: ProcStats | None) -> str:
-    """``running``, ``exited (code N)``, ``[red]failed: message``, or ``remote`` (another host)."""
+def rank_state(info: RankInfo, stats: ProcStats | None, node_code: int | None = None) -> str:
+    """``running``, ``exited (code N)``, ``[red]failed: message``, ``ended (node code N)`` (a
+    rank that wrote no exit record of its own, of a node whose launcher ended), or ``remote``
+    (another host)."""
+    if info.exit_code is None and not info.error and node_code is not None and not (stats and stats.alive):
+        ended = f"ended (node code {node_code})"
+        return ended if node_code in (0, EXIT_STOPPED) else f"[b red]{ended}[/]"
     if stats is None:
         return "remote" if info.exit_code is None else f"exited (code {info.exit_code})"
     if stats.alive:
