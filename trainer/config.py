@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data.specs import check_sources
+from .data.shapes import DATA_FORMATS
 from .schedule import SCHEDULES
 from .trackers import REPORT_TO_CHOICES, check_available
 
@@ -23,9 +25,10 @@ class TrainConfig:
     """Resolved training configuration (units: tokens, steps, samples, degrees)."""
 
     model_name_or_path: str
-    data_path: str
+    data_path: list[str]
     output_dir: str
     # data
+    data_format: str = "auto"
     max_seq_len: int = 2048
     overlong: str = "drop"
     train_on_all: bool = False
@@ -90,6 +93,10 @@ class TrainConfig:
     node_rank: int = 0
     rdzv_endpoint: str | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.data_path, str):  # one source, as callers in code may give it
+            self.data_path = [self.data_path]
+
     @property
     def checkpointing(self) -> bool:
         """True when this run may write full-state checkpoints (on demand or every N steps)."""
@@ -152,6 +159,15 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class _DataPaths(argparse.Action):
+    """``--data-path`` may be repeated and may take several values: they are collected in order. The
+    first one on the command line replaces the default (a config file's list), later ones add to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (list(given) if given is not self.default else []) + list(values))
+
+
 def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argparse.ArgumentParser:
     """The ``osft-train`` training parser, flags grouped as in ``--help``.
 
@@ -174,7 +190,13 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
 
     g = p.add_argument_group("model and data")
     g.add_argument("--model-name-or-path", required=require_paths, help="HF model directory or a .gguf file")
-    g.add_argument("--data-path", required=require_paths, help="training data: jsonl, one {\"messages\": [...]} per line")
+    g.add_argument("--data-path", required=require_paths, nargs="+", action=_DataPaths, metavar="PATH[:WEIGHT]",
+                   help="training data: .jsonl/.json, .parquet, .arrow or a save_to_disk directory; several paths "
+                   "(repeat the flag or list them) are one dataset, or with weights (a.jsonl:0.8 b.parquet:0.2) a "
+                   "mixture drawn by weight in every batch")
+    g.add_argument("--data-format", choices=DATA_FORMATS, default=d.data_format,
+                   help="row shape: messages, sharegpt (conversations of from/value), alpaca (instruction/input/"
+                   "output), prompt-completion; auto detects it from each source's first row")
     g.add_argument("--output-dir", required=require_paths, help="run directory (metrics, exports, checkpoints)")
     g.add_argument("--max-seq-len", type=positive_int, default=d.max_seq_len, help="longest sample, tokens")
     g.add_argument("--overlong", choices=["drop", "error", "truncate"], default=d.overlong,
@@ -351,9 +373,7 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.osft_max_frozen_ratio}")
     if cfg.osft_rank_schedule == "importance" and not cfg.osft:
         raise ValueError("--osft-rank-schedule importance sets OSFT ranks: it cannot go with --no-osft")
-    if not Path(cfg.data_path).is_file():
-        reason = "is a directory, not a jsonl file" if Path(cfg.data_path).is_dir() else "no such file"
-        raise ValueError(f"--data-path {cfg.data_path}: {reason}")
+    check_sources(cfg.data_path)
     if cfg.resume and cfg.resume_from_full_state_checkpoint:
         raise ValueError("--resume and --resume-from-full-state-checkpoint exclude each other: pick one")
     if cfg.resume_from_full_state_checkpoint and not Path(cfg.resume_from_full_state_checkpoint).is_dir():

@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from . import template_text
+from .sources import location_unit
 from .template_text import BEFORE_ASSISTANT, CLOSE, OPEN, SYSTEM_PROMPT
-from .validate import DataValidationError, Problem, scan_chat_file
+from .validate import DataValidationError, Problem, render, scan_chat_file
 
 IGNORE_INDEX = -100
 OVERLONG_POLICIES = ("drop", "error", "truncate")
@@ -49,7 +50,8 @@ class DataReport:
     error policy); ``truncated``: ``(line, tokens before truncation, loss tokens kept)`` of kept
     truncated samples; ``dropped_no_trainable``: lines dropped because no trained token was left
     (after truncation to ``max_seq_len``); ``total_tokens``/``total_loss_tokens``: sums over kept
-    samples (loss tokens unshifted); ``template_inserted``: text the chat template inserted that the
+    samples (loss tokens unshifted); ``unit``: what the numbers in those lists count, ``"line"`` (JSON
+    Lines) or ``"row"`` (other sources); ``template_inserted``: text the chat template inserted that the
     data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample).
     """
 
@@ -57,6 +59,7 @@ class DataReport:
     max_seq_len: int
     overlong: str
     train_on_all: bool = False
+    unit: str = "line"
     rows: int = 0
     kept: int = 0
     dropped_overlong: list[tuple[int, int]] = field(default_factory=list)
@@ -79,15 +82,15 @@ class DataReport:
         if self.dropped_overlong:
             verb = "refused" if self.overlong == "error" else "dropped"
             out.append(f"  {verb} {len(self.dropped_overlong)} overlong (> {self.max_seq_len} tokens): "
-                       + listed(self.dropped_overlong, lambda x: f"line {x[0]} ({x[1]} tokens)"))
+                       + listed(self.dropped_overlong, lambda x: f"{self.unit} {x[0]} ({x[1]} tokens)"))
         if self.truncated:
             out.append(f"  truncated {len(self.truncated)} to {self.max_seq_len} tokens: "
                        + listed(self.truncated,
-                                lambda x: f"line {x[0]} ({x[1]} tokens, {x[2]} trained tokens kept)"))
+                                lambda x: f"{self.unit} {x[0]} ({x[1]} tokens, {x[2]} trained tokens kept)"))
         if self.dropped_no_trainable:
             why = no_trainable_message(self.max_seq_len, self.overlong == "truncate")
             out.append(f"  dropped {len(self.dropped_no_trainable)} with {why}: "
-                       + listed(self.dropped_no_trainable, lambda x: f"line {x}"))
+                       + listed(self.dropped_no_trainable, lambda x: f"{self.unit} {x}"))
         return out + template_text.describe(self.template_inserted, self.train_on_all)
 
     def to_dict(self) -> dict:
@@ -138,7 +141,8 @@ class TokenizedChat:
         return np.asarray(self.dataset["length"], dtype=np.int64)
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
+def assistant_char_spans(tokenizer, messages: list[dict], rendered: str,
+                         tools: list[dict] | None = None) -> list[tuple[int, int]] | str:
     """Character spans ``[start, end)`` of the trained part of each assistant turn in ``rendered``.
 
     The reference (prefix-rendering) method: 2 renders per assistant turn. Returns the spans, or a
@@ -150,8 +154,8 @@ def assistant_char_spans(tokenizer, messages: list[dict], rendered: str) -> list
         if msg["role"] != "assistant":
             continue
         try:
-            before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            before = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+            upto = render(tokenizer, messages[: i + 1], tools)
         except Exception as e:  # noqa: BLE001 - reported with the row's line
             return f"rendering the conversation up to messages[{i}] failed: {type(e).__name__}: {e}"
         if not (rendered.startswith(before) and rendered.startswith(upto) and len(before) <= len(upto)):
@@ -192,7 +196,7 @@ class SpanFinder:
     def _learn_suffixes(self) -> tuple[str, str, str] | None:
         """(text between generation prompt and content, end-of-turn text mid-conversation, at the end)."""
         try:
-            rendered = self.tokenizer.apply_chat_template(_PROBE, tokenize=False)
+            rendered = render(self.tokenizer, _PROBE)
         except Exception:  # noqa: BLE001
             return None
         ref = assistant_char_spans(self.tokenizer, _PROBE, rendered)
@@ -205,7 +209,7 @@ class SpanFinder:
         mid, last = (rendered[c[1]:r[1]] for r, c in zip(ref, content))
         return gaps.pop(), mid, last
 
-    def _content_spans(self, messages, rendered) -> list[tuple[int, int]] | None:
+    def _content_spans(self, messages, rendered, tools=None) -> list[tuple[int, int]] | None:
         """Positions of the assistant contents in ``rendered``, or None if markers do not work."""
         marked = []
         for m in messages:
@@ -213,7 +217,7 @@ class SpanFinder:
                 return None
             marked.append(dict(m, content=OPEN + m["content"] + CLOSE) if m["role"] == "assistant" else m)
         try:
-            text = self.tokenizer.apply_chat_template(marked, tokenize=False)
+            text = render(self.tokenizer, marked, tools)
         except Exception:  # noqa: BLE001
             return None
         spans, pos, start, plain = [], 0, None, []
@@ -248,26 +252,26 @@ class SpanFinder:
             spans.append((start, _rstrip_end(rendered, start, end + len(suffix))))
         return spans
 
-    def spans(self, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
+    def spans(self, messages: list[dict], rendered: str, tools=None) -> list[tuple[int, int]] | str:
         """Like ``assistant_char_spans`` (same result), usually with one render instead of 2 per turn."""
-        content = self._content_spans(messages, rendered) if self.suffixes is not None else None
-        return self._turn_spans(messages, rendered, content)
+        content = self._content_spans(messages, rendered, tools) if self.suffixes is not None else None
+        return self._turn_spans(messages, rendered, content, tools)
 
-    def trained_spans(self, messages: list[dict], rendered: str) -> tuple[list, list] | str:
+    def trained_spans(self, messages: list[dict], rendered: str, tools=None) -> tuple[list, list] | str:
         """``(trained spans, inserted ranges)``: :meth:`spans` without the text the template inserted
         before each assistant content, and those ranges (:func:`.template_text.split_inserted`); or
         the string of :meth:`spans` saying why the row cannot be handled."""
-        content = self._content_spans(messages, rendered)
-        turns = self._turn_spans(messages, rendered, content if self.suffixes is not None else None)
+        content = self._content_spans(messages, rendered, tools)
+        turns = self._turn_spans(messages, rendered, content if self.suffixes is not None else None, tools)
         if isinstance(turns, str):
             return turns
         return template_text.split_inserted(rendered, messages, turns, content)
 
-    def _turn_spans(self, messages, rendered, content) -> list[tuple[int, int]] | str:
+    def _turn_spans(self, messages, rendered, content, tools=None) -> list[tuple[int, int]] | str:
         is_last = [i == len(messages) - 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
         fast = self._fast(rendered, content, is_last) if self.suffixes is not None else None
         if fast is None or self.verify_left > 0:
-            ref = assistant_char_spans(self.tokenizer, messages, rendered)
+            ref = assistant_char_spans(self.tokenizer, messages, rendered, tools)
             if fast is not None:
                 self.verify_left -= 1
                 if fast != ref:
@@ -331,10 +335,11 @@ def _render_all(path, records, rendered, tokenizer, train_on_all):
     keys: dict[tuple[str, str], int] = {}
     finder = None if train_on_all else SpanFinder(tokenizer)
     system = template_text.default_system_prompt(tokenizer)
-    for (line, messages), text in zip(records, rendered):
-        found = ([], []) if train_on_all else finder.trained_spans(messages, text)
+    for (line, messages, tools), text in zip(records, rendered):
+        found = ([], []) if train_on_all else finder.trained_spans(messages, text, tools)
         if isinstance(found, str):
-            problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found))
+            problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found,
+                                    location_unit(path)))
             continue
         ranges = [(a, b, (BEFORE_ASSISTANT, text[a:b])) for a, b in found[1]]
         if system and messages[0]["role"] != "system" and text.startswith(system.text, system.start):
@@ -371,12 +376,16 @@ def _apply_policy(ds, report: DataReport) -> np.ndarray:
     return keep
 
 
-def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop",
-                       train_on_all: bool = False) -> TokenizedChat:
+def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
+                       data_format: str = "auto", source_cache=None) -> TokenizedChat:
     """Validate, render, tokenize and label a chat JSONL file.
 
     Args:
-        path: the ``.jsonl`` file (rows ``{"messages": [...]}``, see validate.py).
+        path: the data source (``.jsonl``, ``.json``, ``.parquet``, ``.arrow`` or a ``save_to_disk``
+            directory; :mod:`.sources`), rows of any shape of :mod:`.shapes`.
+        data_format: its row shape (``auto``: detected).
+        source_cache: where ``datasets`` may keep the Arrow conversion of a parquet or arrow file
+            (None: a temporary directory).
         tokenizer: a fast HF tokenizer with a ``chat_template`` (offsets are needed).
         max_seq_len: token limit per sample (>= 1).
         overlong: policy for samples longer than ``max_seq_len`` tokens: ``"drop"`` (default,
@@ -405,16 +414,16 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("a fast tokenizer (with offset mapping) is required")
     max_seq_len = int(max_seq_len)
-    records, problems, rendered = scan_chat_file(path, tokenizer)
+    records, problems, rendered = scan_chat_file(path, tokenizer, data_format, source_cache)
     if not records and not problems:
         raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
     if not records:
         raise DataValidationError(problems)
     spans, inserted, inserted_keys = _render_all(path, records, rendered, tokenizer, train_on_all)
-    report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong,
-                        train_on_all=train_on_all, rows=len(records))
+    report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong, train_on_all=train_on_all,
+                        unit=location_unit(path), rows=len(records))
 
-    raw = Dataset.from_dict({"line": [line for line, _ in records], "text": rendered, "spans": spans,
+    raw = Dataset.from_dict({"line": [c.line for c in records], "text": rendered, "spans": spans,
                              "inserted": inserted},
                             features=Features({"line": Value("int64"), "text": Value("string"),
                                                "spans": List(List(Value("int64"))),
@@ -434,13 +443,13 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         inserted_keys, [c for c, k in zip(ds["inserted_tokens"], keep) if k])
     overlong_problems = [
         Problem(str(path), line, None, "messages", "overlong",
-                f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)")
+                f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)", report.unit)
         for line, n in report.dropped_overlong] if overlong == "error" else []
     if problems:
         # Invalid rows stop the run; the rows that would be dropped for lack of trained tokens are
         # listed in the same pass (field case B15), so one run of the validator shows everything.
         untrainable = [Problem(str(path), line, None, "messages", "no_trainable_tokens",
-                               no_trainable_message(max_seq_len, truncated=overlong == "truncate"))
+                               no_trainable_message(max_seq_len, truncated=overlong == "truncate"), report.unit)
                        for line in report.dropped_no_trainable]
         raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
     if overlong_problems:
