@@ -32,6 +32,9 @@ class TrainConfig:
     max_seq_len: int = 2048
     overlong: str = "drop"
     train_on_all: bool = False
+    train_reasoning: bool = True
+    train_last_turn_only: bool = False
+    chat_template: str | None = None
     data_cache_dir: str | None = None
     data_cache: bool = True
     # batching
@@ -202,6 +205,13 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--overlong", choices=["drop", "error", "truncate"], default=d.overlong,
                    help="what to do with samples longer than --max-seq-len (always reported)")
     g.add_argument("--train-on-all", action="store_true", help="train on every token, not only assistant turns")
+    g.add_argument("--no-train-reasoning", dest="train_reasoning", action="store_false",
+                   help="do not train the reasoning_content of assistant turns (nor its tags), only what follows it")
+    g.add_argument("--train-last-turn-only", action="store_true",
+                   help="train only the last assistant turn of each conversation (a message's \"train\": true|false "
+                   "overrides, with or without this flag)")
+    g.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="Jinja chat template that replaces the tokenizer's (for the data and in the export)")
     g.add_argument("--data-cache-dir", default=None,
                    help="cache of tokenized data (default: $OSFT_DATA_CACHE or the user cache dir)")
     g.add_argument("--no-data-cache", dest="data_cache", action="store_false", help="always re-tokenize")
@@ -323,7 +333,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
 def config_to_argv(cfg: TrainConfig) -> list[str]:
     """Command-line flags that parse back into ``cfg`` with :func:`build_parser` (for workers)."""
     argv: list[str] = []
-    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache",
+    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache", "train_reasoning": "--no-train-reasoning",
                "osft_protect_subspaces": "--no-osft-protect-subspaces"}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -374,6 +384,8 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.osft_rank_schedule == "importance" and not cfg.osft:
         raise ValueError("--osft-rank-schedule importance sets OSFT ranks: it cannot go with --no-osft")
     check_sources(cfg.data_path)
+    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
+        raise ValueError(f"--chat-template {cfg.chat_template}: no such file")
     if cfg.resume and cfg.resume_from_full_state_checkpoint:
         raise ValueError("--resume and --resume-from-full-state-checkpoint exclude each other: pick one")
     if cfg.resume_from_full_state_checkpoint and not Path(cfg.resume_from_full_state_checkpoint).is_dir():

@@ -82,7 +82,7 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from .parallel import load_protected_bases
     from .schedule import check_warmup
 
-    tokenizer = load_tokenizer(cfg.model_name_or_path)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
     data, _ = tokenize_for_run(cfg, tokenizer, lambda message: console.print(
         f"warning: {message}", markup=False, highlight=False, soft_wrap=True))
     check_positions(data, position_limit(cfg.model_name_or_path))  # absolute positions: error; rotary: ranks warn

@@ -206,7 +206,7 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json())
-        self.tokenizer = load_tokenizer(cfg.model_name_or_path)
+        self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()

@@ -115,7 +115,8 @@ def tokenize_source(cfg, path, tokenizer, warn: Callable[[str], None]) -> tuple[
     Raises:
         Everything :func:`.tokenize.tokenize_chat_file` raises.
     """
-    options = dict(train_on_all=cfg.train_on_all, data_format=cfg.data_format)
+    options = dict(train_on_all=cfg.train_on_all, data_format=cfg.data_format, train_reasoning=cfg.train_reasoning,
+                   last_turn_only=cfg.train_last_turn_only)
     if not cfg.data_cache:
         return tokenize_chat_file(path, tokenizer, cfg.max_seq_len, cfg.overlong, **options), False
     return tokenize_chat_file_cached(path, tokenizer, cfg.max_seq_len, cfg.overlong, cache_dir=cfg.data_cache_dir,

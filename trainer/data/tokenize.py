@@ -9,9 +9,11 @@ in an assistant span as trained. Then apply the overlong policy and account for 
 Assistant spans: for assistant message ``i``, the span starts after
 ``render(messages[:i], add_generation_prompt=True)`` (so the role header is not trained) and ends at
 the end of ``render(messages[:i+1])`` minus trailing whitespace (so the content and its end-of-turn
-token, e.g. ``<|im_end|>``, are trained, the newline after it is not). Both renderings must be
-prefixes of the full rendering; a template that renders prefixes differently (e.g. one that drops
-the reasoning of earlier turns) is refused with a clear error, as locating the spans would be guesswork.
+token, e.g. ``<|im_end|>``, are trained, the newline after it is not). When both renderings are
+prefixes of the full rendering for every turn, the conversation is one sample. A template that
+renders earlier turns differently (Qwen3-style templates drop their reasoning) gives a turn that is
+not rendered as for generation a sample of its own (:mod:`.turns`). Tool calls, tool results and
+the row's ``tools`` are rendered by the template like any other field.
 That reference method costs 2 renders per assistant turn; ``SpanFinder`` gets the same spans with one
 render per conversation (content markers), checked against the reference.
 Text the template inserts before an assistant content (an empty reasoning block) is then cut from
@@ -34,6 +36,7 @@ import numpy as np
 from . import template_text
 from .sources import location_unit
 from .template_text import BEFORE_ASSISTANT, CLOSE, OPEN, SYSTEM_PROMPT
+from .turns import Sample, rstrip_end, split_samples, trained_turns
 from .validate import DataValidationError, Problem, render, scan_chat_file
 
 IGNORE_INDEX = -100
@@ -52,7 +55,9 @@ class DataReport:
     (after truncation to ``max_seq_len``); ``total_tokens``/``total_loss_tokens``: sums over kept
     samples (loss tokens unshifted); ``unit``: what the numbers in those lists count, ``"line"`` (JSON
     Lines) or ``"row"`` (other sources); ``template_inserted``: text the chat template inserted that the
-    data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample).
+    data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample);
+    ``split``: ``(line, samples)`` of each row split into several samples, one per assistant turn the
+    template renders differently as history (:mod:`.turns`).
     """
 
     path: str
@@ -68,6 +73,7 @@ class DataReport:
     total_tokens: int = 0
     total_loss_tokens: int = 0
     template_inserted: list[dict] = field(default_factory=list)
+    split: list[tuple[int, int]] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary for the console (one string per line)."""
@@ -91,6 +97,10 @@ class DataReport:
             why = no_trainable_message(self.max_seq_len, self.overlong == "truncate")
             out.append(f"  dropped {len(self.dropped_no_trainable)} with {why}: "
                        + listed(self.dropped_no_trainable, lambda x: f"{self.unit} {x}"))
+        if self.split:
+            out.append(f"  split {len(self.split)} rows whose earlier turns the chat template renders differently "
+                       "into one sample per such assistant turn: "
+                       + listed(self.split, lambda x: f"{self.unit} {x[0]} ({x[1]} samples)"))
         return out + template_text.describe(self.template_inserted, self.train_on_all)
 
     def to_dict(self) -> dict:
@@ -161,14 +171,8 @@ def assistant_char_spans(tokenizer, messages: list[dict], rendered: str,
         if not (rendered.startswith(before) and rendered.startswith(upto) and len(before) <= len(upto)):
             return (f"the chat template does not render the conversation prefix up to messages[{i}] "
                     "as a prefix of the whole conversation, so the assistant tokens cannot be located")
-        spans.append((len(before), _rstrip_end(rendered, len(before), len(upto))))
+        spans.append((len(before), rstrip_end(rendered, len(before), len(upto))))
     return spans
-
-
-def _rstrip_end(text: str, start: int, end: int) -> int:
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return end
 
 
 _MARKERS = re.compile(f"([{OPEN}{CLOSE}])")
@@ -249,7 +253,7 @@ class SpanFinder:
             start -= len(gap)
             if start < 0 or not rendered.startswith(gap, start) or not rendered.startswith(suffix, end):
                 return None
-            spans.append((start, _rstrip_end(rendered, start, end + len(suffix))))
+            spans.append((start, rstrip_end(rendered, start, end + len(suffix))))
         return spans
 
     def spans(self, messages: list[dict], rendered: str, tools=None) -> list[tuple[int, int]] | str:
@@ -257,15 +261,26 @@ class SpanFinder:
         content = self._content_spans(messages, rendered, tools) if self.suffixes is not None else None
         return self._turn_spans(messages, rendered, content, tools)
 
-    def trained_spans(self, messages: list[dict], rendered: str, tools=None) -> tuple[list, list] | str:
+    def trained_spans(self, messages: list[dict], rendered: str, tools=None,
+                      train_reasoning: bool = True) -> tuple[list, list] | str:
         """``(trained spans, inserted ranges)``: :meth:`spans` without the text the template inserted
-        before each assistant content, and those ranges (:func:`.template_text.split_inserted`); or
-        the string of :meth:`spans` saying why the row cannot be handled."""
+        before each assistant content (and without the reasoning unless ``train_reasoning``), and
+        those ranges (:func:`.template_text.split_inserted`); or the string of :meth:`spans` saying
+        why the row cannot be handled."""
         content = self._content_spans(messages, rendered, tools)
         turns = self._turn_spans(messages, rendered, content if self.suffixes is not None else None, tools)
         if isinstance(turns, str):
             return turns
-        return template_text.split_inserted(rendered, messages, turns, content)
+        assistants = [m for m in messages if m["role"] == "assistant"]
+        return template_text.split_inserted(rendered, assistants, turns, content, train_reasoning)
+
+    def sample_spans(self, sample: Sample, tools, train_reasoning: bool) -> tuple[list, list] | str:
+        """As :meth:`trained_spans` for the turns a :class:`.turns.Sample` trains (their spans are known)."""
+        content = self._content_spans(sample.messages, sample.text, tools)
+        assistants = [m for m in sample.messages if m["role"] == "assistant"]
+        return template_text.split_inserted(sample.text, [assistants[j] for j in sample.turns], sample.spans,
+                                            None if content is None else [content[j] for j in sample.turns],
+                                            train_reasoning)
 
     def _turn_spans(self, messages, rendered, content, tools=None) -> list[tuple[int, int]] | str:
         is_last = [i == len(messages) - 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -324,33 +339,65 @@ def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_al
     return out
 
 
-def _render_all(path, records, rendered, tokenizer, train_on_all):
-    """Trained spans of every record, the ranges of text the template inserted in it as
-    ``[start, end, key]``, and the ``(where, text)`` of each key (:mod:`.template_text`).
+def _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning, last_turn_only):
+    """The samples of every record as columns (``line``, ``text``, trained ``spans``, ``inserted``
+    ranges of text the template inserted as ``[start, end, key]``), the ``(where, text)`` of each
+    key (:mod:`.template_text`), and ``(line, samples)`` of each record split into several
+    (:mod:`.turns`).
 
     Raises:
-        DataValidationError: the template renders prefixes inconsistently on some rows.
+        DataValidationError: rows whose assistant turns cannot be located.
     """
-    spans, inserted, problems = [], [], []
+    columns = {"line": [], "text": [], "spans": [], "inserted": []}
+    problems, split = [], []
     keys: dict[tuple[str, str], int] = {}
     finder = None if train_on_all else SpanFinder(tokenizer)
     system = template_text.default_system_prompt(tokenizer)
-    for (line, messages, tools), text in zip(records, rendered):
-        found = ([], []) if train_on_all else finder.trained_spans(messages, text, tools)
+    for conversation, text in zip(records, rendered):
+        line, messages, tools = conversation
+        found = _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only)
         if isinstance(found, str):
             problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found,
                                     location_unit(path)))
             continue
-        ranges = [(a, b, (BEFORE_ASSISTANT, text[a:b])) for a, b in found[1]]
-        if system and messages[0]["role"] != "system" and text.startswith(system.text, system.start):
-            ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
-        spans.append([list(s) for s in found[0]])
-        inserted.append([[a, b, keys.setdefault(key, len(keys))] for a, b, key in ranges])
+        if len(found) > 1:
+            split.append((line, len(found)))
+        for sample_text, spans, inserted in found:
+            ranges = [(a, b, (BEFORE_ASSISTANT, sample_text[a:b])) for a, b in inserted]
+            if system and messages[0]["role"] != "system" and sample_text.startswith(system.text, system.start):
+                ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
+            columns["line"].append(line)
+            columns["text"].append(sample_text)
+            columns["spans"].append([list(span) for span in spans])
+            columns["inserted"].append([[a, b, keys.setdefault(key, len(keys))] for a, b, key in ranges])
     if problems:
         raise DataValidationError(problems, header=(
-            f"{len(problems)} row(s) where the chat template does not render prefixes consistently; "
-            "use a template that does, or --train-on-all"))
-    return spans, inserted, list(keys)
+            f"{len(problems)} row(s) whose assistant turns the chat template does not let us locate; "
+            "use a template that renders each turn where its generation prompt ends, or --train-on-all"))
+    return columns, list(keys), split
+
+
+def _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only) -> list[tuple] | str:
+    """``(text, trained spans, inserted ranges)`` of each sample of one conversation (usually one;
+    :mod:`.turns` when the template renders earlier turns differently), or a string saying why its
+    turns cannot be located."""
+    if finder is None:  # --train-on-all: one sample, every token trained
+        return [(text, [], [])]
+    line, messages, tools = conversation
+    trained = trained_turns(messages, last_turn_only)
+    found = finder.trained_spans(messages, text, tools, train_reasoning)
+    if not isinstance(found, str):
+        return [(text, [s for s, keep in zip(found[0], trained) if keep], found[1])]
+    samples = split_samples(tokenizer, conversation, text, trained)
+    if isinstance(samples, str):
+        return samples
+    out = []
+    for sample in samples:
+        spans = finder.sample_spans(sample, tools, train_reasoning)
+        if isinstance(spans, str):
+            return spans
+        out.append((sample.text, *spans))
+    return out or [(text, [], [])]  # no turn trained: kept as one sample, dropped for lack of trained tokens
 
 
 def _apply_policy(ds, report: DataReport) -> np.ndarray:
@@ -377,7 +424,8 @@ def _apply_policy(ds, report: DataReport) -> np.ndarray:
 
 
 def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
-                       data_format: str = "auto", source_cache=None) -> TokenizedChat:
+                       data_format: str = "auto", source_cache=None, train_reasoning: bool = True,
+                       last_turn_only: bool = False) -> TokenizedChat:
     """Validate, render, tokenize and label a chat JSONL file.
 
     Args:
@@ -393,6 +441,10 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
             such line and its token length) or ``"truncate"`` (keep the first ``max_seq_len``
             tokens; a sample left with 0 trained tokens is dropped and listed).
         train_on_all: train on every token instead of only the assistant turns.
+        train_reasoning: train an assistant turn's ``reasoning_content`` (with its tags); False
+            trains only what follows it.
+        last_turn_only: train only the last assistant turn (a message's ``"train"`` overrides;
+            :mod:`.turns`).
 
     Returns:
         TokenizedChat (dataset + DataReport).
@@ -419,12 +471,12 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
     if not records:
         raise DataValidationError(problems)
-    spans, inserted, inserted_keys = _render_all(path, records, rendered, tokenizer, train_on_all)
+    columns, inserted_keys, split = _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning,
+                                                last_turn_only)
     report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong, train_on_all=train_on_all,
-                        unit=location_unit(path), rows=len(records))
+                        unit=location_unit(path), rows=len(records), split=split)
 
-    raw = Dataset.from_dict({"line": [c.line for c in records], "text": rendered, "spans": spans,
-                             "inserted": inserted},
+    raw = Dataset.from_dict(columns,
                             features=Features({"line": Value("int64"), "text": Value("string"),
                                                "spans": List(List(Value("int64"))),
                                                "inserted": List(List(Value("int64")))}))
