@@ -46,6 +46,33 @@ REASONING_CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# REASONING_CHATML_TEMPLATE with tools in the style of Qwen3: the row's `tools` in a system turn,
+# assistant `tool_calls` as `<tool_call>` JSON after the content, tool results in a user turn inside
+# `<tool_response>`; a tool result does not end the current query, so the assistant turns of one
+# tool-calling exchange all keep their reasoning.
+TOOL_REASONING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n' }}{% for t in tools %}{{ t | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<think>\n' + (m['reasoning_content'] if m['reasoning_content'] is defined else '') + '\n</think>\n\n' }}"
+    "{% endif %}"
+    "{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}{% set f = c['function'] if c['function'] is defined else c %}"
+    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Prepended to a template, refuses conversations whose roles do not alternate user/assistant
 # after an optional leading system message (as Llama-2 and Mistral templates do).
 ALTERNATION_CHECK = (

@@ -111,22 +111,29 @@ def test_fast_path_renders_once_per_row(tmp_path, monkeypatch):
     assert len(calls) <= 2 * 200 + 16 * 8 + 20
 
 
-def test_inconsistent_prefix_template_is_refused(tmp_path):
+def test_a_template_that_renders_earlier_turns_differently_splits_the_conversation_by_turn(tmp_path):
     # renders an assistant content only when it is the last message (like templates that drop
-    # the reasoning of earlier turns): prefixes do not match the whole conversation
+    # the reasoning of earlier turns): turn 1 is trained in a sample of its own, as it is rendered
+    # when it is the newest turn; turn 3 in the whole conversation
     template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
                 "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
                 "{{ '<|im_end|>\n' }}{% endfor %}"
                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     tok = tiny_chat_tokenizer(chat_template=template)
     path = write_jsonl(tmp_path / "c.jsonl", [chat("a", "b", "c", "d")])
-    with pytest.raises(DataValidationError, match="does not render prefixes consistently") as info:
-        tokenize_chat_file(path, tok, 512)
-    (p,) = info.value.problems
-    assert (p.line, p.rule) == (1, "template_prefix_mismatch")
-    assert "messages[1]" in p.message
-    # training on every token needs no spans
+    data = tokenize_chat_file(path, tok, 512)
+    assert [[tok.decode(run) for run in trained_runs(data[k])] for k in range(len(data))] == [["d" + END], ["b" + END]]
+    assert data.dataset["line"] == [1, 1] and data.report.split == [(1, 2)] and data.report.rows == 1
+    assert any("split 1 rows" in line and "line 1 (2 samples)" in line for line in data.report.summary_lines())
+    # training on every token needs no spans: one sample
     assert len(tokenize_chat_file(path, tok, 512, train_on_all=True)) == 1
+    # a generation prompt that is not where the template renders the turn cannot be located: refused
+    odd = tiny_chat_tokenizer(chat_template=template.replace("'<|im_start|>assistant\n' }}{% endif %}",
+                                                             "'<|im_start|>bot\n' }}{% endif %}"))
+    with pytest.raises(DataValidationError, match="does not let us locate") as info:
+        tokenize_chat_file(path, odd, 512)
+    (p,) = info.value.problems
+    assert (p.line, p.rule) == (1, "template_prefix_mismatch") and "messages[1]" in p.message
 
 
 B15_ROWS = [
@@ -267,11 +274,10 @@ def test_an_empty_reasoning_block_the_template_inserts_is_not_trained_and_is_rep
     line = [text for text in data.report.summary_lines() if "inserted" in text]
     assert line == [f'  the chat template inserted text the data does not contain, before assistant content '
                     f'"<think>\\n\\n</think>\\n\\n": in 2 samples, {first_trained - header} tokens per sample, not trained']
-    # a multi-turn row renders its prefixes differently: refused, naming the CLI flag
-    multi = write_jsonl(tmp_path / "m.jsonl", [chat("a", "b", "c", "d")])
-    with pytest.raises(DataValidationError, match="or --train-on-all:") as info:
-        tokenize_chat_file(multi, tok, 512)
-    assert "train_on_all" not in str(info.value)
+    # a multi-turn row renders its prefixes differently: each turn trained as the newest, its empty block not
+    multi = tokenize_chat_file(write_jsonl(tmp_path / "m.jsonl", [chat("a", "b", "c", "d")]), tok, 512)
+    assert [[tok.decode(run) for run in trained_runs(multi[k])] for k in range(2)] == [["d" + END], ["b" + END]]
+    assert multi.report.template_inserted[0]["samples"] == 2
 
 
 def test_a_default_system_prompt_the_template_inserts_is_reported_once(tmp_path):

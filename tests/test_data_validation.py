@@ -26,7 +26,7 @@ def test_b16_bom_truncated_json_and_array(tmp_path):
 
     records, problems = validate_chat_file(path)
 
-    assert [line for line, _ in records] == [1, 2, 3]  # the BOM on line 1 is handled
+    assert [c.line for c in records] == [1, 2, 3]  # the BOM on line 1 is handled
     assert [(p.line, p.rule) for p in problems] == [(4, "invalid_json"), (5, "row_not_object")]
     bad_json, array = problems
     col = len(truncated) + 1
@@ -57,7 +57,7 @@ def test_b17_alternation_unknown_role_missing_content(tmp_path):
 
     records, problems = validate_chat_file(path, strict)
 
-    assert [line for line, _ in records] == [1]
+    assert [c.line for c in records] == [1]
     assert [(p.line, p.field, p.rule) for p in problems] == [
         (2, "messages[1].role", "roles_not_alternating"),
         (3, "messages[1].role", "unknown_role"),
@@ -67,9 +67,9 @@ def test_b17_alternation_unknown_role_missing_content(tmp_path):
     assert problems[0].message == (
         "roles do not alternate user/assistant after an optional leading system message, as the chat "
         'template requires: messages[1].role is "user", expected "assistant"')
-    assert problems[1].message == 'unknown role "gpt" in messages[1].role (allowed: system, user, assistant)'
+    assert problems[1].message == 'unknown role "gpt" in messages[1].role (allowed: system, user, assistant, tool)'
     assert problems[2].message == "missing content in messages[2].content"
-    assert str(problems[1]) == f'{path}:3: unknown role "gpt" in messages[1].role (allowed: system, user, assistant)'
+    assert str(problems[1]) == f'{path}:3: unknown role "gpt" in messages[1].role (allowed: system, user, assistant, tool)'
 
 
 def test_alternation_only_checked_when_the_template_requires_it(tmp_path):
@@ -99,7 +99,7 @@ A = {"role": "assistant", "content": "a"}
      "messages[1] must be an object with role and content, got string"),
     ({"messages": [U, {"content": "x"}, A]}, "messages[1].role", "role_missing", "missing role in messages[1].role"),
     ({"messages": [U, {"role": "gpt", "content": "x"}, A]}, "messages[1].role", "unknown_role",
-     'unknown role "gpt" in messages[1].role (allowed: system, user, assistant)'),
+     'unknown role "gpt" in messages[1].role (allowed: system, user, assistant, tool)'),
     ({"messages": [U, A, {"role": "user"}, A]}, "messages[2].content", "content_missing",
      "missing content in messages[2].content"),
     ({"messages": [U, A, {"role": "user", "content": ["x"]}, A]}, "messages[2].content", "content_not_string",
@@ -111,7 +111,7 @@ A = {"role": "assistant", "content": "a"}
 def test_each_rule_has_its_exact_message(tmp_path, row, field, rule, message):
     path = write_jsonl(tmp_path / "r.jsonl", [GOOD, row])
     records, problems = validate_chat_file(path, tiny_chat_tokenizer())
-    assert [line for line, _ in records] == [1]
+    assert [c.line for c in records] == [1]
     assert problems == [Problem(str(path), 2, problems[0].column, field, rule, message)]
     assert str(problems[0]).startswith(f"{path}:2")
     assert str(problems[0]).endswith(f": {message}")
@@ -123,7 +123,7 @@ def test_template_errors_are_reported_per_row(tmp_path):
     tok = tiny_chat_tokenizer(chat_template=template)
     path = write_jsonl(tmp_path / "t.jsonl", [GOOD, chat("boom", "x"), GOOD])
     records, problems = validate_chat_file(path, tok)
-    assert [line for line, _ in records] == [1, 3]
+    assert [c.line for c in records] == [1, 3]
     (p,) = problems
     assert (p.line, p.field, p.rule) == (2, "messages", "template_error")
     assert p.message == "chat template failed on this row: TemplateError: no boom allowed"
@@ -133,7 +133,7 @@ def test_blank_lines_crlf_and_physical_line_numbers(tmp_path):
     path = tmp_path / "b.jsonl"
     path.write_bytes(b"\r\n".join([json.dumps(GOOD).encode(), b"", b"   ", b"{bad", json.dumps(GOOD).encode()]))
     records, problems = validate_chat_file(path)
-    assert [line for line, _ in records] == [1, 5]
+    assert [c.line for c in records] == [1, 5]
     assert [(p.line, p.column) for p in problems] == [(4, 2)]
 
 
@@ -178,12 +178,12 @@ def test_lone_surrogates_in_any_field_are_located_in_one_pass(tiny_model_dir, tm
         json.dumps(GOOD),
         '{"messages": [{"role": "user", "content": "thumbs \\ud83d"}, {"role": "assistant", "content": "\\udc4d up"}]}',
         '{"messages": [{"role": "user", "content": "ok \\ud83d\\udc4d", "name": "x\\udfff"}, '
-        '{"role": "assistant", "content": "fine", "tool_calls": [{"arguments": {"q": "\\ud800"}}]}]}',
+        '{"role": "assistant", "content": "fine", "tool_calls": [{"name": "f", "arguments": {"q": "\\ud800"}}]}]}',
     ]
     path = tmp_path / "s.jsonl"
     path.write_bytes("\n".join(lines[:3]).encode() + b"\n" + b'{"messages": "\xff"}\n')
     records, problems = validate_chat_file(path, tiny_chat_tokenizer())
-    assert [line for line, _ in records] == [1]
+    assert [c.line for c in records] == [1]
     assert [str(p) for p in problems] == [
         f"{path}:2: messages[0].content: lone surrogate (invalid Unicode)",
         f"{path}:2: messages[1].content: lone surrogate (invalid Unicode)",

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data.specs import check_sources
+from .data.shapes import DATA_FORMATS
 from .schedule import SCHEDULES
 from .trackers import REPORT_TO_CHOICES, check_available
 
@@ -23,12 +25,16 @@ class TrainConfig:
     """Resolved training configuration (units: tokens, steps, samples, degrees)."""
 
     model_name_or_path: str
-    data_path: str
+    data_path: list[str]
     output_dir: str
     # data
+    data_format: str = "auto"
     max_seq_len: int = 2048
     overlong: str = "drop"
     train_on_all: bool = False
+    train_reasoning: bool = True
+    train_last_turn_only: bool = False
+    chat_template: str | None = None
     data_cache_dir: str | None = None
     data_cache: bool = True
     # batching
@@ -89,6 +95,10 @@ class TrainConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_path, str):  # one source, as callers in code may give it
+            self.data_path = [self.data_path]
 
     @property
     def checkpointing(self) -> bool:
@@ -152,6 +162,15 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class _DataPaths(argparse.Action):
+    """``--data-path`` may be repeated and may take several values: they are collected in order. The
+    first one on the command line replaces the default (a config file's list), later ones add to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (list(given) if given is not self.default else []) + list(values))
+
+
 def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argparse.ArgumentParser:
     """The ``osft-train`` training parser, flags grouped as in ``--help``.
 
@@ -174,12 +193,25 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
 
     g = p.add_argument_group("model and data")
     g.add_argument("--model-name-or-path", required=require_paths, help="HF model directory or a .gguf file")
-    g.add_argument("--data-path", required=require_paths, help="training data: jsonl, one {\"messages\": [...]} per line")
+    g.add_argument("--data-path", required=require_paths, nargs="+", action=_DataPaths, metavar="PATH[:WEIGHT]",
+                   help="training data: .jsonl/.json, .parquet, .arrow or a save_to_disk directory; several paths "
+                   "(repeat the flag or list them) are one dataset, or with weights (a.jsonl:0.8 b.parquet:0.2) a "
+                   "mixture drawn by weight in every batch")
+    g.add_argument("--data-format", choices=DATA_FORMATS, default=d.data_format,
+                   help="row shape: messages, sharegpt (conversations of from/value), alpaca (instruction/input/"
+                   "output), prompt-completion; auto detects it from each source's first row")
     g.add_argument("--output-dir", required=require_paths, help="run directory (metrics, exports, checkpoints)")
     g.add_argument("--max-seq-len", type=positive_int, default=d.max_seq_len, help="longest sample, tokens")
     g.add_argument("--overlong", choices=["drop", "error", "truncate"], default=d.overlong,
                    help="what to do with samples longer than --max-seq-len (always reported)")
     g.add_argument("--train-on-all", action="store_true", help="train on every token, not only assistant turns")
+    g.add_argument("--no-train-reasoning", dest="train_reasoning", action="store_false",
+                   help="do not train the reasoning_content of assistant turns (nor its tags), only what follows it")
+    g.add_argument("--train-last-turn-only", action="store_true",
+                   help="train only the last assistant turn of each conversation (a message's \"train\": true|false "
+                   "overrides, with or without this flag)")
+    g.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="Jinja chat template that replaces the tokenizer's (for the data and in the export)")
     g.add_argument("--data-cache-dir", default=None,
                    help="cache of tokenized data (default: $OSFT_DATA_CACHE or the user cache dir)")
     g.add_argument("--no-data-cache", dest="data_cache", action="store_false", help="always re-tokenize")
@@ -301,7 +333,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
 def config_to_argv(cfg: TrainConfig) -> list[str]:
     """Command-line flags that parse back into ``cfg`` with :func:`build_parser` (for workers)."""
     argv: list[str] = []
-    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache",
+    negated = {"osft": "--no-osft", "data_cache": "--no-data-cache", "train_reasoning": "--no-train-reasoning",
                "osft_protect_subspaces": "--no-osft-protect-subspaces"}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -351,9 +383,9 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.osft_max_frozen_ratio}")
     if cfg.osft_rank_schedule == "importance" and not cfg.osft:
         raise ValueError("--osft-rank-schedule importance sets OSFT ranks: it cannot go with --no-osft")
-    if not Path(cfg.data_path).is_file():
-        reason = "is a directory, not a jsonl file" if Path(cfg.data_path).is_dir() else "no such file"
-        raise ValueError(f"--data-path {cfg.data_path}: {reason}")
+    check_sources(cfg.data_path)
+    if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
+        raise ValueError(f"--chat-template {cfg.chat_template}: no such file")
     if cfg.resume and cfg.resume_from_full_state_checkpoint:
         raise ValueError("--resume and --resume-from-full-state-checkpoint exclude each other: pick one")
     if cfg.resume_from_full_state_checkpoint and not Path(cfg.resume_from_full_state_checkpoint).is_dir():

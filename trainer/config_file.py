@@ -71,7 +71,7 @@ def _convert(action: argparse.Action, value: Any, nullable: bool) -> Any:
     """The setting that ``value`` from the file gives the flag of ``action``.
 
     Switches take a YAML boolean (the field's value: ``osft: false`` is ``--no-osft``), flags with
-    several values a list, others one scalar; null is allowed where the field may be None.
+    several values a list (``data_path`` also one path), others one scalar; null is allowed where the field may be None.
 
     Raises:
         ValueError: the value is rejected; the message says what is allowed.
@@ -85,6 +85,8 @@ def _convert(action: argparse.Action, value: Any, nullable: bool) -> Any:
             return None
         raise ValueError("needs a value, got null")
     if action.nargs in ("+", "*"):
+        if action.dest == "data_path" and not isinstance(value, (list, dict)):
+            value = [value]  # one source, or a list of them (a mixture)
         if not isinstance(value, list) or not value:
             raise ValueError(f"expected a non-empty list, got {_describe(value)}")
         return [_convert_one(action, item) for item in value]

@@ -75,14 +75,14 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     from .checkpoint.resume import check_resume_compatible, read_trainer_state
     from .checkpoint.store import newest_complete, verify_checkpoint
-    from .data.cache import tokenize_for_run
+    from .data.mixture import tokenize_for_run
     from .data.positions import check_positions, position_limit
-    from .data.sampler import GlobalBatchSampler, check_enough_samples
+    from .data.sampler import check_enough_samples, make_sampler
     from .model_loading import load_tokenizer
     from .parallel import load_protected_bases
     from .schedule import check_warmup
 
-    tokenizer = load_tokenizer(cfg.model_name_or_path)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
     data, _ = tokenize_for_run(cfg, tokenizer, lambda message: console.print(
         f"warning: {message}", markup=False, highlight=False, soft_wrap=True))
     check_positions(data, position_limit(cfg.model_name_or_path))  # absolute positions: error; rotary: ranks warn
@@ -101,12 +101,12 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
         resume = replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
     elif cfg.resume_from_full_state_checkpoint:
         verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
-    saved = None
+    saved, sampler = None, make_sampler(data.sizes, data.weights, cfg.batch_size, cfg.seed)
     if resume.resume_from_full_state_checkpoint:  # its warnings are logged by the ranks
         path = Path(resume.resume_from_full_state_checkpoint)
         saved = read_trainer_state(path)
-        check_resume_compatible(saved, cfg, cfg.nproc_per_node * cfg.nnodes, len(data), path)
-    steps = GlobalBatchSampler(len(data), cfg.batch_size, cfg.seed).run_steps(cfg.max_steps, cfg.num_epochs)
+        check_resume_compatible(saved, cfg, cfg.nproc_per_node * cfg.nnodes, sampler, path)
+    steps = sampler.run_steps(cfg.max_steps, cfg.num_epochs)
     check_warmup(cfg.warmup_steps, steps, saved["step"] if saved else 0)  # its warning too
     return resume
 

@@ -55,12 +55,12 @@ from .checkpoint.store import (
     verify_checkpoint,
 )
 from .config import TrainConfig
-from .data.cache import tokenize_for_run
+from .data.mixture import tokenize_for_run
 from .exit_codes import EXIT_STOPPED
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.positions import check_positions, position_limit
-from .data.sampler import GlobalBatchSampler, check_enough_samples
+from .data.sampler import check_enough_samples, make_sampler
 from .data.tokenize import IGNORE_INDEX
 from .distributed import (
     DistEnv,
@@ -206,7 +206,7 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json())
-        self.tokenizer = load_tokenizer(cfg.model_name_or_path)
+        self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()
@@ -218,16 +218,17 @@ class Trainer:
         beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))
         check_enough_samples(len(self.data), self.dist.world_size)
         if self.dist.rank == 0:
-            write_json_atomic(self.run_dir.data_report, self.data.report.to_dict())
-        for line in self.data.report.summary_lines():
+            write_json_atomic(self.run_dir.data_report, self.data.report_dict())
+        for line in self.data.summary_lines():
             self._say(line)
-        dropped = len(self.data.report.dropped_overlong) + len(self.data.report.dropped_no_trainable)
-        if dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
-            self._warn(f"{dropped} sample(s) of {cfg.data_path} dropped; see {self.run_dir.data_report}")
+        if self.data.dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
+            self._warn(f"{self.data.dropped} sample(s) of {', '.join(self.data.names)} dropped; "
+                       f"see {self.run_dir.data_report}")
         if beyond and self.dist.rank == 0:
             self._warn(beyond)
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
+        self.sampler = make_sampler(self.data.sizes, self.data.weights, cfg.batch_size, cfg.seed)
 
         if self.poller and self.dist.is_local_main:
             for stale in self.poller.remove_stale(job_start_time()):
@@ -236,7 +237,7 @@ class Trainer:
         saved, bases, plans = None, None, None
         if resume_dir is not None:
             saved = read_trainer_state(resume_dir)
-            for message in check_resume_compatible(saved, cfg, self.dist.world_size, len(self.data), resume_dir):
+            for message in check_resume_compatible(saved, cfg, self.dist.world_size, self.sampler, resume_dir):
                 if self.dist.rank == 0:
                     self._warn(message)
             vocab = saved["model"]["vocab_size"]
@@ -278,7 +279,6 @@ class Trainer:
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
         self.node_of_rank = node_ranks(self.dist)
-        self.sampler = GlobalBatchSampler(len(self.data), cfg.batch_size, cfg.seed)
         self.total_steps = self.sampler.run_steps(cfg.max_steps, cfg.num_epochs)
         warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved["step"] if saved else 0)
         if warmup_warning and self.dist.rank == 0:
@@ -292,6 +292,7 @@ class Trainer:
         if resume_dir is not None:
             state, rng = self.checkpointer.load(resume_dir)
             self.start_step = state["step"]
+            self.sampler.restore(state["sampler"], self.start_step)
             self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
             self.counters = dict(state["counters"])
             restore_rng(rng)  # last: nothing after this draws random numbers before training
@@ -382,13 +383,11 @@ class Trainer:
 
     def _trainer_state(self, step: int) -> dict:
         """Plain data of ``trainer_state.json`` after ``step`` optimizer steps."""
-        epoch, index = divmod(step, self.sampler.steps_per_epoch)
         settings = {k: getattr(self.cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
         return {
             "step": step,
-            "epoch": epoch,
-            "sampler": {"seed": self.sampler.seed, "batch_size": self.sampler.batch_size,
-                        "num_samples": self.sampler.num_samples, "next_epoch": epoch, "next_index": index},
+            "epoch": step // self.sampler.steps_per_epoch,
+            "sampler": self.sampler.state(step),
             "counters": dict(self.counters),
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.dist.world_size,
@@ -655,10 +654,11 @@ class Trainer:
         process = psutil.Process()
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
-                epoch, index = divmod(step, self.sampler.steps_per_epoch)
+                epoch = step // self.sampler.steps_per_epoch
                 rng_at_start = capture_rng() if self.poller else None
+                indices = self.sampler.indices(step)
                 try:
-                    record = self.train_step(step + 1, self.sampler.batch(epoch, index))
+                    record = self.train_step(step + 1, indices)
                 except StepInterrupted as stop:
                     self.optimizer.zero_grad(set_to_none=True)
                     restore_rng(rng_at_start)
@@ -667,6 +667,8 @@ class Trainer:
                         return self._stopped(step, last_loss, last_checkpoint, stop.request)
                     continue  # replay the step from its start
                 step += 1
+                if len(self.data.parts) > 1:
+                    record["dataset_samples"] = self.data.counts(indices)
                 self.counters["ortho_violations_total"] += record["ortho_violations"]
                 self.counters["samples_seen"] += record["num_samples"]
                 self.counters["tokens_seen"] += record["num_tokens"]

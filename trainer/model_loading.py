@@ -43,10 +43,13 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
-def load_tokenizer(path: str | os.PathLike, require_chat_template: bool = True) -> Any:
+def load_tokenizer(path: str | os.PathLike, require_chat_template: bool = True,
+                   chat_template: str | os.PathLike | None = None) -> Any:
     """Load the tokenizer of a Hugging Face model directory or a ``.gguf`` file.
 
     The tokenizer always has a pad token: the eos token is used when the source defines none.
+    ``chat_template`` names a Jinja file whose text replaces the tokenizer's chat template
+    (``--chat-template``; it is saved with every export).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -62,6 +65,8 @@ def load_tokenizer(path: str | os.PathLike, require_chat_template: bool = True) 
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load a tokenizer from {source}: {e}") from e
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer from {source} has neither a pad token nor an eos token")

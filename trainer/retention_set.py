@@ -96,14 +96,14 @@ def chat_prompts(path: Path, held_out: int) -> tuple[list[str], list[int]]:
         raise RetentionSetError(f"{path}: --held-out {held_out} but the file has {len(records)} valid rows")
     chosen = [records[i * len(records) // held_out] for i in range(held_out)]
     prompts: list[str] = []
-    for _, messages in chosen:
+    for _, messages, _ in chosen:
         last_user = None
         for message in messages:
             if message["role"] == "user":
                 last_user = message["content"]
             elif message["role"] == "assistant" and last_user is not None and last_user not in prompts:
                 prompts.append(last_user)
-    return prompts, [line for line, _ in chosen]
+    return prompts, [c.line for c in chosen]
 
 
 def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:

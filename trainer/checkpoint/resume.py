@@ -20,7 +20,8 @@ TRAINER_STATE = "trainer_state.json"
 #: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
 RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
                    "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
-                   "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces")
+                   "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces",
+                   "data_format", "train_reasoning", "train_last_turn_only", "chat_template")
 #: Settings that may change on resume: the resumed run uses this run's values from its first step
 #: (AdamW's hyperparameters through :func:`with_run_hyperparameters`, the schedule through
 #: :func:`..schedule.restore_position`, the clipping threshold and length read every step), with a
@@ -29,8 +30,10 @@ RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight
                         "max_grad_norm", "max_steps", "num_epochs")
 
 
-def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, num_samples: int, path: Path) -> list[str]:
-    """Compare a checkpoint's ``trainer_state.json`` with this run (field cases B12, B13).
+def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, sampler, path: Path) -> list[str]:
+    """Compare a checkpoint's ``trainer_state.json`` with this run (field cases B12, B13); ``sampler``
+    is this run's (:mod:`..data.sampler`), whose ``layout()`` (the data size, a mixture's sizes and
+    weights) must be the checkpoint's.
 
     Returns:
         one warning per optimisation setting that changed (:data:`RESUME_WARN_SETTINGS`): it is
@@ -38,15 +41,20 @@ def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, num_
         uninterrupted one.
 
     Raises:
-        CheckpointError: another world size, batch size, micro-batch budget, seed, data size or
-            OSFT setting; the message gives both values.
+        CheckpointError: another world size, batch size, micro-batch budget, seed, data size,
+            mixture or OSFT setting; the message gives both values.
     """
     if saved["world_size"] != world_size:
         raise CheckpointError(f"checkpoint {path} was saved with {saved['world_size']} ranks, now {world_size}: "
                               "a bit-identical resume needs the same world size")
-    if saved["sampler"]["num_samples"] != num_samples:
+    layout = sampler.layout()
+    if saved["sampler"]["num_samples"] != layout["num_samples"]:
         raise CheckpointError(f"checkpoint {path} was saved with {saved['sampler']['num_samples']} training samples, "
-                              f"the data now has {num_samples}: the data position would not match")
+                              f"the data now has {layout['num_samples']}: the data position would not match")
+    if saved["sampler"].get("mixture") != layout.get("mixture"):
+        raise CheckpointError(f"checkpoint {path} was saved with the mixture (samples, weight per --data-path) "
+                              f"{saved['sampler'].get('mixture')}, this run has {layout.get('mixture')}: "
+                              "the data positions would not match")
     settings = saved["settings"]
     for key in RESUME_SETTINGS:
         if settings.get(key, getattr(cfg, key)) != getattr(cfg, key):

@@ -1,11 +1,14 @@
 """On-disk cache of tokenized chat data (``datasets`` Arrow files), keyed by everything that
-determines the result, so a rerun on the same file skips validation and tokenization.
+determines the result, so a rerun on the same source skips validation and tokenization.
 
-Key = SHA-256 over: the data file's bytes, the tokenizer (its serialized fast tokenizer and chat
-template), ``max_seq_len``, the overlong policy, ``train_on_all`` and :data:`CACHE_FORMAT`. Only
-successful results are stored; an entry is written to a temporary directory and renamed, so a
-half-written entry is never read. A cache directory that cannot be written (a read-only home or
-image) is never required: the data is tokenized without it, with a warning naming the directory.
+Key = SHA-256 over: the source's bytes (a file's, or every file's of a ``save_to_disk`` directory
+with its relative name), the tokenizer (its serialized fast tokenizer and chat template),
+``max_seq_len``, the overlong policy, the labelling options (``train_on_all``, the row shape, ...)
+and :data:`CACHE_FORMAT`. Only successful results are stored; an entry is written to a temporary
+directory and renamed, so a half-written entry is never read. ``datasets``' own Arrow conversion of
+a parquet or arrow source goes to the cache's ``sources`` folder. A cache directory that cannot be
+written (a read-only home or image) is never required: the data is tokenized without it, with a
+warning naming the directory, and the conversion goes to a temporary directory.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
 
 #: Bump when the tokenization or the stored layout changes.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 #: Environment variable overriding the default cache directory.
 DATA_CACHE_ENV = "OSFT_DATA_CACHE"
 
@@ -36,27 +39,37 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("osft")) / "tokenized"
 
 
-def cache_key(path, tokenizer, max_seq_len: int, overlong: str, train_on_all: bool) -> str:
-    """Hex SHA-256 identifying one tokenization result (see the module docstring)."""
+def _source_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def cache_key(path, tokenizer, max_seq_len: int, overlong: str, **options) -> str:
+    """Hex SHA-256 identifying one tokenization result (see the module docstring); ``options`` are
+    the keyword arguments of :func:`.tokenize.tokenize_chat_file` that change the result."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    path = Path(path)
+    for file in _source_files(path):
+        h.update(str(file.relative_to(path) if path.is_dir() else "").encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
-    h.update(json.dumps([max_seq_len, overlong, train_on_all, CACHE_FORMAT]).encode())
+    h.update(json.dumps([max_seq_len, overlong, sorted(options.items()), CACHE_FORMAT]).encode())
     return h.hexdigest()
 
 
 def tokenize_chat_file_cached(
-    path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
-    cache_dir: Path | None = None, warn: Callable[[str], None] | None = None,
+    path, tokenizer, max_seq_len: int, overlong: str = "drop", cache_dir: Path | None = None,
+    warn: Callable[[str], None] | None = None, **options,
 ) -> tuple[TokenizedChat, bool]:
     """:func:`.tokenize.tokenize_chat_file` through the cache in ``cache_dir``.
 
     Args:
         warn: called with a message when the cache cannot be written (default: ``warnings.warn``);
             the data is then returned without being stored.
+        options: keyword arguments of :func:`.tokenize.tokenize_chat_file` (``train_on_all``,
+            ``data_format``, ...), part of the key.
 
     Returns:
         ``(data, hit)``: the tokenized data (memory-mapped from the cache) and whether it came
@@ -68,12 +81,13 @@ def tokenize_chat_file_cached(
     from datasets import Dataset
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    entry = root / cache_key(path, tokenizer, max_seq_len, overlong, train_on_all)
+    entry = root / cache_key(path, tokenizer, max_seq_len, overlong, **options)
     if (entry / "report.json").is_file():
         report = DataReport(**json.loads((entry / "report.json").read_text()))
         report.path = str(path)
         return TokenizedChat(dataset=Dataset.load_from_disk(str(entry / "dataset")), report=report), True
-    data = tokenize_chat_file(path, tokenizer, max_seq_len, overlong, train_on_all)
+    data = tokenize_chat_file(path, tokenizer, max_seq_len, overlong,
+                              source_cache=root / "sources", **options)
     tmp = entry.with_name(f".{entry.name}.tmp{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -91,9 +105,9 @@ def tokenize_chat_file_cached(
     return TokenizedChat(dataset=Dataset.load_from_disk(str(entry / "dataset")), report=data.report), False
 
 
-def tokenize_for_run(cfg, tokenizer, warn: Callable[[str], None]) -> tuple[TokenizedChat, bool]:
-    """Tokenize ``cfg.data_path`` as the run's flags say: through the cache in ``--data-cache-dir``
-    (or the default), or without it under ``--no-data-cache``.
+def tokenize_source(cfg, path, tokenizer, warn: Callable[[str], None]) -> tuple[TokenizedChat, bool]:
+    """Tokenize the source ``path`` with the run's settings: through the cache in
+    ``--data-cache-dir`` (or the default), or without it under ``--no-data-cache``.
 
     Returns:
         ``(data, hit)`` as :func:`tokenize_chat_file_cached`.
@@ -101,7 +115,9 @@ def tokenize_for_run(cfg, tokenizer, warn: Callable[[str], None]) -> tuple[Token
     Raises:
         Everything :func:`.tokenize.tokenize_chat_file` raises.
     """
-    args = (cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+    options = dict(train_on_all=cfg.train_on_all, data_format=cfg.data_format, train_reasoning=cfg.train_reasoning,
+                   last_turn_only=cfg.train_last_turn_only)
     if not cfg.data_cache:
-        return tokenize_chat_file(*args), False
-    return tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir, warn=warn)
+        return tokenize_chat_file(path, tokenizer, cfg.max_seq_len, cfg.overlong, **options), False
+    return tokenize_chat_file_cached(path, tokenizer, cfg.max_seq_len, cfg.overlong, cache_dir=cfg.data_cache_dir,
+                                     warn=warn, **options)

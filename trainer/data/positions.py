@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .tokenize import TokenizedChat
 from .validate import DataValidationError, Problem
+
+if TYPE_CHECKING:
+    from .mixture import TrainingData
 
 _MAX_LISTED = 10
 
@@ -44,32 +47,33 @@ def position_limit(model_path: str | os.PathLike) -> PositionLimit | None:
     return PositionLimit(limit, absolute=not rotary)
 
 
-def check_positions(data: TokenizedChat, limit: PositionLimit | None) -> str | None:
-    """Compare every kept sample with the model's position limit.
+def check_positions(data: TrainingData, limit: PositionLimit | None) -> str | None:
+    """Compare every kept sample of every source with the model's position limit.
 
     Returns:
         a warning naming the limit and the samples beyond it for a rotary model, else None.
 
     Raises:
         DataValidationError: a model with absolute positions and samples longer than its limit,
-            one problem per sample (file, line, tokens, the limit).
+            one problem per sample (file, line or row, tokens, the limit).
     """
     if limit is None:
         return None
-    lengths = data.lengths
-    over = [(int(line), int(n)) for line, n in zip(data.dataset["line"], lengths) if n > limit.limit]
+    over = [(part.report, int(line), int(n)) for part in data.parts
+            for line, n in zip(part.dataset["line"], part.lengths) if n > limit.limit]
     if not over:
         return None
-    path = data.report.path
     if limit.absolute:
         raise DataValidationError(
-            [Problem(path, line, None, "messages", "beyond_position_limit",
+            [Problem(report.path, line, None, "messages", "beyond_position_limit",
                      f"sample has {n} tokens, more than the model's {limit.limit} positions "
-                     "(learned absolute positions)") for line, n in over],
+                     "(learned absolute positions)", report.unit) for report, line, n in over],
             header=(f"{len(over)} sample(s) longer than the model's position limit {limit.limit} "
                     f"(max_position_embeddings); --max-seq-len {limit.limit} applies --overlong to them"))
-    shown = ", ".join(f"line {line} ({n} tokens)" for line, n in over[:_MAX_LISTED])
+    several = len(data.parts) > 1
+    shown = ", ".join(f"{report.path + ' ' if several else ''}{report.unit} {line} ({n} tokens)"
+                      for report, line, n in over[:_MAX_LISTED])
     more = f" and {len(over) - _MAX_LISTED} more" if len(over) > _MAX_LISTED else ""
-    return (f"{len(over)} sample(s) of {path} are longer than the model's max_position_embeddings {limit.limit} "
+    return (f"{len(over)} sample(s) of {', '.join(data.names)} are longer than the model's max_position_embeddings {limit.limit} "
             f"(rotary positions beyond it were never trained): {shown}{more}; --max-seq-len {limit.limit} "
             "applies --overlong to them")

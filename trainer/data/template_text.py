@@ -67,25 +67,36 @@ def _other_texts(message: dict) -> list[str]:
     return [v.strip() for k, v in message.items() if k not in ("role", "content") and isinstance(v, str) and v.strip()]
 
 
-def split_inserted(rendered: str, messages: list[dict], turns: list[tuple[int, int]],
-                   content: list[tuple[int, int]] | None) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def split_inserted(rendered: str, assistants: list[dict], turns: list[tuple[int, int]],
+                   content: list[tuple[int, int]] | None,
+                   train_reasoning: bool = True) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | str:
     """Trained spans without the text inserted before each assistant content, and those inserted ranges.
 
     Args:
         rendered: the conversation's rendering.
-        messages: its messages.
-        turns: the trained span of each assistant turn (from the end of the generation prompt to the
-            end of the end-of-turn text).
-        content: the position of each assistant content in ``rendered`` (None where markers do
-            not work for this row: the turns are kept whole).
+        assistants: the assistant messages of ``turns``, in order.
+        turns: the trained span of each of them (from the end of the generation prompt to the end
+            of the end-of-turn text).
+        content: the position of each one's content in ``rendered`` (None where markers do not
+            work for this row: the turns are kept whole).
+        train_reasoning: False leaves a turn's ``reasoning_content`` (and the tags around it:
+            everything before the content) untrained; it is data, so it is not reported as inserted.
+
+    Returns:
+        ``(spans, inserted)``, or a string when reasoning must be left out but the content cannot
+        be located.
     """
     if content is None:
+        if not train_reasoning and any(m.get("reasoning_content", "").strip() for m in assistants):
+            return "the assistant content cannot be located in the rendering, so its reasoning cannot be left untrained"
         return turns, []
-    assistants = [m for m in messages if m["role"] == "assistant"]
     spans, inserted = [], []
     for (start, end), (c_start, _), message in zip(turns, content, assistants):
         gap = rendered[start:c_start]
-        if start < c_start <= end and gap.strip() and not any(t in gap for t in _other_texts(message)):
+        reasoning = message.get("reasoning_content", "").strip()
+        if start < c_start <= end and reasoning and not train_reasoning:
+            spans.append((c_start, end))
+        elif start < c_start <= end and gap.strip() and not any(t in gap for t in _other_texts(message)):
             spans.append((c_start, end))
             inserted.append((start, c_start))
         else:

@@ -9,9 +9,11 @@ in an assistant span as trained. Then apply the overlong policy and account for 
 Assistant spans: for assistant message ``i``, the span starts after
 ``render(messages[:i], add_generation_prompt=True)`` (so the role header is not trained) and ends at
 the end of ``render(messages[:i+1])`` minus trailing whitespace (so the content and its end-of-turn
-token, e.g. ``<|im_end|>``, are trained, the newline after it is not). Both renderings must be
-prefixes of the full rendering; a template that renders prefixes differently (e.g. one that drops
-the reasoning of earlier turns) is refused with a clear error, as locating the spans would be guesswork.
+token, e.g. ``<|im_end|>``, are trained, the newline after it is not). When both renderings are
+prefixes of the full rendering for every turn, the conversation is one sample. A template that
+renders earlier turns differently (Qwen3-style templates drop their reasoning) gives a turn that is
+not rendered as for generation a sample of its own (:mod:`.turns`). Tool calls, tool results and
+the row's ``tools`` are rendered by the template like any other field.
 That reference method costs 2 renders per assistant turn; ``SpanFinder`` gets the same spans with one
 render per conversation (content markers), checked against the reference.
 Text the template inserts before an assistant content (an empty reasoning block) is then cut from
@@ -32,8 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from . import template_text
+from .sources import location_unit
 from .template_text import BEFORE_ASSISTANT, CLOSE, OPEN, SYSTEM_PROMPT
-from .validate import DataValidationError, Problem, scan_chat_file
+from .turns import Sample, rstrip_end, split_samples, trained_turns
+from .validate import DataValidationError, Problem, render, scan_chat_file
 
 IGNORE_INDEX = -100
 OVERLONG_POLICIES = ("drop", "error", "truncate")
@@ -49,14 +53,18 @@ class DataReport:
     error policy); ``truncated``: ``(line, tokens before truncation, loss tokens kept)`` of kept
     truncated samples; ``dropped_no_trainable``: lines dropped because no trained token was left
     (after truncation to ``max_seq_len``); ``total_tokens``/``total_loss_tokens``: sums over kept
-    samples (loss tokens unshifted); ``template_inserted``: text the chat template inserted that the
-    data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample).
+    samples (loss tokens unshifted); ``unit``: what the numbers in those lists count, ``"line"`` (JSON
+    Lines) or ``"row"`` (other sources); ``template_inserted``: text the chat template inserted that the
+    data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample);
+    ``split``: ``(line, samples)`` of each row split into several samples, one per assistant turn the
+    template renders differently as history (:mod:`.turns`).
     """
 
     path: str
     max_seq_len: int
     overlong: str
     train_on_all: bool = False
+    unit: str = "line"
     rows: int = 0
     kept: int = 0
     dropped_overlong: list[tuple[int, int]] = field(default_factory=list)
@@ -65,6 +73,7 @@ class DataReport:
     total_tokens: int = 0
     total_loss_tokens: int = 0
     template_inserted: list[dict] = field(default_factory=list)
+    split: list[tuple[int, int]] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary for the console (one string per line)."""
@@ -79,15 +88,19 @@ class DataReport:
         if self.dropped_overlong:
             verb = "refused" if self.overlong == "error" else "dropped"
             out.append(f"  {verb} {len(self.dropped_overlong)} overlong (> {self.max_seq_len} tokens): "
-                       + listed(self.dropped_overlong, lambda x: f"line {x[0]} ({x[1]} tokens)"))
+                       + listed(self.dropped_overlong, lambda x: f"{self.unit} {x[0]} ({x[1]} tokens)"))
         if self.truncated:
             out.append(f"  truncated {len(self.truncated)} to {self.max_seq_len} tokens: "
                        + listed(self.truncated,
-                                lambda x: f"line {x[0]} ({x[1]} tokens, {x[2]} trained tokens kept)"))
+                                lambda x: f"{self.unit} {x[0]} ({x[1]} tokens, {x[2]} trained tokens kept)"))
         if self.dropped_no_trainable:
             why = no_trainable_message(self.max_seq_len, self.overlong == "truncate")
             out.append(f"  dropped {len(self.dropped_no_trainable)} with {why}: "
-                       + listed(self.dropped_no_trainable, lambda x: f"line {x}"))
+                       + listed(self.dropped_no_trainable, lambda x: f"{self.unit} {x}"))
+        if self.split:
+            out.append(f"  split {len(self.split)} rows whose earlier turns the chat template renders differently "
+                       "into one sample per such assistant turn: "
+                       + listed(self.split, lambda x: f"{self.unit} {x[0]} ({x[1]} samples)"))
         return out + template_text.describe(self.template_inserted, self.train_on_all)
 
     def to_dict(self) -> dict:
@@ -138,7 +151,8 @@ class TokenizedChat:
         return np.asarray(self.dataset["length"], dtype=np.int64)
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
+def assistant_char_spans(tokenizer, messages: list[dict], rendered: str,
+                         tools: list[dict] | None = None) -> list[tuple[int, int]] | str:
     """Character spans ``[start, end)`` of the trained part of each assistant turn in ``rendered``.
 
     The reference (prefix-rendering) method: 2 renders per assistant turn. Returns the spans, or a
@@ -150,21 +164,15 @@ def assistant_char_spans(tokenizer, messages: list[dict], rendered: str) -> list
         if msg["role"] != "assistant":
             continue
         try:
-            before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            before = render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+            upto = render(tokenizer, messages[: i + 1], tools)
         except Exception as e:  # noqa: BLE001 - reported with the row's line
             return f"rendering the conversation up to messages[{i}] failed: {type(e).__name__}: {e}"
         if not (rendered.startswith(before) and rendered.startswith(upto) and len(before) <= len(upto)):
             return (f"the chat template does not render the conversation prefix up to messages[{i}] "
                     "as a prefix of the whole conversation, so the assistant tokens cannot be located")
-        spans.append((len(before), _rstrip_end(rendered, len(before), len(upto))))
+        spans.append((len(before), rstrip_end(rendered, len(before), len(upto))))
     return spans
-
-
-def _rstrip_end(text: str, start: int, end: int) -> int:
-    while end > start and text[end - 1].isspace():
-        end -= 1
-    return end
 
 
 _MARKERS = re.compile(f"([{OPEN}{CLOSE}])")
@@ -192,7 +200,7 @@ class SpanFinder:
     def _learn_suffixes(self) -> tuple[str, str, str] | None:
         """(text between generation prompt and content, end-of-turn text mid-conversation, at the end)."""
         try:
-            rendered = self.tokenizer.apply_chat_template(_PROBE, tokenize=False)
+            rendered = render(self.tokenizer, _PROBE)
         except Exception:  # noqa: BLE001
             return None
         ref = assistant_char_spans(self.tokenizer, _PROBE, rendered)
@@ -205,7 +213,7 @@ class SpanFinder:
         mid, last = (rendered[c[1]:r[1]] for r, c in zip(ref, content))
         return gaps.pop(), mid, last
 
-    def _content_spans(self, messages, rendered) -> list[tuple[int, int]] | None:
+    def _content_spans(self, messages, rendered, tools=None) -> list[tuple[int, int]] | None:
         """Positions of the assistant contents in ``rendered``, or None if markers do not work."""
         marked = []
         for m in messages:
@@ -213,7 +221,7 @@ class SpanFinder:
                 return None
             marked.append(dict(m, content=OPEN + m["content"] + CLOSE) if m["role"] == "assistant" else m)
         try:
-            text = self.tokenizer.apply_chat_template(marked, tokenize=False)
+            text = render(self.tokenizer, marked, tools)
         except Exception:  # noqa: BLE001
             return None
         spans, pos, start, plain = [], 0, None, []
@@ -245,29 +253,40 @@ class SpanFinder:
             start -= len(gap)
             if start < 0 or not rendered.startswith(gap, start) or not rendered.startswith(suffix, end):
                 return None
-            spans.append((start, _rstrip_end(rendered, start, end + len(suffix))))
+            spans.append((start, rstrip_end(rendered, start, end + len(suffix))))
         return spans
 
-    def spans(self, messages: list[dict], rendered: str) -> list[tuple[int, int]] | str:
+    def spans(self, messages: list[dict], rendered: str, tools=None) -> list[tuple[int, int]] | str:
         """Like ``assistant_char_spans`` (same result), usually with one render instead of 2 per turn."""
-        content = self._content_spans(messages, rendered) if self.suffixes is not None else None
-        return self._turn_spans(messages, rendered, content)
+        content = self._content_spans(messages, rendered, tools) if self.suffixes is not None else None
+        return self._turn_spans(messages, rendered, content, tools)
 
-    def trained_spans(self, messages: list[dict], rendered: str) -> tuple[list, list] | str:
+    def trained_spans(self, messages: list[dict], rendered: str, tools=None,
+                      train_reasoning: bool = True) -> tuple[list, list] | str:
         """``(trained spans, inserted ranges)``: :meth:`spans` without the text the template inserted
-        before each assistant content, and those ranges (:func:`.template_text.split_inserted`); or
-        the string of :meth:`spans` saying why the row cannot be handled."""
-        content = self._content_spans(messages, rendered)
-        turns = self._turn_spans(messages, rendered, content if self.suffixes is not None else None)
+        before each assistant content (and without the reasoning unless ``train_reasoning``), and
+        those ranges (:func:`.template_text.split_inserted`); or the string of :meth:`spans` saying
+        why the row cannot be handled."""
+        content = self._content_spans(messages, rendered, tools)
+        turns = self._turn_spans(messages, rendered, content if self.suffixes is not None else None, tools)
         if isinstance(turns, str):
             return turns
-        return template_text.split_inserted(rendered, messages, turns, content)
+        assistants = [m for m in messages if m["role"] == "assistant"]
+        return template_text.split_inserted(rendered, assistants, turns, content, train_reasoning)
 
-    def _turn_spans(self, messages, rendered, content) -> list[tuple[int, int]] | str:
+    def sample_spans(self, sample: Sample, tools, train_reasoning: bool) -> tuple[list, list] | str:
+        """As :meth:`trained_spans` for the turns a :class:`.turns.Sample` trains (their spans are known)."""
+        content = self._content_spans(sample.messages, sample.text, tools)
+        assistants = [m for m in sample.messages if m["role"] == "assistant"]
+        return template_text.split_inserted(sample.text, [assistants[j] for j in sample.turns], sample.spans,
+                                            None if content is None else [content[j] for j in sample.turns],
+                                            train_reasoning)
+
+    def _turn_spans(self, messages, rendered, content, tools=None) -> list[tuple[int, int]] | str:
         is_last = [i == len(messages) - 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
         fast = self._fast(rendered, content, is_last) if self.suffixes is not None else None
         if fast is None or self.verify_left > 0:
-            ref = assistant_char_spans(self.tokenizer, messages, rendered)
+            ref = assistant_char_spans(self.tokenizer, messages, rendered, tools)
             if fast is not None:
                 self.verify_left -= 1
                 if fast != ref:
@@ -320,32 +339,65 @@ def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_al
     return out
 
 
-def _render_all(path, records, rendered, tokenizer, train_on_all):
-    """Trained spans of every record, the ranges of text the template inserted in it as
-    ``[start, end, key]``, and the ``(where, text)`` of each key (:mod:`.template_text`).
+def _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning, last_turn_only):
+    """The samples of every record as columns (``line``, ``text``, trained ``spans``, ``inserted``
+    ranges of text the template inserted as ``[start, end, key]``), the ``(where, text)`` of each
+    key (:mod:`.template_text`), and ``(line, samples)`` of each record split into several
+    (:mod:`.turns`).
 
     Raises:
-        DataValidationError: the template renders prefixes inconsistently on some rows.
+        DataValidationError: rows whose assistant turns cannot be located.
     """
-    spans, inserted, problems = [], [], []
+    columns = {"line": [], "text": [], "spans": [], "inserted": []}
+    problems, split = [], []
     keys: dict[tuple[str, str], int] = {}
     finder = None if train_on_all else SpanFinder(tokenizer)
     system = template_text.default_system_prompt(tokenizer)
-    for (line, messages), text in zip(records, rendered):
-        found = ([], []) if train_on_all else finder.trained_spans(messages, text)
+    for conversation, text in zip(records, rendered):
+        line, messages, tools = conversation
+        found = _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only)
         if isinstance(found, str):
-            problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found))
+            problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found,
+                                    location_unit(path)))
             continue
-        ranges = [(a, b, (BEFORE_ASSISTANT, text[a:b])) for a, b in found[1]]
-        if system and messages[0]["role"] != "system" and text.startswith(system.text, system.start):
-            ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
-        spans.append([list(s) for s in found[0]])
-        inserted.append([[a, b, keys.setdefault(key, len(keys))] for a, b, key in ranges])
+        if len(found) > 1:
+            split.append((line, len(found)))
+        for sample_text, spans, inserted in found:
+            ranges = [(a, b, (BEFORE_ASSISTANT, sample_text[a:b])) for a, b in inserted]
+            if system and messages[0]["role"] != "system" and sample_text.startswith(system.text, system.start):
+                ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
+            columns["line"].append(line)
+            columns["text"].append(sample_text)
+            columns["spans"].append([list(span) for span in spans])
+            columns["inserted"].append([[a, b, keys.setdefault(key, len(keys))] for a, b, key in ranges])
     if problems:
         raise DataValidationError(problems, header=(
-            f"{len(problems)} row(s) where the chat template does not render prefixes consistently; "
-            "use a template that does, or --train-on-all"))
-    return spans, inserted, list(keys)
+            f"{len(problems)} row(s) whose assistant turns the chat template does not let us locate; "
+            "use a template that renders each turn where its generation prompt ends, or --train-on-all"))
+    return columns, list(keys), split
+
+
+def _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only) -> list[tuple] | str:
+    """``(text, trained spans, inserted ranges)`` of each sample of one conversation (usually one;
+    :mod:`.turns` when the template renders earlier turns differently), or a string saying why its
+    turns cannot be located."""
+    if finder is None:  # --train-on-all: one sample, every token trained
+        return [(text, [], [])]
+    line, messages, tools = conversation
+    trained = trained_turns(messages, last_turn_only)
+    found = finder.trained_spans(messages, text, tools, train_reasoning)
+    if not isinstance(found, str):
+        return [(text, [s for s, keep in zip(found[0], trained) if keep], found[1])]
+    samples = split_samples(tokenizer, conversation, text, trained)
+    if isinstance(samples, str):
+        return samples
+    out = []
+    for sample in samples:
+        spans = finder.sample_spans(sample, tools, train_reasoning)
+        if isinstance(spans, str):
+            return spans
+        out.append((sample.text, *spans))
+    return out or [(text, [], [])]  # no turn trained: kept as one sample, dropped for lack of trained tokens
 
 
 def _apply_policy(ds, report: DataReport) -> np.ndarray:
@@ -371,12 +423,17 @@ def _apply_policy(ds, report: DataReport) -> np.ndarray:
     return keep
 
 
-def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop",
-                       train_on_all: bool = False) -> TokenizedChat:
+def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
+                       data_format: str = "auto", source_cache=None, train_reasoning: bool = True,
+                       last_turn_only: bool = False) -> TokenizedChat:
     """Validate, render, tokenize and label a chat JSONL file.
 
     Args:
-        path: the ``.jsonl`` file (rows ``{"messages": [...]}``, see validate.py).
+        path: the data source (``.jsonl``, ``.json``, ``.parquet``, ``.arrow`` or a ``save_to_disk``
+            directory; :mod:`.sources`), rows of any shape of :mod:`.shapes`.
+        data_format: its row shape (``auto``: detected).
+        source_cache: where ``datasets`` may keep the Arrow conversion of a parquet or arrow file
+            (None: a temporary directory).
         tokenizer: a fast HF tokenizer with a ``chat_template`` (offsets are needed).
         max_seq_len: token limit per sample (>= 1).
         overlong: policy for samples longer than ``max_seq_len`` tokens: ``"drop"`` (default,
@@ -384,6 +441,10 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
             such line and its token length) or ``"truncate"`` (keep the first ``max_seq_len``
             tokens; a sample left with 0 trained tokens is dropped and listed).
         train_on_all: train on every token instead of only the assistant turns.
+        train_reasoning: train an assistant turn's ``reasoning_content`` (with its tags); False
+            trains only what follows it.
+        last_turn_only: train only the last assistant turn (a message's ``"train"`` overrides;
+            :mod:`.turns`).
 
     Returns:
         TokenizedChat (dataset + DataReport).
@@ -405,17 +466,17 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("a fast tokenizer (with offset mapping) is required")
     max_seq_len = int(max_seq_len)
-    records, problems, rendered = scan_chat_file(path, tokenizer)
+    records, problems, rendered = scan_chat_file(path, tokenizer, data_format, source_cache)
     if not records and not problems:
         raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
     if not records:
         raise DataValidationError(problems)
-    spans, inserted, inserted_keys = _render_all(path, records, rendered, tokenizer, train_on_all)
-    report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong,
-                        train_on_all=train_on_all, rows=len(records))
+    columns, inserted_keys, split = _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning,
+                                                last_turn_only)
+    report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong, train_on_all=train_on_all,
+                        unit=location_unit(path), rows=len(records), split=split)
 
-    raw = Dataset.from_dict({"line": [line for line, _ in records], "text": rendered, "spans": spans,
-                             "inserted": inserted},
+    raw = Dataset.from_dict(columns,
                             features=Features({"line": Value("int64"), "text": Value("string"),
                                                "spans": List(List(Value("int64"))),
                                                "inserted": List(List(Value("int64")))}))
@@ -434,13 +495,13 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         inserted_keys, [c for c, k in zip(ds["inserted_tokens"], keep) if k])
     overlong_problems = [
         Problem(str(path), line, None, "messages", "overlong",
-                f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)")
+                f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)", report.unit)
         for line, n in report.dropped_overlong] if overlong == "error" else []
     if problems:
         # Invalid rows stop the run; the rows that would be dropped for lack of trained tokens are
         # listed in the same pass (field case B15), so one run of the validator shows everything.
         untrainable = [Problem(str(path), line, None, "messages", "no_trainable_tokens",
-                               no_trainable_message(max_seq_len, truncated=overlong == "truncate"))
+                               no_trainable_message(max_seq_len, truncated=overlong == "truncate"), report.unit)
                        for line in report.dropped_no_trainable]
         raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
     if overlong_problems:

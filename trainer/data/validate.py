@@ -1,24 +1,36 @@
-"""Pre-flight validation of a chat JSONL file.
+"""Pre-flight validation of chat data: every source and row shape, every problem at once.
 
-Every row must be a JSON object ``{"messages": [{"role": ..., "content": ...}, ...]}``. The file is
-read line by line here (not by a JSON-lines library), so each problem carries the physical line
-number, and for broken JSON the column. All problems of a file are collected in one pass and raised
-together (``DataValidationError``) before any tokenization, process group or GPU is touched.
+Rows come from :mod:`.sources` (JSON Lines by physical line; JSON arrays, parquet, arrow and
+``save_to_disk`` directories by row), are converted to ``messages`` (:mod:`.shapes`: ShareGPT,
+alpaca, prompt/completion) and then checked here. All problems of a source are collected in one pass
+and raised together (``DataValidationError``) before any tokenization, process group or GPU is
+touched; each names the file, the line or row, and the field in the row's own shape
+(``conversations[2].value``, ``output``).
 
-Rules (``Problem.rule``) and their messages (``i`` is the message index):
+A conversation may hold tool calls and reasoning: roles ``system``, ``user``, ``assistant`` and
+``tool``; an assistant message may carry ``tool_calls`` (then its content may be empty, missing or
+null) and ``reasoning_content``; a tool message ``tool_call_id`` and ``name``; any assistant message
+``"train": true|false``; a row ``tools`` (the tool schemas, passed to the chat template).
+
+Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the field's original name):
 
 - ``invalid_utf8``: ``invalid UTF-8: <reason>``
 - ``invalid_json``: ``invalid JSON: <decoder message> (column <c>)``
 - ``row_not_object``: ``row must be an object with a messages list``
-- ``messages_missing``: ``missing "messages" (row must be an object with a messages list)``
+- ``messages_missing``: ``missing "messages" (row must be an object with a messages list)``, and
+  ``<key>_missing`` for the keys of other shapes (:func:`.shapes.convert`)
 - ``messages_not_list``: ``"messages" must be a list, got <type>``
 - ``messages_empty``: ``"messages" is empty``
 - ``message_not_object``: ``messages[i] must be an object with role and content, got <type>``
 - ``role_missing``: ``missing role in messages[i].role``
-- ``unknown_role``: ``unknown role "gpt" in messages[i].role (allowed: system, user, assistant)``
+- ``unknown_role``: ``unknown role "gpt" in messages[i].role (allowed: system, user, assistant, tool)``
 - ``content_missing``: ``missing content in messages[i].content``
 - ``content_not_string``: ``messages[i].content must be a string, got <type>``
-- ``empty_assistant_content``: ``empty assistant content in messages[i].content``
+- ``empty_assistant_content``: ``empty assistant content in messages[i].content`` (not with tool calls)
+- ``bad_field``: a tool or reasoning field of the wrong type or on the wrong role, e.g.
+  ``messages[1].tool_calls[0].function.name must be a non-empty string``, ``"tools" must be a list
+  of objects``, ``messages[0].train is only allowed on assistant messages``
+- ``tool_without_call``: ``messages[i] is a tool result, but no assistant tool call comes before it``
 - ``no_assistant``: ``no assistant turn in messages (nothing to train on)``
 - ``roles_not_alternating`` (only when the chat template requires it):
   ``roles do not alternate user/assistant after an optional leading system message, as the chat
@@ -28,7 +40,7 @@ Rules (``Problem.rule``) and their messages (``i`` is the message index):
   a UTF-16 surrogate pair (JSON ``"\ud83d"`` without its partner), which no tokenizer can encode
 - ``template_error``: ``chat template failed on this row: <error type>: <error message>``
 
-A UTF-8 byte-order mark at the start of the file is stripped (not an error). Blank lines are skipped.
+A UTF-8 byte-order mark at the start of a JSON file is stripped (not an error). Blank lines are skipped.
 """
 
 from __future__ import annotations
@@ -36,22 +48,24 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-ALLOWED_ROLES = ("system", "user", "assistant")
+from .shapes import DATA_FORMATS, FieldName, convert, detect_shape, messages_field
+from .sources import location_unit, read_rows
+
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 MAX_SHOWN_PROBLEMS = 50
-_BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One validation problem, located in the physical file.
+    """One validation problem, located in its source.
 
-    ``line`` and ``column`` are 1-based; ``column`` is None unless the JSON itself is broken.
-    ``field`` names the offending field (e.g. ``messages[2].content``), ``rule`` the rule broken
-    (see the module docstring), ``message`` the human-readable text (it names both).
+    ``line`` is the 1-based line (``unit`` "line": JSON Lines) or row (``unit`` "row": JSON arrays
+    and columnar sources; 0 for the whole source); ``column`` is None unless the JSON itself is
+    broken. ``field`` names the offending field (e.g. ``messages[2].content``), ``rule`` the rule
+    broken (see the module docstring), ``message`` the human-readable text (it names both).
     """
 
     path: str
@@ -60,10 +74,21 @@ class Problem:
     field: str | None
     rule: str
     message: str
+    unit: str = "line"
 
     def __str__(self) -> str:
+        if self.unit == "row":
+            return f"{self.path}: row {self.line}: {self.message}" if self.line else f"{self.path}: {self.message}"
         col = f":{self.column}" if self.column is not None else ""
         return f"{self.path}:{self.line}{col}: {self.message}"
+
+
+class Conversation(NamedTuple):
+    """A valid row: its line (or row), its messages and the tool schemas (None without) for the template."""
+
+    line: int
+    messages: list[dict]
+    tools: list[dict] | None = None
 
 
 class DataValidationError(ValueError):
@@ -102,10 +127,11 @@ def _surrogate_fields(value: Any, where: str):
             yield from _surrogate_fields(item, f"{where}[{j}]")
 
 
-def check_row(row: Any) -> list[tuple[str | None, str, str]]:
-    """Check the structure of one decoded row; returns ``(field, rule, message)`` triples.
+def check_row(row: Any, name: FieldName = messages_field) -> list[tuple[str | None, str, str]]:
+    """Check the structure of one decoded ``messages`` row; returns ``(field, rule, message)`` triples.
 
-    Does not need a tokenizer (no alternation or template checks).
+    ``name(i, key)`` gives the original name of a message field (:mod:`.shapes`). Does not need a
+    tokenizer (no alternation or template checks).
     """
     bad = "row must be an object with a messages list"
     if not isinstance(row, dict):
@@ -117,47 +143,88 @@ def check_row(row: Any) -> list[tuple[str | None, str, str]]:
         return [("messages", "messages_not_list", f'"messages" must be a list, got {_type_name(messages)}')]
     if not messages:
         return [("messages", "messages_empty", '"messages" is empty')]
+    tools = row.get("tools")
     out: list[tuple[str | None, str, str]] = []
-    has_assistant = False
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        out.append(("tools", "bad_field", '"tools" must be a list of objects (tool schemas)'))
+    has_assistant = called = False
     for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
+        where = name(i, None)
         if not isinstance(msg, dict):
             out.append((where, "message_not_object",
                         f"{where} must be an object with role and content, got {_type_name(msg)}"))
             continue
         role = msg.get("role")
         if "role" not in msg:
-            out.append((f"{where}.role", "role_missing", f"missing role in {where}.role"))
+            out.append((name(i, "role"), "role_missing", f"missing role in {name(i, 'role')}"))
         elif not isinstance(role, str) or role not in ALLOWED_ROLES:
             shown = json.dumps(role) if isinstance(role, str) else repr(role)
-            out.append((f"{where}.role", "unknown_role",
-                        f"unknown role {shown} in {where}.role (allowed: {', '.join(ALLOWED_ROLES)})"))
+            out.append((name(i, "role"), "unknown_role",
+                        f"unknown role {shown} in {name(i, 'role')} (allowed: {', '.join(ALLOWED_ROLES)})"))
         has_assistant |= role == "assistant"
-        out += [(field, "lone_surrogate", f"{field}: lone surrogate (invalid Unicode)")
-                for field in _surrogate_fields(msg, where)]
-        if "content" not in msg:
-            out.append((f"{where}.content", "content_missing", f"missing content in {where}.content"))
+        for key, value in msg.items():
+            out += [(field, "lone_surrogate", f"{field}: lone surrogate (invalid Unicode)")
+                    for field in _surrogate_fields(value, name(i, key))]
+        out += _check_fields(msg, role, lambda key, i=i: name(i, key))
+        if role == "tool" and not called:
+            out.append((where, "tool_without_call", f"{where} is a tool result, but no assistant tool call comes before it"))
+        called |= role == "assistant" and bool(msg.get("tool_calls"))
+        content = name(i, "content")
+        if "content" not in msg or msg["content"] is None:
+            if not (role == "assistant" and msg.get("tool_calls")):
+                out.append((content, "content_missing", f"missing content in {content}"))
         elif not isinstance(msg["content"], str):
-            out.append((f"{where}.content", "content_not_string",
-                        f"{where}.content must be a string, got {_type_name(msg['content'])}"))
-        elif role == "assistant" and not msg["content"].strip():
-            out.append((f"{where}.content", "empty_assistant_content",
-                        f"empty assistant content in {where}.content"))
+            out.append((content, "content_not_string",
+                        f"{content} must be a string, got {_type_name(msg['content'])}"))
+        elif role == "assistant" and not msg["content"].strip() and not msg.get("tool_calls"):
+            out.append((content, "empty_assistant_content", f"empty assistant content in {content}"))
     if not has_assistant:
         out.append(("messages", "no_assistant", "no assistant turn in messages (nothing to train on)"))
     return out
 
 
-def check_alternation(messages: list[dict]) -> tuple[str, str, str] | None:
+def _check_fields(msg: dict, role: Any, name) -> list[tuple[str, str, str]]:
+    """Problems of the tool, reasoning and ``train`` fields of one message (``name(key)``: the field's name)."""
+    out = []
+
+    def bad(key: str, message: str) -> None:
+        out.append((name(key), "bad_field", f"{name(key)} {message}"))
+
+    for key, roles in (("tool_calls", ("assistant",)), ("reasoning_content", ("assistant",)), ("train", ("assistant",)),
+                       ("tool_call_id", ("tool",))):
+        if key in msg and role not in roles:
+            bad(key, f"is only allowed on {' and '.join(roles)} messages")
+    for key in ("reasoning_content", "tool_call_id", "name"):
+        if key in msg and not isinstance(msg[key], str):
+            bad(key, f"must be a string, got {_type_name(msg[key])}")
+    if "train" in msg and not isinstance(msg["train"], bool):
+        bad("train", f"must be true or false, got {_type_name(msg['train'])}")
+    calls = msg.get("tool_calls")
+    if "tool_calls" in msg and not (isinstance(calls, list) and calls):
+        bad("tool_calls", "must be a non-empty list of tool calls")
+        return out
+    for j, call in enumerate(calls or []):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        where = f"tool_calls[{j}]" + (".function" if isinstance(call, dict) and "function" in call else "")
+        if not isinstance(function, dict):
+            bad(f"tool_calls[{j}]", 'must be an object {"type": "function", "function": {"name": ..., "arguments": ...}}')
+        elif not (isinstance(function.get("name"), str) and function["name"].strip()):
+            bad(f"{where}.name", "must be a non-empty string")
+        elif not isinstance(function.get("arguments", {}), (dict, str)):
+            bad(f"{where}.arguments", f"must be an object or a JSON string, got {_type_name(function['arguments'])}")
+    return out
+
+
+def check_alternation(messages: list[dict], name: FieldName = messages_field) -> tuple[str, str, str] | None:
     """Return ``(field, rule, message)`` if roles do not go [system], user, assistant, user, ..."""
     start = 1 if messages[0]["role"] == "system" else 0
     for i in range(start, len(messages)):
         expected = "user" if (i - start) % 2 == 0 else "assistant"
         role = messages[i]["role"]
         if role != expected:
-            return (f"messages[{i}].role", "roles_not_alternating",
+            return (name(i, "role"), "roles_not_alternating",
                     "roles do not alternate user/assistant after an optional leading system message, "
-                    f'as the chat template requires: messages[{i}].role is "{role}", expected "{expected}"')
+                    f'as the chat template requires: {name(i, "role")} is "{role}", expected "{expected}"')
     return None
 
 
@@ -185,82 +252,101 @@ def template_requires_alternation(tokenizer) -> bool:
         return False
 
 
-def _iter_lines(path: Path):
-    """Yield (1-based line number, raw bytes without the line ending), BOM stripped from line 1."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if lineno == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
-            yield lineno, raw.rstrip(b"\r\n")
+def render(tokenizer, conversation: Conversation | list[dict], tools: list[dict] | None = None, **kwargs) -> str:
+    """The chat template's text of ``conversation`` (a :class:`Conversation`, or messages with ``tools``)."""
+    if isinstance(conversation, Conversation):
+        conversation, tools = conversation.messages, conversation.tools
+    return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
 
 
-def scan_chat_file(path, tokenizer=None):
+def _normalized(messages: list[dict]) -> list[dict]:
+    """Messages as templates expect them: an assistant tool call without content gets ``""``."""
+    return [dict(m, content="") if m.get("content") is None else m for m in messages]
+
+
+def scan_chat_file(path, tokenizer=None, data_format: str = "auto", cache_dir=None):
     """Validate ``path`` and also return each valid row's full rendering (for tokenization).
 
-    Returns ``(records, problems, rendered)``: ``rendered`` is a list parallel to ``records`` with
-    the chat-template text of each valid row (None entries when no tokenizer is given).
+    Args:
+        path: a source :mod:`.sources` reads (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, a
+            ``save_to_disk`` directory).
+        tokenizer: optional HF tokenizer (see :func:`validate_chat_file`).
+        data_format: a row shape of :data:`.shapes.DATA_FORMATS` (``auto``: the first row's).
+        cache_dir: where ``datasets`` may keep its Arrow conversion (:func:`.sources.read_rows`).
+
+    Returns ``(records, problems, rendered)``: ``records`` are :class:`Conversation` s, ``rendered``
+    a list parallel to them with the chat-template text of each (None entries without a tokenizer).
+
+    Raises:
+        OSError, ValueError: see :func:`.sources.read_rows`; ValueError also for a tokenizer
+            without a chat template or an unknown ``data_format``.
     """
-    path = Path(path)
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data format must be one of {', '.join(DATA_FORMATS)}, got {data_format!r}")
     shown = str(path)
     if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer has no chat_template; cannot render {shown}")
+    unit = location_unit(path)
     strict = tokenizer is not None and template_requires_alternation(tokenizer)
-    records: list[tuple[int, list[dict]]] = []
+    shape = None if data_format == "auto" else data_format
+    records: list[Conversation] = []
     rendered: list[str | None] = []
     problems: list[Problem] = []
 
     def report(line, field, rule, message, column=None):
-        problems.append(Problem(shown, line, column, field, rule, message))
+        problems.append(Problem(shown, line, column, field, rule, message, unit))
 
-    for line, raw in _iter_lines(path):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            report(line, None, "invalid_utf8", f"invalid UTF-8: {e.reason} at byte {e.start + 1}")
+    for located in read_rows(path, cache_dir):
+        line = located.where
+        if located.error is not None:
+            rule, message, column = located.error
+            report(line, None, rule, message, column)
             continue
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            report(line, None, "invalid_json", f"invalid JSON: {e.msg} (column {e.colno})", e.colno)
-            continue
-        found = check_row(row)
-        if not found and strict:
-            alt = check_alternation(row["messages"])
-            found = [alt] if alt else []
+        shape = shape or detect_shape(located.row)
+        row, name, found = convert(located.row, shape or "messages")
+        if row is not None:
+            found = check_row(row, name)
+            if not found and strict:
+                alt = check_alternation(row["messages"], name)
+                found = [alt] if alt else []
         if found:
             for field, rule, message in found:
                 report(line, field, rule, message)
             continue
-        messages = row["messages"]
+        conversation = Conversation(line, _normalized(row["messages"]), row.get("tools"))
         text_out = None
         if tokenizer is not None:
             try:
-                text_out = tokenizer.apply_chat_template(messages, tokenize=False)
+                text_out = render(tokenizer, conversation)
             except Exception as e:  # noqa: BLE001 - any template failure becomes a located problem
                 report(line, "messages", "template_error",
                        f"chat template failed on this row: {type(e).__name__}: {e}")
                 continue
-        records.append((line, messages))
+        records.append(conversation)
         rendered.append(text_out)
     return records, problems, rendered
 
 
-def validate_chat_file(path, tokenizer=None) -> tuple[list[tuple[int, list[dict]]], list[Problem]]:
-    """Validate a chat JSONL file in one pass.
+def validate_chat_file(path, tokenizer=None, data_format: str = "auto",
+                       cache_dir=None) -> tuple[list[Conversation], list[Problem]]:
+    """Validate a chat data source in one pass: the one entry point that turns a path into
+    validated ``messages`` rows (training data, evaluation data, retention sets).
 
     Args:
-        path: the ``.jsonl`` file.
+        path: the source (:mod:`.sources`).
         tokenizer: optional HF tokenizer; with it, the alternation rule (only if its chat template
             requires alternation) and per-row template rendering are checked too.
+        data_format: the row shape (:data:`.shapes.DATA_FORMATS`; ``auto`` detects it).
+        cache_dir: see :func:`scan_chat_file`.
 
     Returns:
-        ``(records, problems)``: ``records`` are ``(line, messages)`` for the rows without problems,
-        ``problems`` every Problem found, in file order. Nothing is raised for bad rows.
+        ``(records, problems)``: ``records`` are :class:`Conversation` s ``(line, messages, tools)``
+        for the rows without problems, in the ``messages`` shape; ``problems`` every Problem found,
+        in source order. Nothing is raised for bad rows.
 
     Raises:
-        OSError: the file cannot be read. ValueError: the tokenizer has no chat template.
+        OSError: the source cannot be read. ValueError: an unsupported source, a tokenizer without
+            a chat template, an unknown data format.
     """
-    records, problems, _ = scan_chat_file(path, tokenizer)
+    records, problems, _ = scan_chat_file(path, tokenizer, data_format, cache_dir)
     return records, problems

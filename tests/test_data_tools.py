@@ -1,0 +1,134 @@
+"""Item 1 of issue 18: tool calls, tool results, per-row tools and reasoning, with a Qwen3-style
+template that renders earlier turns differently; what is trained is checked on decoded tokens."""
+
+import pytest
+
+from helpers import TOOL_REASONING_TEMPLATE, save_tiny_model, tiny_chat_tokenizer, write_jsonl
+from osft.trainer.config import TrainConfig, build_parser, check_config, config_from_args, config_to_argv
+from osft.trainer.data import tokenize_chat_file
+from osft.trainer.data.tokenize import IGNORE_INDEX
+from osft.trainer.data.validate import validate_chat_file
+from osft.trainer.model_loading import load_tokenizer
+
+END = "<|im_end|>"
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def conversation(**train):
+    """A Qwen3-style agent exchange: a reasoned tool call, its result, a reasoned answer, then a
+    follow-up question answered without reasoning. ``train`` sets "train" on messages by index."""
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny in Paris.", "reasoning_content": "The tool says sunny."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+    for index, value in train.items():
+        messages[int(index.removeprefix("m"))]["train"] = value
+    return {"messages": messages, "tools": TOOLS}
+
+
+def trained_texts(tok, data) -> list[list[str]]:
+    """Per sample, the decoded runs of consecutive trained tokens."""
+    out = []
+    for k in range(len(data)):
+        runs, cur = [], []
+        for tok_id, label in zip(data[k]["input_ids"], data[k]["labels"]):
+            if label != IGNORE_INDEX:
+                cur.append(tok_id)
+            elif cur:
+                runs, cur = runs + [cur], []
+        out.append([tok.decode(r) for r in runs + ([cur] if cur else [])])
+    return out
+
+
+def test_a_qwen3_style_tool_call_with_reasoning_trains_what_the_model_generated(tmp_path):
+    """Each assistant turn is trained as the template renders it when it is the newest turn: the
+    tool call with its reasoning, the answer with its reasoning (in context of the call and the
+    result), the last answer without the empty block; never the tools, the tool result or a user turn."""
+    tok = tiny_chat_tokenizer(chat_template=TOOL_REASONING_TEMPLATE)
+    data = tokenize_chat_file(write_jsonl(tmp_path / "t.jsonl", [conversation()]), tok, 1024)
+    assert trained_texts(tok, data) == [
+        ["You are welcome." + END],  # the whole conversation: earlier turns are history (no reasoning)
+        ["<think>\nI should call the tool.\n</think>\n\n" + CALL + END],
+        ["<think>\nThe tool says sunny.\n</think>\n\nIt is sunny in Paris." + END],
+    ]
+    texts = [tok.decode(data[k]["input_ids"]) for k in range(3)]
+    assert "I should call the tool." not in texts[0] and texts[0].count("<tool_response>") == 1
+    assert texts[2].startswith('<|im_start|>system\n# Tools\n{"type": "function"')  # tools reach the template
+    assert "I should call the tool." in texts[2]  # the call's reasoning is context of the answer in the same query
+    assert data.report.split == [(1, 3)]
+    assert data.report.template_inserted[0]["text"] == "<think>\n\n</think>\n\n"  # the last turn's empty block
+    # without reasoning: only what follows it
+    lean = tokenize_chat_file(write_jsonl(tmp_path / "t.jsonl", [conversation()]), tok, 1024, train_reasoning=False)
+    assert trained_texts(tok, lean) == [["You are welcome." + END], [CALL + END], ["It is sunny in Paris." + END]]
+
+
+@pytest.mark.parametrize("last_only,train,expected", [
+    (True, {}, [["You are welcome." + END]]),
+    (True, {"m1": True}, [["You are welcome." + END], ["<think>\nI should call the tool.\n</think>\n\n" + CALL + END]]),
+    (False, {"m3": False, "m5": False}, [["<think>\nI should call the tool.\n</think>\n\n" + CALL + END]]),
+])
+def test_last_turn_only_and_per_message_train(tmp_path, last_only, train, expected):
+    tok = tiny_chat_tokenizer(chat_template=TOOL_REASONING_TEMPLATE)
+    data = tokenize_chat_file(write_jsonl(tmp_path / "t.jsonl", [conversation(**train)]), tok, 1024,
+                              last_turn_only=last_only)
+    assert trained_texts(tok, data) == expected
+
+
+def test_a_plain_template_trains_every_turn_in_one_sample_with_tools(tmp_path):
+    """A template that renders every prefix the same way keeps one sample per conversation."""
+    tok = tiny_chat_tokenizer(chat_template=TOOL_REASONING_TEMPLATE.replace("loop.index0 > ns.last_user", "false"))
+    data = tokenize_chat_file(write_jsonl(tmp_path / "t.jsonl", [conversation(m5=False)]), tok, 1024)
+    assert trained_texts(tok, data) == [[CALL + END, "It is sunny in Paris." + END]] and data.report.split == []
+
+
+def test_validation_knows_the_tool_and_reasoning_fields(tmp_path):
+    good = conversation()
+    rows = [
+        good,
+        {"messages": [{"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "ok"}]},
+        {"messages": [{"role": "user", "content": "x", "reasoning_content": "r", "train": True},
+                      {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": ""}}]}]},
+        {"messages": [{"role": "user", "content": "x"},
+                      {"role": "assistant", "content": None, "tool_calls": [], "train": "yes"}], "tools": {"a": 1}},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "reasoning_content": 3,
+                       "tool_calls": [{"name": "f", "arguments": 5}]}]},
+    ]
+    path = write_jsonl(tmp_path / "v.jsonl", rows)
+    records, problems = validate_chat_file(path, tiny_chat_tokenizer(chat_template=TOOL_REASONING_TEMPLATE))
+    assert [c.line for c in records] == [1] and records[0].tools == TOOLS
+    assert [str(p).removeprefix(f"{path}:") for p in problems] == [
+        "2: messages[0] is a tool result, but no assistant tool call comes before it",
+        "3: messages[0].reasoning_content is only allowed on assistant messages",
+        "3: messages[0].train is only allowed on assistant messages",
+        "3: messages[1].tool_calls[0].function.name must be a non-empty string",
+        '4: "tools" must be a list of objects (tool schemas)',
+        "4: messages[1].train must be true or false, got string",
+        "4: messages[1].tool_calls must be a non-empty list of tool calls",
+        "4: missing content in messages[1].content",
+        "5: messages[1].reasoning_content must be a string, got int",
+        "5: messages[1].tool_calls[0].arguments must be an object or a JSON string, got int",
+    ]
+
+
+def test_chat_template_file_replaces_the_tokenizer_s_and_the_flags_round_trip(tmp_path):
+    model = save_tiny_model(tmp_path / "model")
+    template = tmp_path / "qwen3ish.jinja"
+    template.write_text(TOOL_REASONING_TEMPLATE)
+    assert load_tokenizer(model, chat_template=template).chat_template == TOOL_REASONING_TEMPLATE
+    assert load_tokenizer(model).chat_template != TOOL_REASONING_TEMPLATE
+    data = write_jsonl(tmp_path / "d.jsonl", [conversation()])
+    args = build_parser().parse_args(["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir",
+                                      str(tmp_path / "o"), "--chat-template", str(template), "--no-train-reasoning",
+                                      "--train-last-turn-only"])
+    cfg = config_from_args(args)
+    assert (cfg.chat_template, cfg.train_reasoning, cfg.train_last_turn_only) == (str(template), False, True)
+    assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg
+    check_config(cfg)
+    with pytest.raises(ValueError, match="--chat-template .*: no such file"):
+        check_config(TrainConfig(str(model), str(data), "o", chat_template=str(tmp_path / "none.jinja")))
