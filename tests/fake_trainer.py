@@ -5,7 +5,7 @@ directory and from signals, like ``osft-train`` launching a torchrun worker grou
 nothing: every "step" is a sleep. Tests and benchmarks of the dashboard (``osft-tui``) use it to
 get a live run within a fraction of a second, on any machine.
 
-Contract followed (/work/shared/DESIGN.md):
+Contract followed (docs/architecture.md):
 
 - section 3, run directory: ``run.json`` / ``run.node<N>.json`` written through
   :class:`osft.trainer.rundir.RunDir` with the fields of ``osft.trainer.cli._train`` (state

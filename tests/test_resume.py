@@ -1,5 +1,5 @@
 """Full-state checkpoints and bit-exact resume: real `osft-train` launchers, real torchrun worker
-groups (2 ranks, gloo), real signals, real DCP files (DESIGN.md sections 5 and 6; field cases
+groups (2 ranks, gloo), real signals, real DCP files (docs/architecture.md sections 5 and 6; field cases
 B01-B04, B08, B10, B12, B13, B24)."""
 
 from __future__ import annotations

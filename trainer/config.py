@@ -81,7 +81,7 @@ class TrainConfig:
     hf_export_every_steps: int = 0
     logging_steps: int = 1
     report_to: list[str] | None = None
-    # full-state checkpoints (DESIGN.md sections 5 and 6)
+    # full-state checkpoints (docs/architecture.md sections 5 and 6)
     on_demand_checkpointing: bool = False
     resume_from_full_state_checkpoint: str | None = None
     resume: bool = False

@@ -1,5 +1,5 @@
 """The ``osft-train`` launcher: starts one torchrun worker group in its own process session and
-supervises it (DESIGN.md section 6).
+supervises it (docs/architecture.md section 6, Roles).
 
 Before any rank starts it validates the flags, the data (tokenizing once into the data cache,
 which the ranks then read) and, when resuming, the checkpoint. It writes ``run.json`` (pids, job

@@ -1,4 +1,4 @@
-"""Structured metrics: one JSON object per line, appended and flushed per record (DESIGN.md section 4).
+"""Structured metrics: one JSON object per line, appended and flushed per record (docs/architecture.md section 4).
 
 Each node's LOCAL_RANK 0 writes ``metrics/node<N>.jsonl``; any other rank writes only its warnings
 and errors, to ``metrics/rank<R>.jsonl``, so no two processes share a file and nothing a non-zero
@@ -83,7 +83,7 @@ class MetricsLogger:
 
 
 def read_records(path: Path) -> tuple[list[dict], list[str]]:
-    """Read a whole metrics JSONL file, as DESIGN.md section 4 asks of readers.
+    """Read a whole metrics JSONL file, as docs/architecture.md section 4 asks of readers.
 
     A partly written last line (no newline yet) is left out; a complete line that is not a JSON
     object is skipped and reported.

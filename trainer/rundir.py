@@ -1,6 +1,6 @@
 """The run directory (``--output-dir``): the only interface between a job and its watchers.
 
-Layout and ``run.json`` fields: DESIGN.md section 3.
+Layout and ``run.json`` fields: docs/architecture.md section 3.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Name of a complete checkpoint directory under :attr:`RunDir.checkpoints` (DESIGN.md section 5);
+#: Name of a complete checkpoint directory under :attr:`RunDir.checkpoints` (docs/architecture.md section 5);
 #: group 1 is the optimizer step it was saved after.
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -73,7 +73,7 @@ class RunDir:
 
     @property
     def control(self) -> Path:
-        """``control/``: requests from a watcher on another host (DESIGN.md section 6)."""
+        """``control/``: requests from a watcher on another host (docs/architecture.md section 6)."""
         return self.root / "control"
 
     def launcher_log(self, node_rank: int) -> Path:

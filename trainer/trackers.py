@@ -3,7 +3,7 @@ TensorBoard and/or Weights & Biases as well.
 
 :class:`.metrics.MetricsLogger` hands each record it writes to its sinks (:class:`Tracker`
 instances, opened by :func:`open_trackers` on global rank 0 only), so the trackers get exactly the
-JSONL records of DESIGN.md section 4: ``step`` records become scalars, every other event a text
+JSONL records of docs/architecture.md section 4: ``step`` records become scalars, every other event a text
 entry. Neither package is a dependency; :func:`check_available` names the extra to install.
 """
 
@@ -31,7 +31,7 @@ STEP_SCALARS = {
     "osft_gap_max": "osft/gap_max",
     "osft_gap_median": "osft/gap_median",
 }
-#: Fields every record has (DESIGN.md section 4); left out of event text.
+#: Fields every record has (docs/architecture.md section 4); left out of event text.
 COMMON_FIELDS = frozenset({"ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id"})
 
 

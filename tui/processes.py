@@ -1,6 +1,6 @@
 """The processes of a run, found through its run directory and inspected with psutil.
 
-DESIGN.md section 6: checkpoint requests go to the ``osft-train`` launcher (or, when no launcher is
+docs/architecture.md section 6 (Roles): checkpoint requests go to the ``osft-train`` launcher (or, when no launcher is
 alive, to each rank with ``os.kill``), never to a torchrun agent, whose default action for SIGUSR1
 kills it and orphans the ranks. When none of the run's processes is on this host, a request is a
 file in the run directory's ``control/``, which rank 0 polls at its safe points.

@@ -1,4 +1,4 @@
-"""What the dashboard knows about a run: plain data built from its run directory (DESIGN.md
+"""What the dashboard knows about a run: plain data built from its run directory (docs/architecture.md
 sections 3-5).
 
 :class:`RunModel` holds the launchers, ranks, nodes, violation counters and checkpoints of a run;
@@ -89,7 +89,7 @@ class NodeStats:
 
 @dataclass
 class Violations:
-    """Orthogonality-violation counters (DESIGN.md section 4).
+    """Orthogonality-violation counters (docs/architecture.md section 4).
 
     Attributes:
         this_step: violations found in the latest checked step.

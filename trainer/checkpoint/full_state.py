@@ -1,6 +1,6 @@
 """Full-state checkpoints: save everything a bit-identical resume needs, and load it back.
 
-One ``step_<N>`` directory (DESIGN.md section 5)::
+One ``step_<N>`` directory (docs/architecture.md section 5)::
 
     model/                 DCP shards of every parameter except the frozen OSFT factors
                            (torch.distributed.checkpoint; each rank writes its own shard)

@@ -1,7 +1,7 @@
 """Checkpoint manifests: which files a checkpoint holds, who wrote them, their sizes and SHA-256.
 
 A checkpoint directory counts as complete only when its ``manifest.json`` exists and every file it
-lists is present with the recorded size (and, when verified fully, checksum). DESIGN.md section 5.
+lists is present with the recorded size (and, when verified fully, checksum). docs/architecture.md section 5.
 """
 
 from __future__ import annotations

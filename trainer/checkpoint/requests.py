@@ -1,6 +1,6 @@
 """Checkpoint requests, and the one rule for how every request is served and how the run ends.
 
-DESIGN.md section 6. Requests come from the job's trigger directory (signals to any rank or to the
+docs/architecture.md section 6. Requests come from the job's trigger directory (signals to any rank or to the
 launcher, see :mod:`.signals`) and, on rank 0, from ``<output_dir>/control/`` (a watcher on another
 host creates ``control/checkpoint`` or ``control/checkpoint-and-exit``). Safe points: before the
 forward and before and after the backward of each micro-batch, and after the optimizer step. Every

@@ -1,6 +1,6 @@
 """Checkpoint requests: the seven signals, what each asks for, and the per-job trigger directory.
 
-DESIGN.md section 6. A signal handler only records the request, as a new file
+docs/architecture.md section 6. A signal handler only records the request, as a new file
 ``sig<NUMBER>.<ns>.<pid>`` in a per-job directory under ``/dev/shm`` (mode 0700): every local rank of the node and the launcher
 share it, and a signal sent to any one of them reaches the whole job at the next safe point (see
 :mod:`.requests`). The directory is keyed by the job id, so triggers of another job are never read;
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import exit_codes
 
-#: Every signal that asks for a checkpoint (DESIGN.md section 6).
+#: Every signal that asks for a checkpoint (docs/architecture.md section 6).
 CHECKPOINT_SIGNALS = (
     signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU, signal.SIGHUP, signal.SIGQUIT,
 )

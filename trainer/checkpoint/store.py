@@ -1,7 +1,7 @@
 """The checkpoint root ``<output_dir>/full_state_checkpoints``: complete checkpoints, the frozen
 OSFT factors they share, retention, and the shared-storage check.
 
-Layout (DESIGN.md section 5)::
+Layout (docs/architecture.md section 5)::
 
     full_state_checkpoints/
       frozen_<job_id>-<token>/   the frozen parameters of every OSFT module (W_high, bases, P/Q, start
