@@ -167,3 +167,23 @@ def test_a_dead_rank_ends_with_one_paragraph_and_a_worker_holds_start_up_signals
     command = shlex.split(paragraph.split("Resume with: ", 1)[1].split(" (rank logs:", 1)[0])
     assert command[0] == "osft-train" and command[-1] == "--resume"
     assert command[command.index("--output-dir") + 1] == str(out)
+
+
+@pytest.mark.subprocess
+def test_a_rank_that_aborts_in_native_code_leaves_its_python_stack_in_its_log(tmp_path):
+    """A C++ ``std::terminate`` (SIGABRT) in a rank writes where the rank was (every thread's
+    Python stack) to the stderr that torchrun keeps as the rank's log."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    script = ("import os, osft.trainer.loop as loop\n"
+              "def abort_in_native_code(self, *args, **kwargs):\n"
+              "    os.abort()\n"
+              "loop.Trainer.__init__ = abort_in_native_code\n"
+              "from osft.trainer.worker import main\n"
+              f"main(['--model-name-or-path', {str(tmp_path)!r}, '--data-path', {str(data)!r},"
+              f" '--output-dir', {str(tmp_path / 'run')!r}])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in done.stderr
+    stack = done.stderr.split("most recent call first", 1)[1]
+    assert "in abort_in_native_code" in stack and "worker.py" in stack and "in _main" in stack

@@ -13,6 +13,7 @@ held from the first line of :func:`main`, before the training modules are import
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import traceback
 
@@ -25,8 +26,14 @@ from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run this rank's part of the job; returns the exit code (:mod:`.exit_codes`)."""
+    """Run this rank's part of the job; returns the exit code (:mod:`.exit_codes`).
+
+    A rank that dies in native code (SIGSEGV, SIGABRT from a C++ ``std::terminate``, SIGBUS) writes
+    the Python stack of every thread to its stderr first (``faulthandler``), so the rank's log under
+    ``logs/`` says where it was.
+    """
     hold_signals()  # before anything slow is imported: a request during start-up is served (B49)
+    faulthandler.enable(all_threads=True)
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     finally:
