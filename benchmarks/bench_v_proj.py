@@ -62,7 +62,7 @@ def _modules(n: int, m: int, urr: float, count: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     mods = []
     for _ in range(count):
-        mod = OSFTLinear.empty(n, m, False, urr=urr, tokens_per_micro_batch=1024, forward_form="dense", device="cpu")
+        mod = OSFTLinear.empty(n, m, False, urr=urr, max_tokens_per_micro_batch=1024, forward_form="dense", device="cpu")
         with torch.no_grad():
             for p in mod.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen))
@@ -92,8 +92,8 @@ def proj_worker(args) -> None:
         mods, grads = _modules(n, m, args.urr, args.modules, seed=0)
         fully_shard(nn.Sequential(*mods))  # one FSDP2 root over the modules
         k_high = mods[0].V_basis.shape[0]
-        projectors = {mode: Projector([(f"m{i}", x) for i, x in enumerate(mods)], v_form, cache_v_basis=cache)
-                      for mode, (v_form, cache) in MODES.items()}
+        projectors = {mode: Projector([(f"m{i}", x) for i, x in enumerate(mods)], v_projection, cache_v_basis=cache)
+                      for mode, (v_projection, cache) in MODES.items()}
         times = {mode: [] for mode in MODES}
         outputs = {}
         for r in range(args.rounds + 1):  # round 0 warms up (and fills the cache)

@@ -93,7 +93,7 @@ def test_frozen_ratios_normalise_and_map_linearly():
 def test_calibration_batches_pack_the_first_samples():
     rows = samples([30, 10, 25, 40, 5, 60])
     lengths = np.array([len(r["input_ids"]) for r in rows])
-    batches = list(calibration_batches(rows, lengths, num_samples=4, max_tokens=48))
+    batches = list(calibration_batches(rows, lengths, num_samples=4, max_tokens_per_micro_batch=48))
     assert sum(b["num_samples"] for b in batches) == 4
     assert sum(b["num_tokens"] for b in batches) == 105  # samples 0-3 only
     assert all(b["num_tokens"] <= 48 for b in batches)

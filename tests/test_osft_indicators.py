@@ -60,7 +60,7 @@ def test_no_update_is_zero_and_singular_v_falls_back_to_eigh():
 def test_projector_indicators_of_an_osft_module_match_the_dense_weights():
     torch.manual_seed(0)
     weight = torch.randn(40, 24)
-    module = OSFTLinear.from_weight(weight, None, urr=0.25, tokens_per_micro_batch=64)
+    module = OSFTLinear.from_weight(weight, None, urr=0.25, max_tokens_per_micro_batch=64)
     k_high = module.plan.k_high
     sigma = torch.linalg.svdvals(weight.double())
     assert module.sigma_frozen_min.item() == pytest.approx(sigma[k_high - 1].item(), rel=1e-6)

@@ -52,17 +52,17 @@ def test_rank_split_rejects_urr_outside_range(urr):
 @pytest.mark.parametrize("urr", [0.1, 0.25, 0.5, 1.0])
 def test_reconstruction_fp32(shape, urr):
     w = pretrained_like(*shape)
-    mod = OSFTLinear.from_weight(w, None, urr=urr, tokens_per_micro_batch=64)
+    mod = OSFTLinear.from_weight(w, None, urr=urr, max_tokens_per_micro_batch=64)
     torch.testing.assert_close(mod.dense_weight(), w, rtol=0, atol=2e-6)
     assert mod.k_low == split_rank(min(shape), urr)[1]
 
 
 def test_keep_mode_chosen_only_when_cheaper_and_complete():
-    square = OSFTLinear.from_weight(pretrained_like(40, 40), None, urr=0.25, tokens_per_micro_batch=8)
+    square = OSFTLinear.from_weight(pretrained_like(40, 40), None, urr=0.25, max_tokens_per_micro_batch=8)
     assert square.u_keep and square.v_keep and square.U_basis.shape == (40, 10)
-    tall = OSFTLinear.from_weight(pretrained_like(80, 40), None, urr=0.25, tokens_per_micro_batch=8)
+    tall = OSFTLinear.from_weight(pretrained_like(80, 40), None, urr=0.25, max_tokens_per_micro_batch=8)
     assert not tall.u_keep and tall.v_keep  # U side lacks the null-space columns: U_high is used
-    half = OSFTLinear.from_weight(pretrained_like(40, 40), None, urr=0.5, tokens_per_micro_batch=8)
+    half = OSFTLinear.from_weight(pretrained_like(40, 40), None, urr=0.5, max_tokens_per_micro_batch=8)
     assert not half.u_keep and not half.v_keep
 
 
@@ -72,7 +72,7 @@ def test_forward_and_gradients_match_dense_linear(form, transposed):
     w = pretrained_like(24, 40)
     bias = torch.randn(24)
     stored = w.t().contiguous() if transposed else w
-    mod = OSFTLinear.from_weight(stored, bias, urr=0.5, tokens_per_micro_batch=8, forward_form=form, transposed=transposed)
+    mod = OSFTLinear.from_weight(stored, bias, urr=0.5, max_tokens_per_micro_batch=8, forward_form=form, transposed=transposed)
     x = torch.randn(3, 5, 40)
     torch.testing.assert_close(mod(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
     # Gradients of the factors follow the chain rule through W = W_high + U_low diag(S_low) V_low.
@@ -98,15 +98,15 @@ def test_forward_form_choice_by_flops():
 
 @pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80)])
 @pytest.mark.parametrize("urr", [0.25, 0.6])
-@pytest.mark.parametrize("v_form", ["factored", "gram"])
-def test_projected_gradients_are_orthogonal_to_frozen_subspaces(shape, urr, v_form):
+@pytest.mark.parametrize("v_projection", ["factored", "gram"])
+def test_projected_gradients_are_orthogonal_to_frozen_subspaces(shape, urr, v_projection):
     w = pretrained_like(*shape)
-    mod = OSFTLinear.from_weight(w, None, urr=urr, tokens_per_micro_batch=8)
+    mod = OSFTLinear.from_weight(w, None, urr=urr, max_tokens_per_micro_batch=8)
     u_high, v_high = frozen_bases(w, urr)
     mod.U_low.grad = torch.randn_like(mod.U_low)
     mod.V_low.grad = torch.randn_like(mod.V_low)
     before_u = (u_high.t() @ mod.U_low.grad).abs().max()
-    projector = Projector([("m", mod)], v_form)
+    projector = Projector([("m", mod)], v_projection)
     projector.project_gradients()
     assert before_u > 0.1
     assert (u_high.t() @ mod.U_low.grad).abs().max() < 1e-5
@@ -121,8 +121,8 @@ def test_projected_gradients_are_orthogonal_to_frozen_subspaces(shape, urr, v_fo
 @pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80)])
 def test_factored_equals_gram(shape):
     w = pretrained_like(*shape)
-    a = OSFTLinear.from_weight(w, None, urr=0.3, tokens_per_micro_batch=8)
-    b = OSFTLinear.from_weight(w, None, urr=0.3, tokens_per_micro_batch=8)
+    a = OSFTLinear.from_weight(w, None, urr=0.3, max_tokens_per_micro_batch=8)
+    b = OSFTLinear.from_weight(w, None, urr=0.3, max_tokens_per_micro_batch=8)
     g = torch.Generator().manual_seed(3)
     u, v = torch.randn(a.U_low.shape, generator=g), torch.randn(a.V_low.shape, generator=g)
     for mod in (a, b):
@@ -135,7 +135,7 @@ def test_factored_equals_gram(shape):
 
 def test_deviation_measure_is_the_angle_to_the_frozen_subspace():
     w = pretrained_like(30, 30)
-    mod = OSFTLinear.from_weight(w, None, urr=0.5, tokens_per_micro_batch=8)
+    mod = OSFTLinear.from_weight(w, None, urr=0.5, max_tokens_per_micro_batch=8)
     u_high, _ = frozen_bases(w, 0.5)
     assert deviation_deg(mod) < 1e-3
     # Tilt one trainable column by exactly 3 degrees towards a frozen direction.
@@ -157,7 +157,7 @@ def test_deviation_measure_is_the_angle_to_the_frozen_subspace():
 def _adamw_stress(reproject: bool, steps: int = 200):
     torch.manual_seed(0)
     shapes = [(48, 48), (96, 48), (48, 96)]
-    mods = [OSFTLinear.from_weight(pretrained_like(n, m, seed=i), None, urr=0.25, tokens_per_micro_batch=16) for i, (n, m) in enumerate(shapes)]
+    mods = [OSFTLinear.from_weight(pretrained_like(n, m, seed=i), None, urr=0.25, max_tokens_per_micro_batch=16) for i, (n, m) in enumerate(shapes)]
     targets = [torch.randn(n, m) for n, m in shapes]
     params = [p for mod in mods for p in mod.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -206,15 +206,15 @@ def test_thin_svd_matches_lapack_and_is_orthonormal(shape, rank_deficient):
     torch.testing.assert_close(u.t() @ u, torch.eye(r, dtype=u.dtype), rtol=0, atol=1e-9)
     torch.testing.assert_close(vh @ vh.t(), torch.eye(r, dtype=vh.dtype), rtol=0, atol=1e-9)
     torch.testing.assert_close((u * s) @ vh, w.double(), rtol=0, atol=1e-9)
-    mod = OSFTLinear.from_weight(w, None, urr=0.5, tokens_per_micro_batch=8)
+    mod = OSFTLinear.from_weight(w, None, urr=0.5, max_tokens_per_micro_batch=8)
     assert torch.isfinite(mod.U_low).all()
 
 
 @pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80), (12, 30)])
 @pytest.mark.parametrize("urr", [0.25, 0.5, 1.0])
 def test_empty_skeleton_has_the_structure_of_the_decomposed_module(shape, urr):
-    real = OSFTLinear.from_weight(pretrained_like(*shape), torch.zeros(shape[0]), urr=urr, tokens_per_micro_batch=64)
-    skeleton = OSFTLinear.empty(*shape, has_bias=True, urr=urr, tokens_per_micro_batch=64)
+    real = OSFTLinear.from_weight(pretrained_like(*shape), torch.zeros(shape[0]), urr=urr, max_tokens_per_micro_batch=64)
+    skeleton = OSFTLinear.empty(*shape, has_bias=True, urr=urr, max_tokens_per_micro_batch=64)
     assert {n: p.shape for n, p in skeleton.named_parameters()} == {n: p.shape for n, p in real.named_parameters()}
     assert (skeleton.u_keep, skeleton.v_keep, skeleton.forward_form) == (real.u_keep, real.v_keep, real.forward_form)
     assert skeleton.W_high.is_meta

@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from osft.trainer.osft.decomposition import OSFTLinear
+from osft.trainer.osft.settings import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft, dense_state_dict
 from osft.trainer.osft.targets import find_target_modules
 
@@ -59,7 +60,7 @@ def test_osft_model_computes_the_same_function_and_exports_original_names(arch):
     ids = torch.randint(0, 97, (2, 12))
     with torch.no_grad():
         before = model(ids).logits
-    osft = apply_osft(model, config.model_type, urr=0.25, tokens_per_micro_batch=64)
+    osft = apply_osft(model, OSFTSettings(urr=0.25, max_tokens_per_micro_batch=64))
     with torch.no_grad():
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)

@@ -83,7 +83,7 @@ def test_plan_keep_modes_and_frozen_modules():
     assert not plan_module(48, 32, 0.75, 8, 5, 3).v_keep  # k_low 22 > 3 + 7: removing Rb is cheaper
     frozen = plan_module(16, 12, 0.5, 8, p_left=4, p_right=12)
     assert frozen.rank == 0 and frozen.frozen and frozen.trainable_params == 0
-    mod = OSFTLinear.from_weight(pretrained_like(16, 12), None, urr=0.5, tokens_per_micro_batch=8,
+    mod = OSFTLinear.from_weight(pretrained_like(16, 12), None, urr=0.5, max_tokens_per_micro_batch=8,
                                  protected=(torch.linalg.qr(torch.randn(16, 4))[0], torch.eye(12)))
     assert mod.plan.frozen and not mod.U_low.requires_grad and mod.U_basis.shape == (16, 4)
 
@@ -110,7 +110,7 @@ def test_chained_runs_keep_earlier_updates_untouched():
     torch.manual_seed(0)
     w0 = pretrained_like(48, 32)
     x, y = torch.randn(64, 32), torch.randn(64, 48)
-    a = train(OSFTLinear.from_weight(w0, None, urr=0.5, tokens_per_micro_batch=8), x, y)
+    a = train(OSFTLinear.from_weight(w0, None, urr=0.5, max_tokens_per_micro_batch=8), x, y)
     d = update(a)
     fold = fold_module(factors(a), energy=0.9, max_rank_ratio=1.0)
     # τ bound (the cap does not bind): the smallest r with at least 90% of ‖D‖_F² kept
@@ -127,7 +127,7 @@ def test_chained_runs_keep_earlier_updates_untouched():
     assert float((P.double().t() @ d).square().sum()) == pytest.approx(float(sigma_sq[:r].sum()), rel=1e-5)
 
     w_a = a.dense_weight().detach()
-    b = OSFTLinear.from_weight(w_a, None, urr=0.5, tokens_per_micro_batch=8, protected=(P, Q))
+    b = OSFTLinear.from_weight(w_a, None, urr=0.5, max_tokens_per_micro_batch=8, protected=(P, Q))
     rank = min(48 - r, 32 - r)
     assert (b.plan.rank, b.plan.k_high, b.plan.k_low) == (rank, rank // 2, rank - rank // 2)
     assert b.plan.p_left == b.plan.p_right == r
@@ -171,7 +171,7 @@ def test_toy_regression_inputs_variant_keeps_task_a_exactly():
     def loss_a(w):
         return float((x_a @ w.t() - y_a).square().mean())
 
-    a = train(OSFTLinear.from_weight(w0, None, urr=0.5, tokens_per_micro_batch=8), x_a, y_a, steps=150, lr=2e-2,
+    a = train(OSFTLinear.from_weight(w0, None, urr=0.5, max_tokens_per_micro_batch=8), x_a, y_a, steps=150, lr=2e-2,
               weight_decay=0.0)
     w_a = a.dense_weight().detach()
     assert loss_a(w_a) < 0.5 * loss_a(w0)
@@ -184,7 +184,7 @@ def test_toy_regression_inputs_variant_keeps_task_a_exactly():
     forgetting = {}
     for name, fold in folds.items():
         prot = None if fold is None else (fold.P, fold.Q)
-        b = OSFTLinear.from_weight(w_a, None, urr=0.5, tokens_per_micro_batch=8, protected=prot)
+        b = OSFTLinear.from_weight(w_a, None, urr=0.5, max_tokens_per_micro_batch=8, protected=prot)
         w_b = train(b, x_b, y_b, steps=150, lr=2e-2, weight_decay=0.0).dense_weight().detach()
         forgetting[name] = loss_a(w_b) - loss_a(w_a)
     assert forgetting["plain"] > 0.5 * loss_a(w_a), forgetting

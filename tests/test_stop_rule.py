@@ -179,10 +179,10 @@ def test_a_rank_that_aborts_in_native_code_leaves_its_python_stack_in_its_log(tm
               "def abort_in_native_code(self, *args, **kwargs):\n"
               "    os.abort()\n"
               "loop.Trainer.__init__ = abort_in_native_code\n"
-              "from osft.trainer.worker import main\n"
-              f"main(['--model-name-or-path', {str(tmp_path)!r}, '--data-path', {str(data)!r},"
-              f" '--output-dir', {str(tmp_path / 'run')!r}])\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+              "import runpy, sys\n"
+              "runpy.run_module('osft.trainer.worker', run_name='__main__')\n")
+    flags = ["--model-name-or-path", str(tmp_path), "--data-path", str(data), "--output-dir", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-c", script, *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGABRT
     assert "Fatal Python error: Aborted" in done.stderr
     stack = done.stderr.split("most recent call first", 1)[1]

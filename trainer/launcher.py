@@ -78,8 +78,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from .data.mixture import tokenize_for_run
     from .data.positions import check_positions, position_limit
     from .data.sampler import check_enough_samples, make_sampler
+    from .model_build import load_protected_bases
     from .model_loading import load_tokenizer
-    from .parallel import load_protected_bases
     from .schedule import check_warmup
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)

@@ -72,16 +72,17 @@ from .distributed import (
     shutdown_distributed,
 )
 from .metrics import MetricsLogger
-from .model_loading import load_tokenizer
+from .model_build import build_model, load_protected_bases
+from .model_loading import load_tokenizer, model_vocab_size
 from .osft.freeze import count_parameters, freeze_non_targets
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.protect import ModuleFold, fold_module, no_bases
+from .osft.settings import OSFTSettings
 from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
-from .parallel import build_model, load_protected_bases, model_vocab_size
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 from .schedule import build_scheduler, check_warmup
@@ -246,7 +247,8 @@ class Trainer:
         else:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
             bases = self._protected_bases()
-        self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, vocab_size=vocab,
+        osft_settings = OSFTSettings.from_config(cfg) if cfg.osft else None
+        self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, osft=osft_settings, vocab_size=vocab,
                                             from_checkpoint=resume_dir is not None, bases=bases, plans=plans,
                                             plan_ranks=self._plan_ranks)
         if self.osft and resume_dir is not None:
@@ -273,7 +275,7 @@ class Trainer:
             if warning:
                 self._warn(warning)
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
-        self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
+        self.projector = Projector(trained, osft_settings.v_projection, osft_settings.cache_v_basis) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay

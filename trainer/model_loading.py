@@ -43,6 +43,24 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
+def load_config(path: str | os.PathLike) -> Any:
+    """The model's ``transformers`` config (``AutoConfig``) from a Hugging Face directory or a
+    ``.gguf`` file; no weights are read.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`resolve_model_path`, or from ``AutoConfig``.
+    """
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model_path(path)
+    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+
+
+def model_vocab_size(path: str | os.PathLike) -> int:
+    """Rows of the model's input embedding table, from its config (:func:`load_config`)."""
+    return load_config(path).vocab_size
+
+
 def load_tokenizer(path: str | os.PathLike, require_chat_template: bool = True,
                    chat_template: str | os.PathLike | None = None) -> Any:
     """Load the tokenizer of a Hugging Face model directory or a ``.gguf`` file.

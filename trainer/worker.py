@@ -26,14 +26,8 @@ from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run this rank's part of the job; returns the exit code (:mod:`.exit_codes`).
-
-    A rank that dies in native code (SIGSEGV, SIGABRT from a C++ ``std::terminate``, SIGBUS) writes
-    the Python stack of every thread to its stderr first (``faulthandler``), so the rank's log under
-    ``logs/`` says where it was.
-    """
+    """Run this rank's part of the job; returns the exit code (:mod:`.exit_codes`)."""
     hold_signals()  # before anything slow is imported: a request during start-up is served (B49)
-    faulthandler.enable(all_threads=True)
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     finally:
@@ -85,4 +79,7 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # A rank that dies in native code (SIGABRT from a C++ std::terminate, SIGSEGV, SIGBUS) writes the
+    # Python stack of every thread to its stderr first, so the rank's log under logs/ says where it was.
+    faulthandler.enable(all_threads=True)
     sys.exit(main())

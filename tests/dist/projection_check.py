@@ -24,7 +24,7 @@ def modules():
     specs = [(9, 10, 0.2), (23, 9, 0.2), (14, 20, 0.5), (20, 14, 0.5)]
     mods = []
     for n, m, urr in specs:
-        mod = OSFTLinear.from_weight(torch.randn(n, m, generator=g), None, urr=urr, tokens_per_micro_batch=4)
+        mod = OSFTLinear.from_weight(torch.randn(n, m, generator=g), None, urr=urr, max_tokens_per_micro_batch=4)
         assert mod.V_basis.shape[0] == 7 or mod.U_basis.shape[1] == 7
         mod.U_low.grad = torch.randn(mod.U_low.shape, generator=g)
         mod.V_low.grad = torch.randn(mod.V_low.shape, generator=g)
@@ -35,24 +35,24 @@ def modules():
     return mods
 
 
-def project(named, v_form, cache):
-    projector = Projector(named, v_form, cache_v_basis=cache)
+def project(named, v_projection, cache):
+    projector = Projector(named, v_projection, cache_v_basis=cache)
     projector.project_gradients()
     projector.project_parameters()
     projector.project_parameters()  # second call uses the cached bases when caching
     return projector.check(margin_deg=1.0)
 
 
-def check(v_form, cache):
+def check(v_projection, cache):
     reference = modules()
-    ref_report = project([(f"m{i}", m) for i, m in enumerate(reference)], v_form, cache)
+    ref_report = project([(f"m{i}", m) for i, m in enumerate(reference)], v_projection, cache)
     sharded = modules()
     grads = [(m.U_low.grad, m.V_low.grad) for m in sharded]
     fully_shard(nn.Sequential(*sharded))  # one FSDP2 root over the modules
     for m, (gu, gv) in zip(sharded, grads):  # grads as FSDP would leave them: sharded like the params
         m.U_low.grad = distribute_tensor(gu, m.U_low.device_mesh, m.U_low.placements)
         m.V_low.grad = distribute_tensor(gv, m.V_low.device_mesh, m.V_low.placements)
-    report = project([(f"m{i}", m) for i, m in enumerate(sharded)], v_form, cache)
+    report = project([(f"m{i}", m) for i, m in enumerate(sharded)], v_projection, cache)
     return {
         "diff": max(max((a.U_low.grad - b.U_low.grad.full_tensor()).abs().max().item(),
                         (a.V_low.grad - b.V_low.grad.full_tensor()).abs().max().item(),
@@ -67,7 +67,7 @@ def check(v_form, cache):
 
 def main():
     dist.init_process_group("gloo")
-    result = {mode: check(v_form, cache) for mode, (v_form, cache) in
+    result = {mode: check(v_projection, cache) for mode, (v_projection, cache) in
               {"factored": ("factored", False), "gram": ("gram", False), "cached": ("factored", True)}.items()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

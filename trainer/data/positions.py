@@ -33,12 +33,9 @@ class PositionLimit:
 def position_limit(model_path: str | os.PathLike) -> PositionLimit | None:
     """``max_position_embeddings`` (GPT-2's ``n_positions``) of the model's config, None when it has
     none; rotary when the config has rotary settings (``rope_parameters``, ``rope_theta``)."""
-    from transformers import AutoConfig
+    from ..model_loading import load_config
 
-    from ..model_loading import resolve_model_path
-
-    directory, gguf_file = resolve_model_path(model_path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    config = load_config(model_path)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or limit <= 0:

@@ -4,6 +4,12 @@ Notation (Nayak et al. 2025, section 3): W = U diag(S) Vᵀ with W of shape N×M
 r = min(N, M). The k_high largest singular directions (U_high: N×k_high, S_high, V_high: k_high×M)
 are frozen; the remaining k_low = r − k_high directions (U_low: N×k_low, S_low: k_low,
 V_low: k_low×M) are trainable. k_high = floor(r · (1 − URR)), URR = unfreeze rank ratio in (0, 1].
+
+V_high and V_low are stored as rows, not columns: they are rows of Vᵀ, which is what
+``torch.linalg.svd`` returns as ``Vh`` (V_high = ``Vh[:k_high]``, k_high×M; V_low =
+``Vh[k_high:]``, k_low×M). The paper's V_high and V_low are the corresponding columns of V (M×k);
+here they are stored transposed, so the low part is U_low·diag(S_low)·V_low with no further
+transpose.
 """
 
 from __future__ import annotations
@@ -115,7 +121,7 @@ def protected_svd(weight: torch.Tensor, P: torch.Tensor, Q: torch.Tensor) -> tup
 LOW_RANK_GEMM_PENALTY = 48
 
 
-def choose_forward_form(n: int, m: int, k_low: int, tokens_per_micro_batch: int) -> ForwardForm:
+def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: int) -> ForwardForm:
     """Pick the cheaper forward/backward formulation for one OSFT module.
 
     Both keep the frozen part as one dense N×M matrix W_high:
@@ -132,15 +138,38 @@ def choose_forward_form(n: int, m: int, k_low: int, tokens_per_micro_batch: int)
     576×1536 1.19× / 1.08×. The model picks the faster one for each.
 
     Args:
-        n, m: weight shape (out, in). k_low: trainable rank. tokens_per_micro_batch: T.
+        n, m: weight shape (out, in). k_low: trainable rank. max_tokens_per_micro_batch: T, the
+            token budget of one packed micro-batch (``--max-tokens-per-gpu``).
 
     Returns:
         ``"dense"`` or ``"split"`` (ties go to ``split``, which needs no N×M temporary).
     """
-    t = max(int(tokens_per_micro_batch), 1)
+    t = max(int(max_tokens_per_micro_batch), 1)
     dense = 6 * t * n * m + 6 * n * m * k_low
     split = 4 * t * n * m + 6 * t * (k_low + LOW_RANK_GEMM_PENALTY) * (n + m)
     return "dense" if dense < split else "split"
+
+
+def module_layout(n: int, m: int, protected_rank: tuple[int, int] | None, plan: ModulePlan | None, urr: float | None,
+                  max_tokens_per_micro_batch: int | None, forward_form: ForwardForm | Literal["auto"]) -> ModulePlan:
+    """The layout of an OSFT module of an N×M weight: ``plan`` when given, checked to fit (N, M) and
+    the protected ranks ``protected_rank`` = (p_L, p_R) (None: any); else :func:`.plan.plan_module`
+    of (N, M, ``urr``, ``max_tokens_per_micro_batch``, p_L, p_R, ``forward_form``) with
+    (p_L, p_R) = (0, 0) for None. The one layout rule of :meth:`OSFTLinear.from_weight` and
+    :meth:`OSFTLinear.empty`.
+
+    Raises:
+        ValueError: a plan that does not fit; neither a plan nor ``urr`` and
+            ``max_tokens_per_micro_batch``; or from :func:`.plan.plan_module`.
+    """
+    if plan is None:
+        if urr is None or max_tokens_per_micro_batch is None:
+            raise ValueError("an OSFT module needs a plan, or urr and max_tokens_per_micro_batch")
+        return plan_module(n, m, urr, max_tokens_per_micro_batch, *(protected_rank or (0, 0)), forward_form)
+    if (plan.n, plan.m) != (n, m) or protected_rank not in (None, (plan.p_left, plan.p_right)):
+        raise ValueError(f"OSFT plan of a {plan.n}×{plan.m} weight with protected ranks ({plan.p_left}, {plan.p_right}) "
+                         f"does not fit a {n}×{m} weight with protected ranks {protected_rank}")
+    return plan
 
 
 class OSFTLinear(nn.Module):
@@ -168,12 +197,23 @@ class OSFTLinear(nn.Module):
 
     ``transposed`` is True for GPT-2 ``Conv1D`` targets, whose stored weight is Wᵀ (M×N); the
     export writes that layout back.
+
+    Raises:
+        ValueError: a tensor whose shape is not the plan's (:meth:`.plan.ModulePlan.tensor_shapes`).
     """
 
     def __init__(self, plan: ModulePlan, W_high: torch.Tensor, U_low: torch.Tensor, S_low: torch.Tensor,
                  V_low: torch.Tensor, U_basis: torch.Tensor, V_basis: torch.Tensor, P: torch.Tensor, Q: torch.Tensor,
                  sigma_frozen_min: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False) -> None:
         super().__init__()
+        given = dict(W_high=W_high, U_low=U_low, S_low=S_low, V_low=V_low, U_basis=U_basis, V_basis=V_basis, P=P, Q=Q,
+                     sigma_frozen_min=sigma_frozen_min)
+        shapes = plan.tensor_shapes()
+        wrong = [f"{k} {tuple(t.shape)} (plan: {shapes[k]})" for k, t in given.items() if tuple(t.shape) != shapes[k]]
+        if bias is not None and tuple(bias.shape) != (plan.n,):
+            wrong.append(f"bias {tuple(bias.shape)} (plan: {(plan.n,)})")
+        if wrong:
+            raise ValueError(f"OSFT tensors do not fit their plan: {', '.join(wrong)}")
         self.plan = plan
         self.W_high = nn.Parameter(W_high, requires_grad=False)
         self.U_basis = nn.Parameter(U_basis, requires_grad=False)
@@ -213,23 +253,25 @@ class OSFTLinear(nn.Module):
         cls,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        urr: float,
-        tokens_per_micro_batch: int,
+        urr: float | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         forward_form: ForwardForm | Literal["auto"] = "auto",
         transposed: bool = False,
         svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         protected: tuple[torch.Tensor, torch.Tensor] | None = None,
+        plan: ModulePlan | None = None,
     ) -> "OSFTLinear":
         """Decompose a dense weight (N×M, or M×N when ``transposed``) into an OSFT module.
 
         ``protected`` = (P, Q): orthonormal bases (N×p_L, M×p_R) of earlier runs' updates, frozen
-        in addition to this run's high part (None: p_L = p_R = 0). ``svd`` is the precomputed
-        :func:`protected_svd` of the N×M weight (computed here when None). W_high is formed in the
-        SVD's precision; every factor is then cast back to the weight's dtype and device.
-        ``forward_form="auto"`` uses :func:`choose_forward_form`.
+        in addition to this run's high part (None: p_L = p_R = 0). The layout is :func:`module_layout`
+        (``plan``, or the plan of ``urr``, ``max_tokens_per_micro_batch`` and ``forward_form``).
+        ``svd`` is the precomputed :func:`protected_svd` of the N×M weight (computed here when None).
+        W_high is formed in the SVD's precision; every factor is then cast back to the weight's dtype
+        and device.
 
         Raises:
-            ValueError: URR outside (0, 1], a weight that is not 2-D, or bases of the wrong shape.
+            ValueError: a weight that is not 2-D, bases of the wrong shape, or from :func:`module_layout`.
         """
         if weight.dim() != 2:
             raise ValueError(f"OSFT needs a 2-D weight, got shape {tuple(weight.shape)}")
@@ -238,7 +280,7 @@ class OSFTLinear(nn.Module):
         P, Q = protected if protected is not None else no_bases(n, m, like=w)
         if P.shape[0] != n or Q.shape[0] != m:
             raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a {n}×{m} weight")
-        plan = plan_module(n, m, urr, tokens_per_micro_batch, P.shape[1], Q.shape[1], forward_form)
+        plan = module_layout(n, m, (P.shape[1], Q.shape[1]), plan, urr, max_tokens_per_micro_batch, forward_form)
         U, S, Vh = svd if svd is not None else protected_svd(w, P, Q)
         kh = plan.k_high
         # W − U_low·diag(S_low)·V_low equals the frozen part up to rounding, costs k_low instead of
@@ -270,34 +312,31 @@ class OSFTLinear(nn.Module):
         n: int,
         m: int,
         has_bias: bool,
-        urr: float,
-        tokens_per_micro_batch: int,
+        urr: float | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         forward_form: ForwardForm | Literal["auto"] = "auto",
         transposed: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "meta",
-        protected_rank: tuple[int, int] = (0, 0),
+        protected_rank: tuple[int, int] | None = None,
         plan: ModulePlan | None = None,
     ) -> "OSFTLinear":
-        """A module of the same structure as :meth:`from_weight` would build for an N×M weight with
-        protected ranks ``protected_rank`` = (p_L, p_R), with uninitialised tensors (on the meta
-        device by default): the layout is :func:`.plan.plan_module` of (N, M, URR, T, p_L, p_R), or
-        ``plan`` when given (a resumed run builds from the plan its checkpoint stored). Ranks other
-        than 0 build these and receive the values from rank 0.
+        """A module of the same structure as :meth:`from_weight` builds for an N×M weight with
+        protected ranks ``protected_rank`` = (p_L, p_R) (None: the plan's, or (0, 0) without one),
+        with uninitialised tensors (on the meta device by default). The layout is
+        :func:`module_layout`, the tensors' shapes :meth:`.plan.ModulePlan.tensor_shapes`: the rules
+        :meth:`from_weight` follows. Ranks other than 0 build these and receive the values from
+        rank 0; a resumed run builds them from the plans its checkpoint stored.
+
+        Raises:
+            ValueError: from :func:`module_layout`.
         """
-        if plan is None:
-            plan = plan_module(n, m, urr, tokens_per_micro_batch, *protected_rank, forward_form)
-
-        def new(*shape):
-            return torch.empty(*shape, dtype=dtype, device=device)
-
-        kl = plan.k_low
-        return cls(
-            plan, W_high=new(n, m), U_low=new(n, kl), S_low=new(kl), V_low=new(kl, m),
-            U_basis=new(n, plan.u_basis_cols), V_basis=new(plan.v_basis_rows, m),
-            P=new(n, plan.p_left), Q=new(m, plan.p_right), sigma_frozen_min=new(1),
-            bias=new(n) if has_bias else None, transposed=transposed,
-        )
+        plan = module_layout(n, m, protected_rank, plan, urr, max_tokens_per_micro_batch, forward_form)
+        shapes = plan.tensor_shapes()
+        tensors = {name: torch.empty(shapes[name], dtype=dtype, device=device) for name in
+                   ("W_high", "U_low", "S_low", "V_low", "U_basis", "V_basis", "P", "Q", "sigma_frozen_min")}
+        bias = torch.empty(n, dtype=dtype, device=device) if has_bias else None
+        return cls(plan, bias=bias, transposed=transposed, **tensors)
 
     @property
     def k_low(self) -> int:

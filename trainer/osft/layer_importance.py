@@ -65,9 +65,9 @@ class RankPlan:
                 "tokens": self.tokens, "urr_by_module": self.urr_by_module}
 
 
-def calibration_batches(dataset, lengths: np.ndarray, num_samples: int, max_tokens: int) -> Iterator[dict]:
+def calibration_batches(dataset, lengths: np.ndarray, num_samples: int, max_tokens_per_micro_batch: int) -> Iterator[dict]:
     """The first ``num_samples`` samples of the tokenized training data as packed micro-batches of at
-    most ``max_tokens`` tokens (:func:`.data.packing.plan_micro_batches` on one rank, then
+    most ``max_tokens_per_micro_batch`` tokens (:func:`.data.packing.plan_micro_batches` on one rank, then
     :func:`.data.collate.collate_packed`): packed rows, no padding, position ids restart per sample.
 
     Args:
@@ -75,7 +75,7 @@ def calibration_batches(dataset, lengths: np.ndarray, num_samples: int, max_toke
         lengths: int array [len(dataset)], tokens of each row.
     """
     n = min(int(num_samples), len(lengths))
-    for micro in plan_micro_batches(lengths[:n], max_tokens, 1)[0]:
+    for micro in plan_micro_batches(lengths[:n], max_tokens_per_micro_batch, 1)[0]:
         yield collate_packed([dataset[int(i)] for i in micro])
 
 

@@ -70,6 +70,18 @@ class ModulePlan:
         """Rows of the stored V basis: k_low in keep mode, else p_R + k_high."""
         return self.k_low if self.v_keep else self.v_frozen
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor of the :class:`.decomposition.OSFTLinear` laid out by this plan
+        (bias apart, N): ``W_high`` N×M; ``U_low``, ``U_start`` N×k_low; ``S_low``, ``S_start``
+        k_low; ``V_low``, ``V_start`` k_low×M; ``U_basis`` N×:attr:`u_basis_cols`; ``V_basis``
+        :attr:`v_basis_rows`×M; ``P`` N×p_L; ``Q`` M×p_R; ``sigma_frozen_min`` 1. The one rule both
+        a decomposed module and a skeleton are built by."""
+        n, m, k = self.n, self.m, self.k_low
+        return {"W_high": (n, m), "U_low": (n, k), "S_low": (k,), "V_low": (k, m), "U_start": (n, k),
+                "S_start": (k,), "V_start": (k, m), "U_basis": (n, self.u_basis_cols),
+                "V_basis": (self.v_basis_rows, m), "P": (n, self.p_left), "Q": (m, self.p_right),
+                "sigma_frozen_min": (1,)}
+
     @property
     def trainable_params(self) -> int:
         """Trainable numbers of the factors: k_low·(N + M + 1) (bias not counted)."""
@@ -108,14 +120,15 @@ def split_rank(rank: int, urr: float) -> tuple[int, int]:
     return k_high, rank - k_high
 
 
-def plan_module(n: int, m: int, urr: float, tokens_per_micro_batch: int, p_left: int = 0, p_right: int = 0,
+def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_left: int = 0, p_right: int = 0,
                 forward_form: ForwardForm | Literal["auto"] = "auto") -> ModulePlan:
     """The layout of an N×M target with protected ranks (p_L, p_R) at unfreeze rank ratio ``urr``.
 
     Keep mode on a side needs [L, U_low] (or [Rb, V_lowᵀ]) to span that whole side, i.e.
     p + R equal to the side's dimension, so that keeping the complement's component equals removing
     L's; it is chosen when it is the smaller basis (k_low < p + k_high).
-    ``forward_form="auto"`` uses :func:`.decomposition.choose_forward_form`.
+    ``forward_form="auto"`` uses :func:`.decomposition.choose_forward_form` with T =
+    ``max_tokens_per_micro_batch`` (tokens).
 
     Raises:
         ValueError: URR outside (0, 1]; a protected rank below 0 or above the side's dimension.
@@ -128,7 +141,7 @@ def plan_module(n: int, m: int, urr: float, tokens_per_micro_batch: int, p_left:
     k_high, k_low = split_rank(rank, urr)
     u_keep = p_left + rank == n and k_low < p_left + k_high
     v_keep = p_right + rank == m and k_low < p_right + k_high
-    form = choose_forward_form(n, m, k_low, tokens_per_micro_batch) if forward_form == "auto" else forward_form
+    form = choose_forward_form(n, m, k_low, max_tokens_per_micro_batch) if forward_form == "auto" else forward_form
     return ModulePlan(n=n, m=m, urr=float(urr), p_left=p_left, p_right=p_right, rank=rank, k_high=k_high,
                       k_low=k_low, u_keep=u_keep, v_keep=v_keep, forward_form=form)
 

@@ -29,8 +29,6 @@ All products are computed in float32, also for bf16 factors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 
@@ -38,8 +36,7 @@ from . import indicators
 from .decomposition import OSFTLinear
 from .indicators import IndicatorReport
 from .orthogonality import OrthoReport, fraction_to_degrees
-
-VProjection = Literal["factored", "gram"]
+from .settings import VProjection
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,15 +67,16 @@ class Projector:
 
     Args:
         modules: ``(name, module)`` pairs in the same order on every rank.
-        v_form: ``"factored"`` (default) or ``"gram"``.
-        cache_v_basis: keep each all-gathered V basis after its first use (``--osft-cache-v-high``).
+        v_projection: ``"factored"`` (default) or ``"gram"`` (:attr:`.settings.OSFTSettings.v_projection`).
+        cache_v_basis: keep each all-gathered V basis after its first use
+            (:attr:`.settings.OSFTSettings.cache_v_basis`, ``--osft-cache-v-high``).
     """
 
-    def __init__(self, modules: Sequence[tuple[str, OSFTLinear]], v_form: VProjection = "factored",
+    def __init__(self, modules: Sequence[tuple[str, OSFTLinear]], v_projection: VProjection = "factored",
                  cache_v_basis: bool = False) -> None:
         self.names = [n for n, _ in modules]
         self.modules = [m for _, m in modules]
-        self.v_form = v_form
+        self.v_projection = v_projection
         self.cache_v_basis = cache_v_basis
         self._v_cache: dict[int, torch.Tensor] = {}
 
@@ -104,7 +102,7 @@ class Projector:
     def _project_v(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Projected local rows of V_low (or its gradient) of module ``i`` (float32)."""
         m, xf = self.modules[i], x.float()
-        if self.v_form == "gram":
+        if self.v_projection == "gram":
             local = _local(m.V_basis).float()
             gram = _sum_across_ranks(local.t() @ local, _is_sharded(m.V_basis))
             return xf @ gram if m.v_keep else xf - xf @ gram

@@ -1,22 +1,44 @@
-"""Module surgery: replace targeted linear layers by :class:`OSFTLinear`, and back to dense weights."""
+"""Module surgery: replace the targeted linear layers of a model by :class:`OSFTLinear`, and back to
+dense weights.
+
+Every OSFT module is built here, on one of three paths with one layout rule (each target's
+:class:`.plan.ModulePlan` from :meth:`.settings.OSFTSettings.plan` or a checkpoint, then
+:meth:`OSFTLinear.from_weight` or :meth:`OSFTLinear.empty` of that plan):
+
+- one rank (:func:`apply_osft`): every target is decomposed in place, the SVDs on threads.
+- several ranks (:func:`apply_osft` with ``world_size`` > 1; host memory does not grow with the
+  ranks of a node): rank 0 holds the weights, the other ranks the same architecture on the meta
+  device. Target i is decomposed by rank i mod world_size: rank 0 sends it the weight (point to
+  point, ``torch.distributed.send``/``recv``), it runs :func:`.decomposition.protected_svd` and
+  sends the factors back; meanwhile every rank works on its own share. Rank 0 builds the real
+  modules, the others skeletons whose values arrive with FSDP2's broadcast of rank 0's state.
+- resume (:func:`skeleton_osft`): skeletons laid out by the plans a full-state checkpoint stored,
+  no SVD; the values come from the checkpoint.
+"""
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-from .decomposition import ForwardForm, OSFTLinear, protected_svd
-from .targets import find_target_modules
+from .decomposition import OSFTLinear, protected_svd
+from .plan import ModulePlan
+from .protect import no_bases
+from .settings import OSFTSettings
+from .targets import find_target_modules, weight_matrix, weight_shape
 
 #: Protected bases by module name: (P: N×p_L, Q: M×p_R), see :mod:`.protect`.
 Bases = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+#: The thin SVD (U: N×R, S: R, Vh: R×M) of one target, see :func:`.decomposition.protected_svd`.
+SVD = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -33,49 +55,100 @@ class OSFTModel:
         return [m for _, m in self.modules]
 
 
-def apply_osft(
-    model: nn.Module,
-    model_type: str,
-    urr: float,
-    tokens_per_micro_batch: int,
-    patterns: Sequence[str] | None = None,
-    forward_form: ForwardForm | Literal["auto"] = "auto",
-    urr_by_module: Mapping[str, float] | None = None,
-    bases: Bases | None = None,
-) -> OSFTModel:
-    """Decompose every target of ``model`` in place (see :func:`.targets.find_target_modules`).
+@dataclass(frozen=True)
+class Target:
+    """One OSFT target of a model before the surgery: its full ``name``, the dense ``module``
+    (``nn.Linear`` or GPT-2 ``Conv1D``), its layout ``plan`` and its protected bases ``protected``
+    = (P: N×p_L, Q: M×p_R) of earlier runs (None: nothing protected)."""
 
-    Every other parameter keeps training normally. ``urr_by_module`` overrides ``urr`` for the
-    modules it names; ``bases`` gives protected subspaces (P, Q) per module name (others start
-    with p_L = p_R = 0). Returns the replaced modules.
+    name: str
+    module: nn.Module
+    plan: ModulePlan
+    protected: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def plan_targets(model: nn.Module, settings: OSFTSettings, urr_by_module: Mapping[str, float] | None = None,
+                 bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None) -> list[Target]:
+    """The targets of ``model`` (:func:`.targets.find_target_modules` with the settings' patterns),
+    each with its layout.
+
+    Without ``plans``, a target's plan is :meth:`.settings.OSFTSettings.plan` of its shape, its
+    protected ranks (``bases``: (P, Q) by module name; others p_L = p_R = 0) and its URR
+    (``urr_by_module[name]`` where given, else the settings'). With ``plans`` (the plans a
+    checkpoint stored, by module name), each target takes its stored plan.
 
     Raises:
-        ValueError: from target matching or an URR outside (0, 1].
+        ValueError: from target matching or planning; with ``plans``, a target without a stored plan
+            or one whose shape differs from its plan.
     """
-    names = find_target_modules(model, model_type, patterns)
+    targets = []
+    for name in find_target_modules(model, model.config.model_type, settings.target_patterns):
+        module = model.get_submodule(name)
+        n, m = weight_shape(module)
+        protected = (bases or {}).get(name)
+        if plans is None:
+            p_left, p_right = (protected[0].shape[1], protected[1].shape[1]) if protected is not None else (0, 0)
+            plan = settings.plan(n, m, p_left, p_right, urr=(urr_by_module or {}).get(name))
+        else:
+            plan = plans.get(name)
+            if plan is None or (plan.n, plan.m) != (n, m):
+                raise ValueError(f"OSFT module {name} ({n}×{m}): the checkpoint stores no plan of this shape for it")
+        targets.append(Target(name, module, plan, protected))
+    return targets
+
+
+def apply_osft(model: nn.Module, settings: OSFTSettings, urr_by_module: Mapping[str, float] | None = None,
+               bases: Bases | None = None, rank: int = 0, world_size: int = 1) -> OSFTModel:
+    """Decompose every target of ``model`` in place (see :func:`plan_targets` for ``urr_by_module``
+    and ``bases``; the same on every rank). Every other parameter keeps training normally.
+
+    With ``world_size`` > 1 every rank of the default process group must call it (collective, see
+    the module docstring): rank 0 with the real weights, the others with the model on the meta
+    device; rank 0 gets the decomposed modules, the others meta-device skeletons.
+
+    Returns:
+        The replaced modules and the time taken (s).
+
+    Raises:
+        ValueError: from :func:`plan_targets`.
+    """
     start = time.perf_counter()
-    olds = [model.get_submodule(name) for name in names]
-    protected = [(bases or {}).get(name) for name in names]
+    targets = plan_targets(model, settings, urr_by_module, bases)
+    svds = _threaded_svds(targets) if world_size == 1 else _svds_over_ranks(targets, rank, world_size)
+    return OSFTModel(modules=_replace_targets(model, targets, svds, "meta"), svd_seconds=time.perf_counter() - start)
+
+
+def skeleton_osft(model: nn.Module, settings: OSFTSettings, device: torch.device | str,
+                  plans: Mapping[str, ModulePlan] | None) -> OSFTModel:
+    """Replace every target by an uninitialised :meth:`OSFTLinear.empty` on ``device`` with the
+    layout its checkpoint stored (``plans`` by module name; no SVD): the values come from a
+    full-state checkpoint. ``plans=None`` (a checkpoint from before plans were stored) lays out
+    unprotected modules at the settings' URR.
+
+    Raises:
+        ValueError: from :func:`plan_targets`.
+    """
+    targets = plan_targets(model, settings, plans=plans)
+    return OSFTModel(modules=_replace_targets(model, targets, itertools.repeat(None), device), svd_seconds=0.0)
+
+
+def _replace_targets(model: nn.Module, targets: Sequence[Target], svds: Iterable[SVD | None],
+                     device: torch.device | str) -> list[tuple[str, OSFTLinear]]:
+    """Put an :class:`OSFTLinear` in place of each target: decomposed from its weight with its SVD,
+    or, where the SVD is None, an uninitialised skeleton on ``device`` in the weight's dtype."""
     replaced = []
-    for name, old, prot, svd in zip(names, olds, protected, _parallel_svds(olds, protected)):
-        new = OSFTLinear.from_weight(
-            old.weight,
-            old.bias,
-            urr=module_urr(name, urr, urr_by_module),
-            tokens_per_micro_batch=tokens_per_micro_batch,
-            forward_form=forward_form,
-            transposed=isinstance(old, Conv1D),
-            svd=svd,
-            protected=prot,
-        )
-        replace_module(model, name, new)
-        replaced.append((name, new))
-    return OSFTModel(modules=replaced, svd_seconds=time.perf_counter() - start)
-
-
-def module_urr(name: str, urr: float, urr_by_module: Mapping[str, float] | None) -> float:
-    """The URR of module ``name``: ``urr_by_module[name]`` where given, else ``urr``."""
-    return (urr_by_module or {}).get(name, urr)
+    for target, svd in zip(targets, svds):
+        old = target.module
+        transposed = weight_matrix(old)[1]
+        if svd is None:
+            new = OSFTLinear.empty(target.plan.n, target.plan.m, old.bias is not None, transposed=transposed,
+                                   dtype=old.weight.dtype, device=device, plan=target.plan)
+        else:
+            new = OSFTLinear.from_weight(old.weight, old.bias, transposed=transposed, svd=svd,
+                                         protected=target.protected, plan=target.plan)
+        replace_module(model, target.name, new)
+        replaced.append((target.name, new))
+    return replaced
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -84,20 +157,22 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _parallel_svds(modules: Sequence[nn.Module], protected: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
-                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:func:`.decomposition.protected_svd` of each module's N×M weight with its protected bases
-    (None: none), in order.
+def _svd(weight: torch.Tensor, protected: tuple[torch.Tensor, torch.Tensor] | None) -> SVD:
+    """:func:`.decomposition.protected_svd` of an N×M weight with its protected bases (None: none)."""
+    return protected_svd(weight, *(protected or no_bases(*weight.shape, like=weight)))
+
+
+def _threaded_svds(targets: Sequence[Target]) -> Iterator[SVD]:
+    """The SVD of each target's N×M weight with its protected bases, in order, on one rank.
 
     On CPU the decompositions run on as many threads as torch has intra-op threads, each with one
     intra-op thread (small LAPACK calls scale poorly across cores; measured 1.4× faster on 2 cores).
     Each matrix is still decomposed by one thread, so the result does not depend on scheduling.
     """
-    weights = [m.weight.t() if isinstance(m, Conv1D) else m.weight for m in modules]
-    pairs = [prot or (w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)) for w, prot in zip(weights, protected)]
+    weights = [weight_matrix(t.module)[0] for t in targets]
 
-    def one(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return protected_svd(weights[i], *pairs[i])
+    def one(i: int) -> SVD:
+        return _svd(weights[i], targets[i].protected)
 
     if not weights or weights[0].is_cuda:
         yield from (one(i) for i in range(len(weights)))
@@ -109,6 +184,44 @@ def _parallel_svds(modules: Sequence[nn.Module], protected: Sequence[tuple[torch
             yield from pool.map(one, range(len(weights)))
     finally:
         torch.set_num_threads(threads)
+
+
+def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> Iterator[SVD | None]:
+    """The SVDs of the targets spread over the ranks (see the module docstring): on rank 0 each
+    target's SVD in order (float64 CPU factors), on the others None for each. Collective; the
+    factors of target i reach rank 0 as the caller asks for item i."""
+    owner = [i % world_size for i in range(len(targets))]
+    mine: dict[int, torch.Tensor] = {}
+    # 1. weights from rank 0 to their owners
+    for i, target in enumerate(targets):
+        w = None
+        if rank == 0:
+            w = weight_matrix(target.module)[0].detach().contiguous()
+            if owner[i] != 0:
+                dist.send(w, dst=owner[i])
+        elif owner[i] == rank:
+            w = torch.empty(target.plan.n, target.plan.m, dtype=target.module.weight.dtype)
+            dist.recv(w, src=0)
+        if owner[i] == rank:
+            mine[i] = w
+    # 2. every rank decomposes its share
+    factors = {i: _svd(w, targets[i].protected) for i, w in mine.items()}
+    # 3. factors back to rank 0, one target at a time
+    for i, target in enumerate(targets):
+        if rank == 0 and owner[i] == 0:
+            yield factors.pop(i)
+        elif rank == 0:
+            n, m, r = target.plan.n, target.plan.m, target.plan.rank
+            svd = (torch.empty(n, r, dtype=torch.float64), torch.empty(r, dtype=torch.float64),
+                   torch.empty(r, m, dtype=torch.float64))
+            for t in svd:
+                dist.recv(t, src=owner[i])
+            yield svd
+        else:
+            if owner[i] == rank:
+                for t in factors.pop(i):
+                    dist.send(t.contiguous(), dst=0)
+            yield None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -37,9 +38,17 @@ def is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D))
 
 
+def weight_matrix(module: nn.Module) -> tuple[torch.Tensor, bool]:
+    """``(W, transposed)``: the weight of a linear-like module as the N×M (out×in) matrix of
+    y = x·Wᵀ + b (a view of the parameter, no copy), and whether the module stores it transposed
+    (GPT-2 ``Conv1D`` stores Wᵀ, M×N; ``nn.Linear`` stores W)."""
+    transposed = isinstance(module, Conv1D)
+    return (module.weight.t() if transposed else module.weight), transposed
+
+
 def weight_shape(module: nn.Module) -> tuple[int, int]:
-    """(N, M) = (out, in) of a linear-like module's weight (GPT-2 ``Conv1D`` stores it transposed)."""
-    n, m = module.weight.t().shape if isinstance(module, Conv1D) else module.weight.shape
+    """(N, M) = (out, in) of a linear-like module's weight (:func:`weight_matrix`)."""
+    n, m = weight_matrix(module)[0].shape
     return int(n), int(m)
 
 
