@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``osft-train``; returns the process exit code (:mod:`.exit_codes`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] not in ([name] for name in NOT_TRAINING):
-        hold_signals()  # before anything slow is imported (field case B49)
+        hold_signals()  # before anything slow is imported (test_stop_rule.py)
     try:
         return _main(argv)
     finally:

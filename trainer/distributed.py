@@ -51,7 +51,7 @@ def is_distributed() -> bool:
 
 def init_distributed(env: DistEnv, device: torch.device) -> None:
     """Join the job's process group when ``world_size > 1``: NCCL for CUDA devices, gloo on CPU
-    (field case B24: control tensors then live on the backend's device). No-op for one rank."""
+    (control tensors then live on the backend's device, :func:`backend_device`). No-op for one rank."""
     if env.world_size == 1 or dist.is_initialized():
         return
     if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""The paragraph ``osft-train`` prints when its worker group fails (field case B50): which rank died
+"""The paragraph ``osft-train`` prints when its worker group fails (tests/test_stop_rule.py::test_a_dead_rank_ends_with_one_paragraph_and_a_worker_holds_start_up_signals): which rank died
 and how (exit code or signal, its error message), at which step, the newest complete checkpoint and
 the command that resumes from it. Exit code 1 (:data:`.exit_codes.EXIT_FAILED`), no traceback.
 """

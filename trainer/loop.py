@@ -107,7 +107,7 @@ class TrainResult:
 
     def summary(self) -> str:
         """One line for the console: steps, last loss and violations; after a resume with no
-        step left, that no step was trained (field case B50)."""
+        step left, that no step was trained (tests/test_stop_rule.py)."""
         if self.steps_run == 0:
             return (f"no step left to train: the run was resumed at step {self.steps}, its last step; "
                     f"orthogonality violations {self.violations_total}")
@@ -154,7 +154,7 @@ def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
     return np.fromiter((sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels), dtype=np.int64, count=len(labels))
 
 
-#: Test-only hook (field case B22): "STEP:LOCAL_RANK" makes that local rank log a warning after that step.
+#: Test-only hook (tests/test_distributed.py, local-rank-1 warnings): "STEP:LOCAL_RANK" makes that local rank log a warning after that step.
 TEST_WARNING_ENV = "OSFT_TEST_WARN_AT"
 #: Test-only hook: "1" adds ``state_sha256`` (every parameter and optimizer tensor of every rank)
 #: to each step record, to compare runs bit for bit.

@@ -2,7 +2,8 @@
 
 Each node's LOCAL_RANK 0 writes ``metrics/node<N>.jsonl``; any other rank writes only its warnings
 and errors, to ``metrics/rank<R>.jsonl``, so no two processes share a file and nothing a non-zero
-local rank reports is swallowed by the gate (field cases B05, B22).
+local rank reports is swallowed by the gate
+(tests/test_distributed.py::test_projection_modes_give_the_same_parameters_and_local_rank_1_warnings_reach_the_run_dir).
 """
 
 from __future__ import annotations

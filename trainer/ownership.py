@@ -1,4 +1,4 @@
-"""One run per output directory (field case B59): who may start a job in a run directory.
+"""One run per output directory (tests/test_output_dir_ownership.py): who may start a job in a run directory.
 
 Each node's launcher checks its own state file (``run.json`` on node 0, ``run.node<N>.json`` on
 node N, :class:`.rundir.RunDir`) before it writes anything:

@@ -81,7 +81,7 @@ def restore_position(scheduler: LambdaLR, state: dict) -> list[float]:
 
 
 def check_warmup(warmup_steps: int, total_steps: int, start_step: int = 0) -> str | None:
-    """Field case B55: a warmup that covers the whole run.
+    """A warmup that covers the whole run (tests/test_schedule.py).
 
     The warmup rises linearly from 0, so the peak learning rate is first used at step index
     ``warmup_steps``; a run of ``total_steps`` optimizer steps reaches it only if

@@ -27,7 +27,7 @@ from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
 
 def main(argv: list[str] | None = None) -> int:
     """Run this rank's part of the job; returns the exit code (:mod:`.exit_codes`)."""
-    hold_signals()  # before anything slow is imported: a request during start-up is served (B49)
+    hold_signals()  # before anything slow is imported: a request during start-up is served (test_stop_rule.py)
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     finally:

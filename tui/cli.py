@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``osft-tui``; returns the exit code."""
-    hold_signals(ENDING_SIGNALS)  # before Textual is imported: the app ends on them once it runs (B49)
+    hold_signals(ENDING_SIGNALS)  # before Textual is imported: the app ends on them once it runs
     try:
         return _main(argv)
     finally:

@@ -1,6 +1,7 @@
 """Reading a run directory in a process of its own.
 
-A run can write tens of thousands of metrics records and log lines per second (field case B29).
+A run can write tens of thousands of metrics records and log lines per second
+(tests/test_bench_tui.py, tests/test_tui_reading.py).
 Parsing them on the dashboard's UI thread would take the CPU the UI needs to answer a key press,
 and a thread would not help (the GIL). So a child process runs the :class:`~.watcher.RunWatcher`
 and sends the UI, once per poll, a snapshot of the :class:`~.run_state.RunModel` (a few KB) and at

@@ -12,7 +12,7 @@ One ``step_<N>`` directory (docs/architecture.md section 5)::
                            the checksum of the frozen factors' manifest
 
 Per-rank state lives in per-rank files: under one shared DCP key only one rank's copy would be kept
-and every rank would load it back (field case B13). The frozen factors W_high, U_basis and V_basis
+and every rank would load it back (per-rank RNG files: tests/test_resume.py). The frozen factors W_high, U_basis and V_basis
 and the other frozen parameters of :data:`FROZEN_PARAMS` never change during a run: they are written
 once, to ``frozen_<job_id>-<token>/``, and referenced.
 """
@@ -63,7 +63,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 #: computes the run's update, also after a resume) and the smallest frozen singular value.
 FROZEN_PARAMS = ("W_high", "U_basis", "V_basis", "P", "Q", "U_start", "S_start", "V_start", "sigma_frozen_min")
 
-#: Test-only hook (field case B02): "SECONDS" or "SECONDS@STEP": sleep that long after the shards
+#: Test-only hook (tests/test_resume.py, the grace-period test): "SECONDS" or "SECONDS@STEP": sleep that long after the shards
 #: are written and before the manifest (of every save, or of the save of that step).
 TEST_SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
 

@@ -1,6 +1,7 @@
-"""What must match between a full-state checkpoint and the run resuming from it (field cases B12,
-B13): checked by the launcher before any rank starts, and again by every rank; and what may change
-(field case B46): the optimisation settings, which the resumed run uses from its first step."""
+"""What must match between a full-state checkpoint and the run resuming from it: checked by the
+launcher before any rank starts, and again by every rank (tests/test_resume.py::
+test_periodic_checkpoints_retention_vocab_and_bad_checkpoints); and what may change: the
+optimisation settings, which the resumed run uses from its first step (tests/test_resume_settings.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight
 
 
 def check_resume_compatible(saved: dict, cfg: TrainConfig, world_size: int, sampler, path: Path) -> list[str]:
-    """Compare a checkpoint's ``trainer_state.json`` with this run (field cases B12, B13); ``sampler``
+    """Compare a checkpoint's ``trainer_state.json`` with this run; ``sampler``
     is this run's (:mod:`..data.sampler`), whose ``layout()`` (the data size, a mixture's sizes and
     weights) must be the checkpoint's.
 

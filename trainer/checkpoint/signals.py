@@ -160,7 +160,7 @@ def hold_signals(signals: tuple[int, ...] = CHECKPOINT_SIGNALS) -> None:
     :func:`install_handlers` takes them over (and serves what arrived meanwhile),
     :func:`take_held_signals` hands them to the caller, or :func:`release_held_signals` gives them
     their previous handling back. Each entry point calls it first, before anything slow is
-    imported, so a signal during start-up never takes its default action (field case B49).
+    imported, so a signal during start-up never takes its default action (tests/test_stop_rule.py).
     A second call while held does nothing."""
     global _held
     if _held is not None:

@@ -124,7 +124,7 @@ def _is_complete(step_dir: Path) -> bool:
 
 def check_shared(root: Path, rank: int, hostname: str) -> None:
     """Collective start-up check that the checkpoint root is one directory for every rank
-    (field case B10): rank 0 writes a sentinel with a random token, every rank reads it back.
+    (tests/test_resume.py::test_checkpoint_directory_not_shared_between_nodes_fails_at_start): rank 0 writes a sentinel with a random token, every rank reads it back.
 
     Raises:
         ValueError: on every rank, naming the ranks and hosts that could not see the sentinel.

@@ -170,7 +170,7 @@ def make_sampler(sizes: list[int], weights: list[float] | None, batch_size: int,
 
 
 def check_enough_samples(num_samples: int, world_size: int) -> None:
-    """Every rank needs at least one sample per epoch (field case B25).
+    """Every rank needs at least one sample per epoch (tests/test_distributed.py::test_fewer_samples_than_ranks_fails_at_start).
 
     Raises:
         ValueError: ``num_samples < world_size``; the message names both counts.

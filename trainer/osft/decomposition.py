@@ -32,8 +32,8 @@ GRAM_EIGH_MAX_COND = 1e5
 def thin_svd(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD W = U·diag(S)·Vh of a 2-D weight, in float32 or better whatever its dtype.
 
-    On CUDA: ``torch.linalg.svd`` in float32 (there is no half-precision SVD kernel, field case
-    B21). On CPU: the eigendecomposition of the smaller Gram matrix (WᵀW or WWᵀ) in float64, then
+    On CUDA: ``torch.linalg.svd`` in float32 (there is no half-precision SVD
+    kernel). On CPU: the eigendecomposition of the smaller Gram matrix (WᵀW or WWᵀ) in float64, then
     U = W·V/S (also float64); about 1.5× faster than LAPACK's float32 ``gesdd`` on SmolLM2's shapes
     with 2 cores, and more accurate. Weights with a condition number above
     :data:`GRAM_EIGH_MAX_COND` (rank-deficient ones included) fall back to float64

@@ -2,7 +2,7 @@
 
 Before the optimizer step the gradients of U_low and V_low are projected out of the frozen
 subspaces; after it, U_low and V_low themselves are re-projected, because AdamW's element-wise
-rescaling and decoupled weight decay move them back into those subspaces (field case B20).
+rescaling and decoupled weight decay move them back into those subspaces (tests/test_osft_math.py::test_violations_appear_without_post_step_reprojection).
 
 U side (columns, N×k_low):  X ← X − U_high(U_highᵀ X)       or, in keep mode, X ← U_c(U_cᵀ X).
 V side (rows, k_low×M), factored: X ← X − (X V_highᵀ) V_high   or X ← (X V_cᵀ) V_c.
