@@ -10,8 +10,9 @@ for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`).
 ``--config FILE`` reads flag values from a YAML file (:mod:`.config_file`); ``--print-config``
 prints the resolved config as such a file and exits with code 0.
 
-Exit codes: 0 training completed; 1 training failed; 2 bad input (flags, config file, data, model
-path, checkpoint to resume from), reported on one line (data problems: one line per problem) before any
+Exit codes: 0 training completed, or ended by the forgetting budget or early stopping (the reason
+is printed and in ``run_finished``); 1 training failed, a divergence included; 2 bad input (flags,
+config file, data, model path, checkpoint to resume from), reported on one line (data problems: one line per problem) before any
 training starts; 75 stopped on request after writing a complete full-state checkpoint (resume
 with ``--resume``); 128 + N stopped by signal N without a checkpoint (``--on-demand-checkpointing``
 off, several ranks).
@@ -108,14 +109,16 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
     """Train in this process (one rank) or through a torchrun worker group.
 
     Returns:
-        ``(exit code, export dir)``: 0 and the final export, or :data:`EXIT_STOPPED` and None.
+        ``(exit code, export dir)``: 0 and the run's export (the final one, or ``hf_format/best``
+        after the forgetting budget ended it, None when no evaluation was within budget), or
+        :data:`EXIT_STOPPED` or :data:`EXIT_FAILED` (a divergence) and None.
 
     Raises:
         InputError: bad data, model path or sample count (before any training).
         RuntimeError: the worker group failed.
     """
     from .data.validate import DataValidationError
-    from .launcher import launch, preflight
+    from .launcher import finished_record, launch, preflight
     from .loop import Trainer
     from .rundir import RunDir, write_text_atomic
 
@@ -142,10 +145,9 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
         if in_process:
             run_dir.update_run_json(state="running")
             result = trainer.run()
-            code = result.exit_code
+            code, reason, export_dir = result.exit_code, result.reason, result.export_dir
             summary = (f"{result.steps} steps, last loss {result.last_loss:.4f}, "
                        f"orthogonality violations {result.violations_total}")
-            export_dir = result.export_dir
         else:
             code = launch(cfg, console, job_id)
             if code > 128:
@@ -153,10 +155,11 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
                 console.print(f"stopped by {signal.Signals(code - 128).name} without a checkpoint "
                               "(--on-demand-checkpointing is off)", markup=False, highlight=False)
                 return code, None
-            if code not in (EXIT_COMPLETED, EXIT_STOPPED):
+            finished = finished_record(run_dir, cfg.node_rank, job_id)
+            reason, export_dir = finished.get("reason") or "completed", finished.get("export_dir")
+            if code not in (EXIT_COMPLETED, EXIT_STOPPED) and reason != "diverged":
                 raise RuntimeError(f"worker group exited with code {code}; rank logs under {run_dir.root / 'logs'}")
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
-            export_dir = str(run_dir.root / "hf_format" / f"step_{_last_step(run_dir)}") if code == EXIT_COMPLETED else None
     except BaseException:
         run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
         raise
@@ -165,8 +168,14 @@ def _train(cfg, console: Console) -> tuple[int, str | None]:
         console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
                       "continue with --resume", soft_wrap=True)
         return code, None
-    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir)
-    console.print(f"[green]done[/green]: {escape(summary)}, export {escape(export_dir)}", soft_wrap=True)
+    if reason == "diverged":
+        run_dir.update_run_json(state="failed", exit_code=code, reason=reason)
+        console.print(f"[bold red]diverged[/bold red]: training stopped with a checkpoint of the last good step "
+                      f"(exit code {code}); see the divergence record in {run_dir.metrics}", soft_wrap=True)
+        return code, None
+    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir, reason=reason)
+    ended = "" if reason == "completed" else f" ({reason.replace('_', ' ')})"
+    console.print(f"[green]done[/green]{ended}: {escape(summary)}, export {escape(str(export_dir))}", soft_wrap=True)
     return code, export_dir
 
 
@@ -177,14 +186,6 @@ def _job_id(cfg) -> str:
         return uuid.uuid4().hex[:12]
     key = f"{Path(cfg.output_dir).resolve()}|{cfg.rdzv_endpoint}"
     return hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def _last_step(run_dir) -> int:
-    """Step of the newest ``hf_format/step_<N>`` export."""
-    steps = [int(p.name.split("_", 1)[1]) for p in (run_dir.root / "hf_format").glob("step_*") if p.name.split("_", 1)[1].isdigit()]
-    if not steps:
-        raise RuntimeError(f"the worker group finished without an export under {run_dir.root / 'hf_format'}")
-    return max(steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,8 +56,8 @@ AGENT_IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
 
 
 def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
-    """Validate and tokenize the data with the model's tokenizer, once, and resolve and verify the
-    checkpoint to resume from, before any rank starts.
+    """Validate and tokenize the data (training, evaluation and retention sets) with the model's
+    tokenizer, once, and resolve and verify the checkpoint to resume from, before any rank starts.
 
     Returns:
         the config the ranks get: ``--resume`` replaced by the checkpoint it found (or dropped).
@@ -74,12 +74,18 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from .checkpoint.store import newest_complete, verify_checkpoint
     from .data.cache import tokenize_chat_file_cached
     from .data.sampler import check_enough_samples
+    from .eval_sets import load_eval_sets, split_training_data
     from .model_loading import load_tokenizer
     from .parallel import load_protected_bases
 
     tokenizer = load_tokenizer(cfg.model_name_or_path)
-    data, _ = tokenize_chat_file_cached(cfg.data_path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all,
-                                        cache_dir=cfg.data_cache_dir)
+
+    def tokenize(path: str):
+        return tokenize_chat_file_cached(path, tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all,
+                                         cache_dir=cfg.data_cache_dir)[0]
+
+    data, _held_out = split_training_data(tokenize(cfg.data_path), cfg.eval_split, cfg.data_path)
+    load_eval_sets(cfg.eval_data_path, cfg.retention_data_path, None, None, tokenize)  # validated once, cached
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
     if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
@@ -116,10 +122,11 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
     return cmd + config_to_argv(cfg)
 
 
-def _finished_code(run_dir: RunDir, node_rank: int, job_id: str) -> int | None:
-    """Exit code of this job's last ``run_finished`` record in ``metrics/node<N>.jsonl``, if any."""
+def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
+    """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
+    ``exit_code``, ``reason`` and ``export_dir``."""
     path = run_dir.metrics / f"node{node_rank}.jsonl"
-    code = None
+    found: dict = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
@@ -127,8 +134,8 @@ def _finished_code(run_dir: RunDir, node_rank: int, job_id: str) -> int | None:
             except json.JSONDecodeError:
                 continue
             if rec.get("event") == "run_finished" and rec.get("job_id") == job_id:
-                code = rec.get("exit_code")
-    return code
+                found = rec
+    return found
 
 
 def _ignore_agent_signals() -> None:
@@ -222,7 +229,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str) -> int:
         trigger.remove()
     if stopped_by:
         return 128 + stopped_by[0]
-    stopped = _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED
+    stopped = finished_record(run_dir, cfg.node_rank, job_id).get("exit_code") == EXIT_STOPPED
     # A scheduler that signals every process of the job (SLURM's scancel and time limit send SIGTERM)
     # also stops torchrun's agent, which then fails even though the ranks saved and stopped.
     if killed or (code != 0 and not (deadline and stopped)):

@@ -60,6 +60,7 @@ from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.sampler import GlobalBatchSampler, check_enough_samples
 from .data.tokenize import IGNORE_INDEX, tokenize_chat_file
+from .divergence import Diverged
 from .distributed import (
     DistEnv,
     agree,
@@ -71,6 +72,7 @@ from .distributed import (
 )
 from .metrics import MetricsLogger
 from .model_loading import load_tokenizer
+from .monitor import RunEnd, RunMonitor
 from .osft.freeze import count_parameters, freeze_non_targets
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
@@ -90,7 +92,9 @@ from .trackers import open_trackers
 class TrainResult:
     """Outcome of :meth:`Trainer.run`: steps done, the last loss, the total orthogonality violations,
     the final HF export (None when the run stopped on request), the last full-state checkpoint
-    written (or None) and the exit code (0 completed, :data:`.checkpoint.signals.EXIT_STOPPED`)."""
+    written (or None), the exit code (0 completed or ended by an evaluation rule,
+    :data:`.checkpoint.signals.EXIT_STOPPED`, :data:`.monitor.EXIT_DIVERGED`) and the reason of
+    ``run_finished``."""
 
     steps: int
     last_loss: float
@@ -98,6 +102,7 @@ class TrainResult:
     export_dir: str | None
     checkpoint: str | None = None
     exit_code: int = 0
+    reason: str = "completed"
 
 
 class StepInterrupted(Exception):
@@ -175,6 +180,7 @@ class Trainer:
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
         self.checkpointer: Checkpointer | None = None
         self.rank_plan: RankPlan | None = None
+        self.monitor = RunMonitor(self)
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -194,13 +200,7 @@ class Trainer:
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()
-        args = (cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
-        if cfg.data_cache:
-            self.data, hit = tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir)
-            if hit:
-                self._say("data: tokenized data loaded from the cache")
-        else:
-            self.data = tokenize_chat_file(*args)
+        self.data = self.monitor.prepare_data(self._tokenize(cfg.data_path), self._tokenize)
         if self.dist.is_local_main:
             barrier()
         check_enough_samples(len(self.data), self.dist.world_size)
@@ -262,17 +262,40 @@ class Trainer:
         self.total_steps = cfg.max_steps or cfg.num_epochs * self.sampler.steps_per_epoch
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
-        if cfg.checkpointing or resume_dir is not None:
-            self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
+        # Always: a divergence or an evaluation rule that ends the run checkpoints it.
+        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
         if cfg.checkpointing:
             check_shared(root, self.dist.rank, self.dist.hostname)
         if resume_dir is not None:
-            state, rng = self.checkpointer.load(resume_dir)
-            self.start_step = state["step"]
-            self.counters = dict(state["counters"])
-            restore_rng(rng)  # last: nothing after this draws random numbers before training
+            self.start_step = self.load_checkpoint(resume_dir)
             self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir))
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def _tokenize(self, path: str):
+        """Validate and tokenize one chat file (through the data cache unless ``--no-data-cache``).
+
+        Raises:
+            DataValidationError: every problem of the file. ValueError: an unusable file.
+        """
+        cfg = self.cfg
+        args = (path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+        if not cfg.data_cache:
+            return tokenize_chat_file(*args)
+        data, hit = tokenize_chat_file_cached(*args, cache_dir=cfg.data_cache_dir)
+        if hit:
+            self._say("data: tokenized data loaded from the cache" if path == cfg.data_path
+                      else f"data: tokenized {path} loaded from the cache")
+        return data
+
+    def load_checkpoint(self, step_dir: str | Path, rollback: bool = False) -> int:
+        """Load a verified full-state checkpoint into this run (collective): model, optimizer,
+        scheduler, counters, the evaluation and divergence state (a ``rollback`` keeps this run's
+        skipped batches), and last the generators. Returns the checkpoint's step."""
+        state, rng = self.checkpointer.load(Path(step_dir))
+        self.counters = dict(state["counters"])
+        self.monitor.load_state_dict(state.get("monitor"), keep_divergence=rollback)
+        restore_rng(rng)  # last: nothing after this draws random numbers before training
+        return state["step"]
 
     def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
         """The URR of each OSFT target under ``--osft-rank-schedule importance`` (None: uniform).
@@ -357,7 +380,7 @@ class Trainer:
 
     def _trainer_state(self, step: int) -> dict:
         """Plain data of ``trainer_state.json`` after ``step`` optimizer steps."""
-        epoch, index = divmod(step, self.sampler.steps_per_epoch)
+        epoch, index = divmod(self.monitor.position(step + 1), self.sampler.steps_per_epoch)
         settings = {k: getattr(self.cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
         return {
             "step": step,
@@ -372,6 +395,7 @@ class Trainer:
             "model": {"vocab_size": self.model.get_input_embeddings().weight.shape[0],
                       "model_type": self.model.config.model_type},
             "osft_plan": {name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
+            "monitor": self.monitor.state_dict(),
         }
 
     def checkpoint(self, step: int, request: Request | None) -> str:
@@ -426,7 +450,8 @@ class Trainer:
         Returns the numbers of the ``step`` metrics record.
 
         Raises:
-            RuntimeError: the batch has no loss token, or the loss is not finite.
+            RuntimeError: the batch has no loss token.
+            Diverged: a non-finite loss or gradient norm, or a loss spike (nothing was applied).
             StepInterrupted: a checkpoint request was agreed before the optimizer step.
         """
         cfg = self.cfg
@@ -441,10 +466,13 @@ class Trainer:
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
         scale = self.dist.world_size / total_loss_tokens
+        inject = self.monitor.injected(step)
         for m, micro in enumerate(plan):
             self._poll("before_forward", step, m)
             batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
             mb_loss = self._micro_batch_loss(batch)
+            if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
+                mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
             self._poll("before_backward", step, m)
             (mb_loss * scale).backward()
             self._poll("after_backward", step, m)
@@ -453,12 +481,13 @@ class Trainer:
                 num_tokens += int(batch["num_tokens"])
         loss_sum, tokens_by_rank = global_sums(loss_sum, num_tokens)
         loss = float(loss_sum) / total_loss_tokens
-        if not np.isfinite(loss):
-            raise RuntimeError(f"step {step}: loss is {loss} (lines {self._lines(idx)})")
+        if inject == "grad":
+            local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
         if self.projector:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        self.monitor.check_step(step, loss, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -511,11 +540,12 @@ class Trainer:
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
-    def export(self, step: int) -> str:
-        """Write the dense HF export ``hf_format/step_<step>`` with its protected subspaces
-        (``osft_subspaces.safetensors``/``.json``, see :meth:`_fold_subspaces`); rank 0 writes,
-        every rank takes part in gathering the shards. Returns its path."""
-        out = self.run_dir.hf_export(step)
+    def export(self, step: int, out: Path | None = None) -> str:
+        """Write the dense HF export of the model after ``step`` steps to ``out`` (default
+        ``hf_format/step_<step>``) with its protected subspaces (``osft_subspaces.safetensors``/
+        ``.json``, see :meth:`_fold_subspaces`); rank 0 writes, every rank takes part in gathering
+        the shards. Returns its path."""
+        out = out or self.run_dir.hf_export(step)
         grams = self._input_grams() if self.osft and self.cfg.osft_protect_basis == "inputs" else None
         state = full_state_dict(self.model)
         if self.dist.rank == 0:
@@ -616,22 +646,30 @@ class Trainer:
 
         A request agreed in the middle of a step saves the state at the start of that step
         (partial gradients dropped, generators rewound), so a resume replays the step exactly.
+        Evaluations, the rules that may end the run and divergences: :class:`.monitor.RunMonitor`.
         """
         cfg = self.cfg
         step, last_loss, last_checkpoint = self.start_step, float("nan"), None
         process = psutil.Process()
+        self.monitor.start(step)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
-                epoch, index = divmod(step, self.sampler.steps_per_epoch)
-                rng_at_start = capture_rng() if self.poller else None
+                epoch, index = divmod(self.monitor.position(step + 1), self.sampler.steps_per_epoch)
+                rng_at_start = capture_rng()
                 try:
                     record = self.train_step(step + 1, self.sampler.batch(epoch, index))
-                except StepInterrupted as stop:
+                except (StepInterrupted, Diverged) as cut:
                     self.optimizer.zero_grad(set_to_none=True)
                     restore_rng(rng_at_start)
-                    last_checkpoint = self.checkpoint(step, stop.request)
-                    if stop.request.action is Action.CHECKPOINT_AND_EXIT:
-                        return self._stopped(step, last_loss, last_checkpoint, stop.request)
+                    if isinstance(cut, Diverged):
+                        outcome = self.monitor.on_divergence(cut, step)
+                        if isinstance(outcome, RunEnd):
+                            return self._end_early(step, last_loss, outcome, last_checkpoint)
+                        step = outcome  # rolled back: go on after the reloaded step
+                        continue
+                    last_checkpoint = self.checkpoint(step, cut.request)
+                    if cut.request.action is Action.CHECKPOINT_AND_EXIT:
+                        return self._stopped(step, last_loss, last_checkpoint, cut.request)
                     continue  # replay the step from its start
                 step += 1
                 self.counters["ortho_violations_total"] += record["ortho_violations"]
@@ -650,12 +688,15 @@ class Trainer:
                 )
                 if step % cfg.logging_steps == 0 or step == self.total_steps:
                     progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
-                                    self.counters["ortho_violations_total"])
+                                    self.counters["ortho_violations_total"], self.monitor.console_stats())
+                end = self.monitor.after_step(step, final=step == self.total_steps)
                 request = self.poller.poll("after_step", step) if self.poller else None
                 if request or (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
                     last_checkpoint = self.checkpoint(step, request)
                 if request and request.action is Action.CHECKPOINT_AND_EXIT:
                     return self._stopped(step, last_loss, last_checkpoint, request)
+                if end is not None:
+                    return self._end_early(step, last_loss, end, last_checkpoint)
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
                     progress.print(f"exported {self.export(step)}")
         export_dir = self.export(step)
@@ -663,6 +704,18 @@ class Trainer:
         self._finish("completed", 0, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint)
+
+    def _end_early(self, step: int, last_loss: float, end: RunEnd, checkpoint: str | None) -> TrainResult:
+        """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state
+        checkpoint of that step (unless one was just written), the final export when ``end`` asks
+        for it, its message and ``run_finished`` with its reason and exit code."""
+        if checkpoint is None or Path(checkpoint).name != f"step_{step}":
+            checkpoint = self.checkpoint(step, None)
+        export_dir = self.export(step) if end.export_final else end.export_dir
+        self._say(end.message)
+        self._finish(end.reason, end.exit_code, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)
+        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
+                           export_dir=export_dir, checkpoint=checkpoint, exit_code=end.exit_code, reason=end.reason)
 
     def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
         self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "

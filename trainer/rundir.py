@@ -66,6 +66,11 @@ class RunDir:
         return self.root / "hf_format" / f"step_{step}"
 
     @property
+    def hf_best(self) -> Path:
+        """``hf_format/best``: the export of the best evaluation (``--save-best-eval``, ``--max-forgetting``)."""
+        return self.root / "hf_format" / "best"
+
+    @property
     def control(self) -> Path:
         """``control/``: requests from a watcher on another host (DESIGN.md section 6)."""
         return self.root / "control"

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run this rank's part of the job; returns the exit code."""
     from .data.validate import DataValidationError
     from .loop import Trainer
+    from .monitor import EXIT_DIVERGED
 
     console = Console(stderr=True)
     try:
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.prepare()
-        trainer.run()
+        result = trainer.run()
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
         trainer.metrics.log("error", message=str(exc), exit_code=2)
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                             exit_code=code)
         raise
-    return 0
+    # A stop on request exits 0 (the launcher reads exit code 75 from the run_finished record); a
+    # divergence fails the worker group.
+    return EXIT_DIVERGED if result.exit_code == EXIT_DIVERGED else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ TRAINER_STATE = "trainer_state.json"
 #: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
 RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
                    "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
-                   "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces")
+                   "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces",
+                   "eval_split")
 #: Settings that may change on resume, with a warning that the trajectory then differs.
 RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
                         "max_grad_norm", "max_steps", "num_epochs")
