@@ -29,8 +29,6 @@ from .rundir import write_json_atomic
 if TYPE_CHECKING:
     from .loop import Trainer
 
-#: ``<output_dir>/control/`` file that asks for an evaluation at the next step boundary.
-EVALUATE_CONTROL = "evaluate"
 #: ``best_eval.json`` in ``hf_format/best``: the step, evaluation loss and forgetting of the export.
 BEST_INFO = "best_eval.json"
 #: Exit code of a run ended by a divergence (a failure, not to be requeued).
@@ -219,7 +217,7 @@ class RunMonitor:
         """Whether ``control/evaluate`` exists (read by rank 0, agreed by all; collective); the
         request is consumed."""
         t = self.trainer
-        path = t.run_dir.control / EVALUATE_CONTROL
+        path = t.run_dir.evaluate_request
         flag = int(t.dist.rank == 0 and path.exists())
         if is_distributed():
             box = torch.tensor([flag], dtype=torch.int64, device=backend_device())

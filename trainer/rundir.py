@@ -75,6 +75,11 @@ class RunDir:
         """``control/``: requests from a watcher on another host (DESIGN.md section 6)."""
         return self.root / "control"
 
+    @property
+    def evaluate_request(self) -> Path:
+        """``control/evaluate``: asks the run to evaluate at its next step boundary (then removed)."""
+        return self.control / "evaluate"
+
     def launcher_log(self, node_rank: int) -> Path:
         """``logs/launcher.node<N>.log``: the output of node N's launcher when osft-tui started it
         (torchrun's report of failed ranks included)."""

@@ -92,9 +92,9 @@ class OsftTui(App[int]):
         yield from super().get_system_commands(screen)
         if screen is not self.dashboard:
             return
-        for key, action, _label, text in CONTROLS:
+        for key, action, label, text in CONTROLS:
             if self.readonly and action in SIGNALLING:
                 continue
-            title = text.rsplit(" (", 1)[0]
+            title = text.rsplit(" (", 1)[0] if text else label.capitalize()
             doc = (getattr(Dashboard, f"action_{action}").__doc__ or "").strip().split("\n")[0]
             yield SystemCommand(title, doc or title, lambda a=action: self.dashboard.run_action(a))

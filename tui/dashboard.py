@@ -25,7 +25,7 @@ from .components.new_run import NewRunScreen
 from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .processes import ProcessView, ProcStats, kill, send_request, this_host
+from .processes import ProcessView, ProcStats, kill, request_evaluation, send_request, this_host
 from .reader import Reader, Update
 from .run_state import RunModel, RunWatcher
 from .tail import LogTail
@@ -39,14 +39,16 @@ SAMPLE_S = 1.0
 EVENT_LINES = 20
 LOG_LINES = 12
 #: Actions that signal a run; --readonly removes them.
-SIGNALLING = frozenset({"checkpoint", "stop", "kill", "resume"})
+SIGNALLING = frozenset({"checkpoint", "stop", "kill", "resume", "evaluate"})
 #: Seconds to wait for a stopped run's processes beyond its checkpoint grace period.
 STOP_MARGIN_S = 30.0
 
-#: (key, action, footer label, button label) of every dashboard control.
+#: (key, action, footer label, button label) of every dashboard control (None: a key without a
+#: button, where the row of buttons has no room left at 140 columns).
 CONTROLS = (
     ("c", "checkpoint", "checkpoint", "Checkpoint (c)"),
     ("s", "stop", "ckpt+stop", "Checkpoint & stop (s)"),
+    ("e", "evaluate", "evaluate", None),
     ("K", "kill", "kill", "Kill (K)"),
     ("r", "resume", "resume", "Resume selected (r)"),
     ("l", "logs", "logs", "Rank logs (l)"),
@@ -105,7 +107,7 @@ class Dashboard(Screen):
         yield RichLog(id="events", max_lines=1000, wrap=False, markup=False)
         with Horizontal(id="buttons"):
             for _key, action, _label, text in CONTROLS:
-                if not (self.readonly and action in SIGNALLING):
+                if text and not (self.readonly and action in SIGNALLING):
                     yield Button(text, id=f"button-{action}", compact=True)
         yield Footer()
 
@@ -234,6 +236,21 @@ class Dashboard(Screen):
     def action_stop(self) -> None:
         """``s``: checkpoint and stop (SIGUSR2); the launcher exits 75 after a complete checkpoint."""
         self._request(signal.SIGUSR2, "checkpoint and stop")
+
+    def action_evaluate(self) -> None:
+        """``e``: evaluate at the next step boundary (``control/evaluate``); training goes on."""
+        if self.run is None:
+            self.notify("no run to evaluate", severity="warning")
+            return
+        try:
+            path = request_evaluation(self.run.root)
+        except OSError as exc:
+            self.notify(f"could not request an evaluation: {exc}", severity="error")
+            return
+        step = self.run.step
+        message = f"evaluation requested at step {step if step is not None else 0}: wrote {path}"
+        self.query_one("#events", RichLog).write(Text(message, "bold cyan"))
+        self.notify(message, title="evaluate")
 
     def action_kill(self) -> None:
         """``K``: SIGKILL every process of the run on this host, after a confirmation listing the pids."""

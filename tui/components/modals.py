@@ -45,6 +45,7 @@ class Choice(ModalScreen[str]):
 HELP = """\
 c   checkpoint now: SIGUSR1 to the launcher; training continues
 s   checkpoint and stop: SIGUSR2; the run exits 75 after a complete checkpoint
+e   evaluate at the next step boundary (writes control/evaluate); training goes on
 K   kill: SIGKILL to every process of the run (lists the pids first)
 r   resume from the checkpoint selected in the checkpoint list
 l   logs (stderr) of the rank selected in the rank table
@@ -55,7 +56,7 @@ q   quit: detach (the run goes on), checkpoint and stop, or kill
 Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a
 torchrun agent. When no process of the run is on this host, c and s write control/checkpoint
 or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.
-With --readonly, c, s, K and r are not available.
+With --readonly, c, s, e, K and r are not available.
 """
 
 
