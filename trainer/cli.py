@@ -50,7 +50,14 @@ DEMO_DEFAULTS = dict(
     max_tokens_per_gpu=1024,
     learning_rate=5e-5,
     lr_scheduler="cosine",
+    eval_every_steps=15,
+    eval_max_samples=24,
 )
+#: The demo's retention set: the base model's greedy replies to the user turns of this many rows of
+#: the chit-chat evaluation file (``make-retention-set --from-chat eval.jsonl --held-out 16``),
+#: written once into the run directory.
+DEMO_RETENTION_ROWS = 16
+DEMO_RETENTION_NEW_TOKENS = 48
 
 
 def _fetch_demo(argv: list[str], console: Console):
@@ -89,6 +96,18 @@ def _plot(argv: list[str], console: Console) -> None:
 
 
 DEMO_PROMPT = "Hi! What do you like to do on the weekend?"
+
+
+def _demo_retention_set(path: Path, assets, console: Console) -> None:
+    """Make the demo's retention set at ``path`` unless it exists (see :data:`DEMO_RETENTION_ROWS`)."""
+    from .retention_set import chat_prompts, make_retention_set
+
+    if path.is_file():
+        return
+    prompts, _lines = chat_prompts(assets.eval_path, DEMO_RETENTION_ROWS)
+    made = make_retention_set(assets.model_dir, path, prompts, max_new_tokens=DEMO_RETENTION_NEW_TOKENS)
+    console.print(f"retention set: the base model's replies to {made.rows} prompts of {assets.eval_path} -> {path}",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def _demo_reply(export_dir: str, console: Console) -> None:
@@ -224,14 +243,21 @@ def main(argv: list[str] | None = None) -> int:
                 at = argv.index("--dir")
                 demo_dir, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
             assets = _fetch_demo(["--dir", demo_dir] if demo_dir else [], console)
-            parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path), **DEMO_DEFAULTS)
+            parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path),
+                                eval_data_path=str(assets.eval_path), **DEMO_DEFAULTS)
             args = parse_with_config_file(parser, argv[1:])
+            made_here = args.retention_data_path is None
+            if made_here:
+                args.retention_data_path = [str(Path(args.output_dir) / "retention.jsonl")]
         else:
             args = parse_with_config_file(build_parser(), argv)
         cfg = config_from_args(args)
         if args.print_config:
             sys.stdout.write(config_to_yaml(cfg))
             return EXIT_COMPLETED
+        if demo and made_here:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            _demo_retention_set(Path(cfg.retention_data_path[0]), assets, console)
         try:
             check_config(cfg)
         except ValueError as exc:

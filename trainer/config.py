@@ -379,7 +379,8 @@ def check_config(cfg: TrainConfig) -> None:
         ValueError: a sample could not fit into one micro-batch, an input path is missing,
             ``--freeze-non-target`` with ``--no-osft``, a ``--report-to`` tracker is not installed,
             protection settings outside their ranges, ``--osft-min-frozen-ratio`` exceeds
-            ``--osft-max-frozen-ratio``, or ``--osft-rank-schedule importance`` goes with ``--no-osft``.
+            ``--osft-max-frozen-ratio``, ``--osft-rank-schedule importance`` goes with ``--no-osft``, or
+            an evaluation flag does not fit the others (:func:`check_eval_config`).
     """
     if cfg.freeze_non_target and not cfg.osft:
         raise ValueError("--freeze-non-target with --no-osft would leave nothing to train: it freezes every "
