@@ -276,6 +276,7 @@ def test_divergence_without_a_checkpoint_stops_with_one_of_the_last_good_step(fi
     assert train(files, out, "--on-divergence", "rollback") == 1
     divergence = records(out, "divergence")[0]
     assert divergence["step"] == 3 and divergence["reason"].startswith("non-finite gradient norm")
+    assert len(divergence["lines"]) == 4 and all(1 <= line <= 24 for line in divergence["lines"])
     finished = records(out)[-1]
     assert (finished["reason"], finished["exit_code"], finished["step"]) == ("diverged", 1, 2)
     assert finished["checkpoint"] == str(out / "full_state_checkpoints" / "step_2")
@@ -353,3 +354,20 @@ def test_two_ranks_evaluate_like_one_and_roll_back_together(files, tmp_path, mon
     assert json.loads((tmp_path / "two" / "run.json").read_text())["export_dir"] == \
         str(tmp_path / "two" / "hf_format" / "step_6")
     assert np.isfinite(records(tmp_path / "two", "step")[-1]["loss"])
+
+
+def test_retention_paths_repeat_on_the_command_line_and_replace_a_config_files_list(tmp_path):
+    from osft.trainer.config import build_parser, config_from_args, config_to_argv
+    from osft.trainer.config_file import parse_with_config_file
+
+    base = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]
+    cfg = config_from_args(build_parser().parse_args([*base, "--retention-data-path", "a", "b",
+                                                      "--retention-data-path", "c"]))
+    assert cfg.retention_data_path == ["a", "b", "c"]
+    assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg
+    config = tmp_path / "c.yaml"
+    config.write_text("retention_data_path: [x, y]\n")
+    args = parse_with_config_file(build_parser(), [*base, "--config", str(config)])
+    assert args.retention_data_path == ["x", "y"]
+    args = parse_with_config_file(build_parser(), [*base, "--config", str(config), "--retention-data-path", "z"])
+    assert args.retention_data_path == ["z"]

@@ -158,6 +158,17 @@ def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
 INF = float("inf")
 
 
+class RepeatableList(argparse.Action):
+    """``nargs="+"`` that may be repeated: the values of every occurrence on the command line, in
+    order, replacing the default (a config file's list) rather than extending it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = f"_{self.dest}_given"
+        before = list(getattr(namespace, self.dest) or []) if getattr(namespace, given, False) else []
+        setattr(namespace, self.dest, before + list(values))
+        setattr(namespace, given, True)
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows ``(default: X)`` only where a default says something (not for switches or None)."""
 
@@ -313,7 +324,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="evaluate every N optimizer steps (0: only at the start and the end; always at both)")
     g.add_argument("--eval-max-samples", type=positive_int, default=None,
                    help="evaluate at most N samples of each evaluation and retention set (spread evenly)")
-    g.add_argument("--retention-data-path", metavar="FILE", nargs="+", action="extend", default=None,
+    g.add_argument("--retention-data-path", metavar="FILE", nargs="+", action=RepeatableList, default=None,
                    help="retention set (chat jsonl, repeatable; e.g. from `osft-train make-retention-set`): its loss "
                    "minus its loss at step 0 is the forgetting, nats per token")
     g.add_argument("--max-forgetting", type=_float_in(0, INF, hi_open=True), default=None, metavar="NATS",

@@ -30,14 +30,16 @@ TEST_DIVERGE_ENV = "OSFT_TEST_DIVERGE_AT"
 
 
 class Diverged(Exception):
-    """Step ``step`` (1-based) diverged for ``reason``; its update was not applied."""
+    """Step ``step`` (1-based) diverged for ``reason``; its update was not applied. ``lines``: the
+    data file lines of (the first 20 samples of) its batch."""
 
-    def __init__(self, step: int, reason: str, loss: float, grad_norm: float | None) -> None:
-        super().__init__(f"step {step}: {reason}")
+    def __init__(self, step: int, reason: str, loss: float, grad_norm: float | None, lines: list[int]) -> None:
+        super().__init__(f"step {step}: {reason} (lines {lines})")
         self.step = step
         self.reason = reason
         self.loss = loss
         self.grad_norm = grad_norm
+        self.lines = lines
 
 
 @dataclass

@@ -487,7 +487,7 @@ class Trainer:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.monitor.check_step(step, loss, grad_norm)
+        self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

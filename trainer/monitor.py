@@ -11,6 +11,7 @@ first step, :meth:`check_step` before each optimizer step, :meth:`after_step` af
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -104,15 +105,16 @@ class RunMonitor:
         """The test hook's divergence for ``step`` (see :data:`.divergence.TEST_DIVERGE_ENV`)."""
         return injected_divergence(step, self._fired)
 
-    def check_step(self, step: int, loss: float, grad_norm: float) -> None:
-        """Accept step ``step`` into the spike window, or refuse it.
+    def check_step(self, step: int, loss: float, grad_norm: float, lines: Callable[[], list[int]]) -> None:
+        """Accept step ``step`` into the spike window, or refuse it (``lines``: the data lines of
+        its batch, asked for only then).
 
         Raises:
             Diverged: a non-finite loss or gradient norm, or a loss spike.
         """
         reason = self.check.reason(self.divergence, loss, grad_norm)
         if reason:
-            raise Diverged(step, reason, loss, grad_norm)
+            raise Diverged(step, reason, loss, grad_norm, lines())
         self.check.accept(self.divergence, loss)
 
     def on_divergence(self, bad: Diverged, step: int) -> RunEnd | int:
@@ -123,8 +125,8 @@ class RunMonitor:
         """
         t, cfg = self.trainer, self.cfg
         t.metrics.log("divergence", step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
-                      policy=cfg.on_divergence)
-        t._warn(f"step {bad.step} diverged: {bad.reason}")
+                      lines=bad.lines, policy=cfg.on_divergence)
+        t._warn(f"step {bad.step} diverged: {bad.reason} (data lines {bad.lines})")
         why = ""
         if cfg.on_divergence == "rollback":
             if self.divergence.rollbacks >= cfg.max_rollbacks:
@@ -247,9 +249,11 @@ class RunMonitor:
         return verdict
 
     def _export_best(self, step: int, verdict: Verdict) -> None:
-        """Export this step's model to ``hf_format/best`` with ``best_eval.json``; log ``best_eval``."""
+        """Export this step's model to ``hf_format/best`` with ``best_eval.json``; log ``best_eval``.
+        In :func:`.evaluation.evaluation_mode`: the input-basis export runs forward passes."""
         t = self.trainer
-        out = t.export(step, t.run_dir.hf_best)
+        with evaluation_mode(t.model):
+            out = t.export(step, t.run_dir.hf_best)
         info = {"step": step, "eval_loss": self.state.best_loss, "forgetting": verdict.forgetting,
                 "forgetting_max": verdict.forgetting_max, "max_forgetting": self.cfg.max_forgetting}
         if t.dist.rank == 0:
