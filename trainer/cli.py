@@ -51,12 +51,13 @@ DEMO_DEFAULTS = dict(
     learning_rate=5e-5,
     lr_scheduler="cosine",
     eval_every_steps=15,
-    eval_max_samples=24,
+    eval_max_samples=16,
 )
-#: The demo's retention set: the base model's greedy replies to the user turns of this many rows of
-#: the chit-chat evaluation file (``make-retention-set --from-chat eval.jsonl --held-out 16``),
-#: written once into the run directory.
+#: The demo's retention set: the base model's greedy replies to this many of the user turns of
+#: :data:`DEMO_RETENTION_ROWS` rows of the chit-chat evaluation file (``make-retention-set
+#: --from-chat eval.jsonl --held-out 16``, prompts spread evenly), written once into the run directory.
 DEMO_RETENTION_ROWS = 16
+DEMO_RETENTION_PROMPTS = 16
 DEMO_RETENTION_NEW_TOKENS = 48
 
 
@@ -100,11 +101,13 @@ DEMO_PROMPT = "Hi! What do you like to do on the weekend?"
 
 def _demo_retention_set(path: Path, assets, console: Console) -> None:
     """Make the demo's retention set at ``path`` unless it exists (see :data:`DEMO_RETENTION_ROWS`)."""
+    from .eval_sets import spread_indices
     from .retention_set import chat_prompts, make_retention_set
 
     if path.is_file():
         return
     prompts, _lines = chat_prompts(assets.eval_path, DEMO_RETENTION_ROWS)
+    prompts = [prompts[i] for i in spread_indices(len(prompts), DEMO_RETENTION_PROMPTS)]
     made = make_retention_set(assets.model_dir, path, prompts, max_new_tokens=DEMO_RETENTION_NEW_TOKENS)
     console.print(f"retention set: the base model's replies to {made.rows} prompts of {assets.eval_path} -> {path}",
                   markup=False, highlight=False, soft_wrap=True)
