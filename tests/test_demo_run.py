@@ -70,7 +70,8 @@ def test_demo_evaluates_on_chitchat_eval_and_its_own_retention_set(demo_run):
     assert sorted(evals) == [("eval", 0), ("eval", 2), ("retention", 0), ("retention", 2)]
     assert evals[("eval", 0)]["eval_samples"] == 16 and 0.5 < evals[("eval", 0)]["eval_loss"] < 10
     assert evals[("retention", 0)]["forgetting"] == 0.0
-    assert evals[("retention", 2)]["forgetting"] == evals[("retention", 2)]["eval_loss"] - evals[("retention", 0)]["eval_loss"]
+    after, before = evals[("retention", 2)], evals[("retention", 0)]
+    assert after["forgetting"] == after["eval_loss"] - before["eval_loss"]
     assert "eval step 0 (start): eval loss" in console and "retention retention loss" in console
     assert "forgetting" in console
 

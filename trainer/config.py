@@ -335,7 +335,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--early-stopping-patience", type=non_negative_int, default=d.early_stopping_patience,
                    help="end the run (exit 0) after N evaluations without an improvement of the evaluation loss "
                    "(0: never)")
-    g.add_argument("--early-stopping-threshold", type=_float_in(0, INF, hi_open=True), default=d.early_stopping_threshold,
+    g.add_argument("--early-stopping-threshold", type=_float_in(0, INF, hi_open=True),
+                   default=d.early_stopping_threshold,
                    help="smallest decrease of the evaluation loss that counts as an improvement, nats per token")
     g.add_argument("--loss-spike-factor", type=_float_in(1, INF, lo_open=True, hi_open=True), default=None,
                    help="a training loss above this factor times the median of the last losses is a divergence "
@@ -446,7 +447,8 @@ def check_eval_config(cfg: TrainConfig) -> None:
     if cfg.max_forgetting is not None and not cfg.retention_data_path:
         raise ValueError("--max-forgetting needs a retention set to measure forgetting on (--retention-data-path)")
     has_eval = bool(cfg.eval_data_path or cfg.eval_split)
-    for flag, on in (("--save-best-eval", cfg.save_best_eval), ("--early-stopping-patience", cfg.early_stopping_patience)):
+    for flag, on in (("--save-best-eval", cfg.save_best_eval),
+                     ("--early-stopping-patience", cfg.early_stopping_patience)):
         if on and not has_eval:
             raise ValueError(f"{flag} needs an evaluation set (--eval-data-path or --eval-split)")
     if cfg.eval_every_steps and not cfg.evaluating:

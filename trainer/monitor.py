@@ -239,11 +239,11 @@ class RunMonitor:
             results = [evaluate_set(s, t._micro_batch_loss, self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
-            baseline = self.state.baselines.get(r.name)
+            baseline = self.state.baselines.get(r.name) or [None, None]
             t.metrics.log("eval", step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
                           eval_samples=r.samples, eval_time_s=r.seconds, trigger=trigger,
-                          forgetting=verdict.forgetting.get(r.name),
-                          baseline_loss=baseline[0] if baseline else None, baseline_step=baseline[1] if baseline else None)
+                          forgetting=verdict.forgetting.get(r.name), baseline_loss=baseline[0],
+                          baseline_step=baseline[1])
         t._say(f"eval step {step} ({trigger}): " + "; ".join(_describe(r, verdict) for r in results)
                + (f"; over budget (--max-forgetting {self.cfg.max_forgetting})" if verdict.over_budget else ""))
         return verdict
