@@ -192,8 +192,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[Path, 
     ax_loss, ax_lr, ax_tps, ax_dev = axes[0], *axes[-3:]
     fig.suptitle(f"osft run {Path(run_dir).resolve().name}")
     ax_loss.plot(data.loss.steps, data.loss.values, color="tab:blue", label="training loss" if data.eval_loss else None)
-    for name, series in data.eval_loss.items():
-        ax_loss.plot(series.steps, series.values, "o-", label=f"evaluation loss ({name})")
+    for i, (name, series) in enumerate(data.eval_loss.items()):
+        ax_loss.plot(series.steps, series.values, "o-", color=f"C{i + 1}", label=f"evaluation loss ({name})")
     ax_loss.set_ylabel("loss, nats/token")
     if data.forgetting:
         ax_forget = axes[1]
