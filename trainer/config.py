@@ -320,9 +320,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--eval-split", type=_float_in(0, 1, lo_open=True, hi_open=True), default=None, metavar="FRACTION",
                    help="hold out this fraction of the training samples (rows spread evenly over the file) as the "
                    "evaluation set instead of --eval-data-path")
-    g.add_argument("--eval-every-steps", type=non_negative_int, default=d.eval_every_steps,
+    g.add_argument("--eval-every-steps", metavar="N", type=non_negative_int, default=d.eval_every_steps,
                    help="evaluate every N optimizer steps (0: only at the start and the end; always at both)")
-    g.add_argument("--eval-max-samples", type=positive_int, default=None,
+    g.add_argument("--eval-max-samples", metavar="N", type=positive_int, default=None,
                    help="evaluate at most N samples of each evaluation and retention set (spread evenly)")
     g.add_argument("--retention-data-path", metavar="FILE", nargs="+", action=RepeatableList, default=None,
                    help="retention set (chat jsonl, repeatable; e.g. from `osft-train make-retention-set`): its loss "
@@ -332,19 +332,19 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    "(exit 0); the best evaluation within budget is kept exported in hf_format/best")
     g.add_argument("--save-best-eval", action="store_true",
                    help="keep hf_format/best: the model of the lowest evaluation loss (within the budget when set)")
-    g.add_argument("--early-stopping-patience", type=non_negative_int, default=d.early_stopping_patience,
+    g.add_argument("--early-stopping-patience", metavar="N", type=non_negative_int, default=d.early_stopping_patience,
                    help="end the run (exit 0) after N evaluations without an improvement of the evaluation loss "
                    "(0: never)")
-    g.add_argument("--early-stopping-threshold", type=_float_in(0, INF, hi_open=True),
+    g.add_argument("--early-stopping-threshold", metavar="NATS", type=_float_in(0, INF, hi_open=True),
                    default=d.early_stopping_threshold,
                    help="smallest decrease of the evaluation loss that counts as an improvement, nats per token")
-    g.add_argument("--loss-spike-factor", type=_float_in(1, INF, lo_open=True, hi_open=True), default=None,
+    g.add_argument("--loss-spike-factor", metavar="F", type=_float_in(1, INF, lo_open=True, hi_open=True), default=None,
                    help="a training loss above this factor times the median of the last losses is a divergence "
                    "(default: off; a non-finite loss or gradient norm always is)")
     g.add_argument("--on-divergence", choices=["stop", "rollback"], default=d.on_divergence,
                    help="stop: checkpoint the last good step and exit 1; rollback: reload the newest complete "
                    "checkpoint, skip the offending batch and go on (stop when there is none)")
-    g.add_argument("--max-rollbacks", type=non_negative_int, default=d.max_rollbacks,
+    g.add_argument("--max-rollbacks", metavar="N", type=non_negative_int, default=d.max_rollbacks,
                    help="rollbacks allowed in one run; the divergence after them stops the run")
 
     g = p.add_argument_group("distributed launch (torchrun worker group; FSDP2, gloo on CPU, NCCL on GPU)")
