@@ -415,8 +415,10 @@ class Trainer:
         self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s)")
         return str(saved.path)
 
-    def _micro_batch_loss(self, batch: dict | None) -> torch.Tensor:
-        """Summed token loss of one packed micro-batch (float32 scalar, on the device).
+    def _micro_batch_loss(self, batch: dict | None, float64_sum: bool = False) -> torch.Tensor:
+        """Summed token loss of one packed micro-batch (float32 scalar, on the device; with
+        ``float64_sum`` the float32 token losses are summed in float64, as evaluation does, so the
+        sum hardly depends on how the samples were packed).
 
         ``None`` is this rank's empty micro-batch (fewer samples than micro-batches): a one-token
         forward whose loss is multiplied by 0, so the rank still joins FSDP's collectives.
@@ -430,12 +432,13 @@ class Trainer:
             use_cache=False,
         )
         logits = out.logits
-        return F.cross_entropy(
+        losses = F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(),
             batch["labels"].to(self.device).view(-1),
             ignore_index=IGNORE_INDEX,
-            reduction="sum",
+            reduction="none" if float64_sum else "sum",
         )
+        return losses.double().sum() if float64_sum else losses
 
     def _poll(self, point: str, step: int, micro: int) -> None:
         if self.poller and (request := self.poller.poll(point, step, micro)):

@@ -236,7 +236,8 @@ class RunMonitor:
         print one line."""
         t = self.trainer
         with evaluation_mode(t.model):
-            results = [evaluate_set(s, t._micro_batch_loss, self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
+            results = [evaluate_set(s, lambda batch: t._micro_batch_loss(batch, float64_sum=True),
+                                    self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]
