@@ -79,7 +79,7 @@ class RunMonitor:
                                    self.cfg.eval_max_samples, tokenize)
         for s in self.sets:
             self.trainer._say(f"{s.kind} set {s.name}: {len(s)} samples of {s.path}"
-                              + (" (held out from training)" if s is split else ""))
+                              + (" (held out from training)" if s.kind == EVAL and split is not None else ""))
         return train
 
     def state_dict(self) -> dict:
