@@ -163,13 +163,15 @@ def test_missing_file_and_empty_file(tmp_path, capsys):
 
 
 def test_demo_takes_a_config_file(tmp_path, capsys, monkeypatch):
-    assets = SimpleNamespace(model_dir=tmp_path / "model", train_path=tmp_path / "train.jsonl")
+    assets = SimpleNamespace(model_dir=tmp_path / "model", train_path=tmp_path / "train.jsonl",
+                             eval_path=tmp_path / "eval.jsonl")
     monkeypatch.setattr("osft.trainer.cli._fetch_demo", lambda argv, console: assets)
     path = write(tmp_path, "max_steps: 5\nlearning_rate: 1e-4\n")
     assert main(["demo", "--config", str(path), "--batch-size", "2", "--print-config"]) == 0
     data = yaml.safe_load(capsys.readouterr().out)
     assert (data["max_steps"], data["learning_rate"], data["batch_size"]) == (5, 1e-4, 2)
     assert (data["model_name_or_path"], data["lr_scheduler"], data["output_dir"]) == (str(assets.model_dir), "cosine", "runs/demo")
+    assert (data["eval_data_path"], data["retention_data_path"]) == (str(assets.eval_path), ["runs/demo/retention.jsonl"])
 
 
 def test_a_run_writes_its_config_and_relaunches_from_it(tiny_model_dir, tmp_path, capsys):

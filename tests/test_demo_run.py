@@ -59,6 +59,23 @@ def test_demo_osft_run_exports_a_model_that_chats(demo_run):
     assert "fine-tuned model:" in console
 
 
+def test_demo_evaluates_on_chitchat_eval_and_its_own_retention_set(demo_run):
+    """The demo evaluates the shipped eval.jsonl and a retention set of the base model's replies
+    (made with make-retention-set) at step 0 and at its end, and prints both."""
+    out, console = demo_run
+    rows = (out / "retention.jsonl").read_text().splitlines()
+    assert 10 <= len(rows) <= 16 and all(json.loads(r)["messages"][1]["role"] == "assistant" for r in rows)
+    records = [json.loads(line) for line in (out / "metrics" / "node0.jsonl").read_text().splitlines()]
+    evals = {(r["set"], r["step"]): r for r in records if r["event"] == "eval"}
+    assert sorted(evals) == [("eval", 0), ("eval", 2), ("retention", 0), ("retention", 2)]
+    assert evals[("eval", 0)]["eval_samples"] == 16 and 0.5 < evals[("eval", 0)]["eval_loss"] < 10
+    assert evals[("retention", 0)]["forgetting"] == 0.0
+    after, before = evals[("retention", 2)], evals[("retention", 0)]
+    assert after["forgetting"] == after["eval_loss"] - before["eval_loss"]
+    assert "eval step 0 (start): eval loss" in console and "retention retention loss" in console
+    assert "forgetting" in console
+
+
 def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, demo_run, tmp_path):
     """The issue's bar for distributed training: SmolLM2 with --nproc-per-node 2 on CPU gives the
     losses of one rank."""

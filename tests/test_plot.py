@@ -92,3 +92,26 @@ def test_plot_errors_are_input_errors(tmp_path, capsys, monkeypatch):
     assert main(["plot", str(run)]) == 2
     assert "pip install 'osft[plot]'" in capsys.readouterr().err
     assert not (run / "plot.png").exists()
+
+
+def test_plot_draws_evaluation_loss_and_forgetting_of_the_latest_segment(tmp_path):
+    """Evaluations at steps 0, 2 and 4 of segment 1; the resume from step 3 supersedes step 4's."""
+    def evaluation(n, name, kind, loss, forgetting=None):
+        return record("eval", 0, step=n, set=name, kind=kind, eval_loss=loss, forgetting=forgetting)
+
+    rows = segments(0)
+    for started in (r for r in rows if r["event"] == "run_started"):
+        started["config"]["max_forgetting"] = 0.5
+    at = rows.index(next(r for r in rows if r["event"] == "resumed"))
+    first = [evaluation(n, "eval", "eval", 3.0 - n / 10) for n in (0, 2, 4)]
+    first += [evaluation(n, "chat", "retention", 2.0 + n / 10, n / 10) for n in (0, 2, 4)]
+    rows = rows[:1] + first + rows[1:at + 1] + [evaluation(4, "eval", "eval", 2.5)] + rows[at + 1:]
+    metrics = tmp_path / "run" / "metrics"
+    metrics.mkdir(parents=True)
+    (metrics / "node0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = run_series(tmp_path / "run")
+    assert (data.eval_loss["eval"].steps, data.eval_loss["eval"].values) == ([0, 2, 4], [3.0, 2.8, 2.5])
+    assert (data.forgetting["chat"].steps, data.forgetting["chat"].values) == ([0, 2], [0.0, 0.2])
+    assert data.max_forgetting == 0.5
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    assert png_size(tmp_path / "run" / "plot.png") == (1000, 1000)

@@ -115,3 +115,26 @@ def test_wandb_tracker_logs_offline_with_the_config_and_never_goes_back_a_step(m
         (5, {"events/checkpoint_requested": '{"signal": "SIGUSR1", "step": 3}'}),
     ]
     assert run.finished
+
+
+def test_eval_records_become_scalars_at_their_step():
+    """An ``eval`` record is a scalar per set (loss; forgetting for a retention set), not a text event."""
+
+    class Recorder(trackers.Tracker):
+        def __init__(self):
+            super().__init__()
+            self.got = []
+
+        def scalars(self, step, values, ts):
+            self.got.append(("scalars", step, values))
+
+        def event(self, step, event, fields, ts):
+            self.got.append(("event", step, event))
+
+    sink = Recorder()
+    sink.record({"ts": 1.0, "event": "eval", "step": 4, "set": "eval", "kind": "eval", "eval_loss": 2.5,
+                 "forgetting": None})
+    sink.record({"ts": 1.0, "event": "eval", "step": 4, "set": "chat", "kind": "retention", "eval_loss": 2.25,
+                 "forgetting": 0.125})
+    assert sink.got == [("scalars", 4, {"eval/eval/loss": 2.5}),
+                        ("scalars", 4, {"retention/chat/loss": 2.25, "retention/chat/forgetting": 0.125})]

@@ -300,17 +300,18 @@ def test_readonly_removes_every_key_that_signals(tmp_path):
         async with app.run_test(size=(140, 42)) as pilot:
             dash = app.dashboard
             await wait_until(pilot, lambda: dash.run.step, 20, "the first step")
-            for key in ("c", "s", "K", "r", "n"):
+            for key in ("c", "s", "e", "K", "r", "n"):
                 await pilot.press(key)
             await pilot.pause(0.5)
             assert signals_received(out) == [] and isinstance(app.screen, type(dash))
+            assert not (out / "control" / "evaluate").exists()
             shown = {key for key, active in app.screen.active_bindings.items() if active.enabled}
-            assert {"c", "s", "K", "r", "n"}.isdisjoint(shown) and {"l", "q"} <= shown
+            assert {"c", "s", "e", "K", "r", "n"}.isdisjoint(shown) and {"l", "q"} <= shown
             assert "read-only" in str(dash.query_one(RunHeader).content)
             buttons = {b.id for b in dash.query(Button)}
             assert "button-checkpoint" not in buttons and "button-logs" in buttons
             titles = {c.title for c in app.get_system_commands(dash)}
-            assert "Checkpoint" not in titles and "Rank logs" in titles
+            assert "Checkpoint" not in titles and "Evaluate" not in titles and "Rank logs" in titles
             await pilot.press("q")  # readonly: quits at once, the run goes on
         assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
 
@@ -343,6 +344,11 @@ def test_a_run_on_another_host_is_asked_through_the_control_directory(tmp_path):
             assert (out / "control" / "checkpoint-and-exit").is_file()
             log_text = "\n".join(line.text for line in app.dashboard.query_one("#events", RichLog).lines)
             assert f"no process of the run on this host: wrote {out / 'control' / 'checkpoint'}" in log_text
+            await pilot.press("e")
+            await pilot.pause(0.2)
+            assert (out / "control" / "evaluate").is_file()
+            log_text = "\n".join(line.text for line in app.dashboard.query_one("#events", RichLog).lines)
+            assert f"evaluation requested at step 0: wrote {out / 'control' / 'evaluate'}" in log_text
             await pilot.press("K")
             await pilot.pause(0.2)
             assert not isinstance(app.screen, Choice)  # nothing of the run is here to kill

@@ -10,11 +10,12 @@ for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`).
 ``--config FILE`` reads flag values from a YAML file (:mod:`.config_file`); ``--print-config``
 prints the resolved config as such a file and exits with code 0.
 
-Exit codes: the table in :mod:`.exit_codes`. Bad input is reported on one line (data problems: one
-line per problem) before any training starts; a failed worker group with one paragraph
-(:mod:`.failure_report`). Every checkpoint signal is held from the first line of :func:`main`
-(:func:`.checkpoint.signals.hold_signals`), so a request during start-up is served at the first
-safe point (the rule: :mod:`.checkpoint.requests`).
+Exit codes: the table in :mod:`.exit_codes` (a run ended by the forgetting budget or early
+stopping completed: 0, with the reason printed and in ``run_finished``; a divergence failed: 1).
+Bad input is reported on one line (data problems: one line per problem) before any training
+starts; a failed worker group with one paragraph (:mod:`.failure_report`). Every checkpoint
+signal is held from the first line of :func:`main` (:func:`.checkpoint.signals.hold_signals`), so
+a request during start-up is served at the first safe point (the rule: :mod:`.checkpoint.requests`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ DEMO_DEFAULTS = dict(
     max_tokens_per_gpu=1024,
     learning_rate=5e-5,
     lr_scheduler="cosine",
+    eval_every_steps=15,
+    eval_max_samples=16,
 )
+#: The demo's retention set: the base model's greedy replies to this many of the user turns of
+#: :data:`DEMO_RETENTION_ROWS` rows of the chit-chat evaluation file (``make-retention-set
+#: --from-chat eval.jsonl --held-out 16``, prompts spread evenly), written once into the run directory.
+DEMO_RETENTION_ROWS = 16
+DEMO_RETENTION_PROMPTS = 16
+DEMO_RETENTION_NEW_TOKENS = 48
 
 
 def _fetch_demo(argv: list[str], console: Console):
@@ -90,6 +99,20 @@ def _plot(argv: list[str], console: Console) -> None:
 DEMO_PROMPT = "Hi! What do you like to do on the weekend?"
 
 
+def _demo_retention_set(path: Path, assets, console: Console) -> None:
+    """Make the demo's retention set at ``path`` unless it exists (see :data:`DEMO_RETENTION_ROWS`)."""
+    from .eval_sets import spread_indices
+    from .retention_set import chat_prompts, make_retention_set
+
+    if path.is_file():
+        return
+    prompts, _lines = chat_prompts(assets.eval_path, DEMO_RETENTION_ROWS)
+    prompts = [prompts[i] for i in spread_indices(len(prompts), DEMO_RETENTION_PROMPTS)]
+    made = make_retention_set(assets.model_dir, path, prompts, max_new_tokens=DEMO_RETENTION_NEW_TOKENS)
+    console.print(f"retention set: the base model's replies to {made.rows} prompts of {assets.eval_path} -> {path}",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 def _demo_reply(export_dir: str, console: Console) -> None:
     """Reload the demo's HF export as a user would and print its answer to :data:`DEMO_PROMPT`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,8 +132,10 @@ def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
     line's flags, for the resume command of a failure report).
 
     Returns:
-        ``(exit code, export dir)``: 0 and the final export, or :data:`EXIT_STOPPED`,
-        :data:`EXIT_FAILED` (the launcher printed what happened) or 128 + N and None.
+        ``(exit code, export dir)``: 0 and the run's export (the final one, or ``hf_format/best``
+        after the forgetting budget ended it, None when no evaluation was within budget), or
+        :data:`EXIT_STOPPED`, :data:`EXIT_FAILED` (the launcher printed what happened, or a
+        divergence) or 128 + N and None.
 
     Raises:
         InputError: bad data, model path or sample count (before any training), or an output
@@ -146,7 +171,7 @@ def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
 def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[int, str | None]:
     """:func:`_train` once the run directory is this job's: prepare, train, record the end in ``run.json``."""
     from .data.validate import DataValidationError
-    from .launcher import launch, preflight
+    from .launcher import finished_record, launch, preflight
     from .loop import Trainer
 
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
@@ -163,9 +188,8 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         if in_process:
             run_dir.update_run_json(state="running")
             result = trainer.run()
-            code = result.exit_code
+            code, reason, export_dir = result.exit_code, result.reason, result.export_dir
             summary = result.summary()
-            export_dir = result.export_dir
         else:
             code = launch(cfg, console, job_id, argv)
             if code > EXIT_SIGNAL_BASE:
@@ -173,11 +197,12 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
                 console.print(f"stopped by {signal.Signals(code - EXIT_SIGNAL_BASE).name} without a checkpoint "
                               "(--on-demand-checkpointing is off)", markup=False, highlight=False)
                 return code, None
-            if code == EXIT_FAILED:
+            finished = finished_record(run_dir, cfg.node_rank, job_id)
+            reason, export_dir = finished.get("reason") or "completed", finished.get("export_dir")
+            if code == EXIT_FAILED and reason != "diverged":  # the launcher printed what happened
                 run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
                 return code, None
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
-            export_dir = str(run_dir.root / "hf_format" / f"step_{_last_step(run_dir)}") if code == EXIT_COMPLETED else None
     except BaseException:
         run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
         raise
@@ -186,8 +211,14 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
                       "continue with --resume", soft_wrap=True)
         return code, None
-    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir)
-    console.print(f"[green]done[/green]: {escape(summary)}, export {escape(export_dir)}", soft_wrap=True)
+    if reason == "diverged":
+        run_dir.update_run_json(state="failed", exit_code=code, reason=reason)
+        console.print(f"[bold red]diverged[/bold red]: training stopped with a checkpoint of the last good step "
+                      f"(exit code {code}); see the divergence record in {run_dir.metrics}", soft_wrap=True)
+        return code, None
+    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir, reason=reason)
+    ended = "" if reason == "completed" else f" ({reason.replace('_', ' ')})"
+    console.print(f"[green]done[/green]{ended}: {escape(summary)}, export {escape(str(export_dir))}", soft_wrap=True)
     return code, export_dir
 
 
@@ -198,14 +229,6 @@ def _job_id(cfg) -> str:
         return uuid.uuid4().hex[:12]
     key = f"{Path(cfg.output_dir).resolve()}|{cfg.rdzv_endpoint}"
     return hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def _last_step(run_dir) -> int:
-    """Step of the newest ``hf_format/step_<N>`` export."""
-    steps = [int(p.name.split("_", 1)[1]) for p in (run_dir.root / "hf_format").glob("step_*") if p.name.split("_", 1)[1].isdigit()]
-    if not steps:
-        raise RuntimeError(f"the worker group finished without an export under {run_dir.root / 'hf_format'}")
-    return max(steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,8 +276,12 @@ def _main(argv: list[str]) -> int:
                 at = argv.index("--dir")
                 demo_dir, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
             assets = _fetch_demo(["--dir", demo_dir] if demo_dir else [], console)
-            parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path), **DEMO_DEFAULTS)
+            parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path),
+                                eval_data_path=str(assets.eval_path), **DEMO_DEFAULTS)
             args = parse_with_config_file(parser, argv[1:])
+            made_here = args.retention_data_path is None
+            if made_here:
+                args.retention_data_path = [str(Path(args.output_dir) / "retention.jsonl")]
         else:
             args = parse_with_config_file(build_parser(), argv)
         cfg = config_from_args(args)
@@ -263,6 +290,9 @@ def _main(argv: list[str]) -> int:
         if args.print_config:
             sys.stdout.write(config_to_yaml(cfg))
             return EXIT_COMPLETED
+        if demo and made_here:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            _demo_retention_set(Path(cfg.retention_data_path[0]), assets, console)
         try:
             check_config(cfg)
         except ValueError as exc:

@@ -90,6 +90,19 @@ class TrainConfig:
     checkpoint_keep_last: int = 0
     checkpoint_grace_seconds: int = 300
     sigusr1_action: str = "checkpoint"
+    # evaluation, forgetting budget, early stopping, divergence (README "Evaluation and forgetting")
+    eval_data_path: str | None = None
+    eval_split: float | None = None
+    eval_every_steps: int = 0
+    eval_max_samples: int | None = None
+    retention_data_path: list[str] | None = None
+    max_forgetting: float | None = None
+    save_best_eval: bool = False
+    early_stopping_patience: int = 0
+    early_stopping_threshold: float = 0.0
+    loss_spike_factor: float | None = None
+    on_divergence: str = "stop"
+    max_rollbacks: int = 3
     # launch (read by the launcher; a worker ignores them)
     nproc_per_node: int = 1
     nnodes: int = 1
@@ -99,6 +112,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.data_path, str):  # one source, as callers in code may give it
             self.data_path = [self.data_path]
+
+    @property
+    def evaluating(self) -> bool:
+        """True when this run has an evaluation or retention set to evaluate."""
+        return bool(self.eval_data_path or self.eval_split or self.retention_data_path)
 
     @property
     def checkpointing(self) -> bool:
@@ -149,6 +167,17 @@ def _float_in(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
 
 
 INF = float("inf")
+
+
+class RepeatableList(argparse.Action):
+    """``nargs="+"`` that may be repeated: the values of every occurrence on the command line, in
+    order, replacing the default (a config file's list) rather than extending it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = f"_{self.dest}_given"
+        before = list(getattr(namespace, self.dest) or []) if getattr(namespace, given, False) else []
+        setattr(namespace, self.dest, before + list(values))
+        setattr(namespace, given, True)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -320,6 +349,40 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="start a new run in an --output-dir an earlier run (no longer running) left, removing its "
                         "checkpoints, exports and metrics (ignored with --resume)")
 
+    g = p.add_argument_group("evaluation, forgetting budget, early stopping, divergence (see README 'Evaluation')")
+    g.add_argument("--eval-data-path", metavar="FILE", default=None,
+                   help="evaluation data (chat jsonl, validated like the training data); its loss is the exact "
+                   "token mean over all ranks, without gradients")
+    g.add_argument("--eval-split", type=_float_in(0, 1, lo_open=True, hi_open=True), default=None, metavar="FRACTION",
+                   help="hold out this fraction of the training samples (rows spread evenly over the file) as the "
+                   "evaluation set instead of --eval-data-path")
+    g.add_argument("--eval-every-steps", metavar="N", type=non_negative_int, default=d.eval_every_steps,
+                   help="evaluate every N optimizer steps (0: only at the start and the end; always at both)")
+    g.add_argument("--eval-max-samples", metavar="N", type=positive_int, default=None,
+                   help="evaluate at most N samples of each evaluation and retention set (spread evenly)")
+    g.add_argument("--retention-data-path", metavar="FILE", nargs="+", action=RepeatableList, default=None,
+                   help="retention set (chat jsonl, repeatable; e.g. from `osft-train make-retention-set`): its loss "
+                   "minus its loss at step 0 is the forgetting, nats per token")
+    g.add_argument("--max-forgetting", type=_float_in(0, INF, hi_open=True), default=None, metavar="NATS",
+                   help="forgetting budget: the first evaluation where any retention set forgot more ends the run "
+                   "(exit 0); the best evaluation within budget is kept exported in hf_format/best")
+    g.add_argument("--save-best-eval", action="store_true",
+                   help="keep hf_format/best: the model of the lowest evaluation loss (within the budget when set)")
+    g.add_argument("--early-stopping-patience", metavar="N", type=non_negative_int, default=d.early_stopping_patience,
+                   help="end the run (exit 0) after N evaluations without an improvement of the evaluation loss "
+                   "(0: never)")
+    g.add_argument("--early-stopping-threshold", metavar="NATS", type=_float_in(0, INF, hi_open=True),
+                   default=d.early_stopping_threshold,
+                   help="smallest decrease of the evaluation loss that counts as an improvement, nats per token")
+    g.add_argument("--loss-spike-factor", metavar="F", type=_float_in(1, INF, lo_open=True, hi_open=True), default=None,
+                   help="a training loss above this factor times the median of the last losses is a divergence "
+                   "(default: off; a non-finite loss or gradient norm always is)")
+    g.add_argument("--on-divergence", choices=["stop", "rollback"], default=d.on_divergence,
+                   help="stop: checkpoint the last good step and exit 1; rollback: reload the newest complete "
+                   "checkpoint, skip the offending batch and go on (stop when there is none)")
+    g.add_argument("--max-rollbacks", metavar="N", type=non_negative_int, default=d.max_rollbacks,
+                   help="rollbacks allowed in one run; the divergence after them stops the run")
+
     g = p.add_argument_group("distributed launch (torchrun worker group; FSDP2, gloo on CPU, NCCL on GPU)")
     g.add_argument("--nproc-per-node", type=positive_int, default=d.nproc_per_node,
                    help="ranks on this node; 1 (with --nnodes 1) trains in this process")
@@ -364,7 +427,8 @@ def check_config(cfg: TrainConfig) -> None:
         ValueError: a sample could not fit into one micro-batch, an input path is missing,
             ``--freeze-non-target`` with ``--no-osft``, a ``--report-to`` tracker is not installed,
             protection settings outside their ranges, ``--osft-min-frozen-ratio`` exceeds
-            ``--osft-max-frozen-ratio``, or ``--osft-rank-schedule importance`` goes with ``--no-osft``.
+            ``--osft-max-frozen-ratio``, ``--osft-rank-schedule importance`` goes with ``--no-osft``, or
+            an evaluation flag does not fit the others (:func:`check_eval_config`).
     """
     if cfg.freeze_non_target and not cfg.osft:
         raise ValueError("--freeze-non-target with --no-osft would leave nothing to train: it freezes every "
@@ -386,6 +450,7 @@ def check_config(cfg: TrainConfig) -> None:
     check_sources(cfg.data_path)
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"--chat-template {cfg.chat_template}: no such file")
+    check_eval_config(cfg)
     if cfg.resume and cfg.resume_from_full_state_checkpoint:
         raise ValueError("--resume and --resume-from-full-state-checkpoint exclude each other: pick one")
     if cfg.resume_from_full_state_checkpoint and not Path(cfg.resume_from_full_state_checkpoint).is_dir():
@@ -398,3 +463,30 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.osft_protect_input_samples < 1:
         raise ValueError(f"--osft-protect-input-samples must be at least 1, got {cfg.osft_protect_input_samples}")
     check_available(cfg.report_to)
+
+
+def check_eval_config(cfg: TrainConfig) -> None:
+    """Cross-flag checks of the evaluation flags.
+
+    Raises:
+        ValueError: ``--eval-data-path`` with ``--eval-split``; an evaluation or retention file
+            that does not exist; ``--max-forgetting`` without a retention set; ``--save-best-eval``
+            or ``--early-stopping-patience`` without an evaluation set; ``--eval-every-steps``
+            without any set to evaluate.
+    """
+    if cfg.eval_data_path and cfg.eval_split:
+        raise ValueError("--eval-data-path and --eval-split exclude each other: pick one evaluation set")
+    for flag, path in [("--eval-data-path", cfg.eval_data_path), *(("--retention-data-path", p) for p in
+                                                                  cfg.retention_data_path or [])]:
+        if path and not Path(path).is_file():
+            raise ValueError(f"{flag} {path}: no such file")
+    if cfg.max_forgetting is not None and not cfg.retention_data_path:
+        raise ValueError("--max-forgetting needs a retention set to measure forgetting on (--retention-data-path)")
+    has_eval = bool(cfg.eval_data_path or cfg.eval_split)
+    for flag, on in (("--save-best-eval", cfg.save_best_eval),
+                     ("--early-stopping-patience", cfg.early_stopping_patience)):
+        if on and not has_eval:
+            raise ValueError(f"{flag} needs an evaluation set (--eval-data-path or --eval-split)")
+    if cfg.eval_every_steps and not cfg.evaluating:
+        raise ValueError("--eval-every-steps needs an evaluation or retention set (--eval-data-path, --eval-split "
+                         "or --retention-data-path)")

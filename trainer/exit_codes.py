@@ -9,11 +9,15 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-#: Training completed: every step trained and the final HF export written.
+#: Training completed: every step trained and the final HF export written; or the run ended itself
+#: by a rule the user set (``--max-forgetting``, ``--early-stopping-patience``: ``run_finished``
+#: says which), which is done too, so no scheduler runs it again.
 EXIT_COMPLETED = 0
 #: Training failed (a rank died or raised, the worker group could not start or was killed, or a
 #: stop's checkpoint did not finish within ``--checkpoint-grace-seconds``); ``osft-train`` prints
-#: what happened, the newest complete checkpoint and the command that resumes from it.
+#: what happened, the newest complete checkpoint and the command that resumes from it. Also a
+#: divergence (``--on-divergence stop``, or rollback without a checkpoint or rollbacks left): the
+#: last good step is checkpointed and ``run_finished`` has reason ``diverged``.
 EXIT_FAILED = 1
 #: Bad input (flags, config file, data, model path, checkpoint to resume from), reported before any
 #: rank starts.
@@ -37,12 +41,15 @@ class ExitCode:
 
 
 EXIT_CODES = (
-    ExitCode(str(EXIT_COMPLETED), "training completed, final export written",
+    ExitCode(str(EXIT_COMPLETED), "training completed, final export written; or ended by the forgetting budget "
+             "(export: hf_format/best) or early stopping (run_finished reason forgetting_budget, early_stopping)",
              "exits 0: the job is done", "the pod succeeds; the Job completes when every pod has"),
     ExitCode(str(EXIT_FAILED), "training failed: a rank died or raised, the worker group failed or was killed, "
              "or a stop's checkpoint missed the grace period (the report names the newest complete checkpoint "
-             "and the resume command)",
-             "exits 1, no requeue", "counted against backoffLimit; a new pod resumes until the limit"),
+             "and the resume command); or the run diverged (run_finished reason diverged, last good step "
+             "checkpointed)",
+             "exits 1, no requeue", "counted against backoffLimit; a new pod resumes until the limit (after a "
+             "divergence it likely diverges again: set --on-divergence rollback, or a small backoffLimit)"),
     ExitCode(str(EXIT_BAD_INPUT), "bad input (flags, config file, data, model, checkpoint), before any rank starts",
              "exits 2, no requeue", "FailJob: a retry cannot help"),
     ExitCode(str(EXIT_STOPPED), "stopped on request after a complete full-state checkpoint",

@@ -58,8 +58,8 @@ AGENT_IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
 
 
 def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
-    """Validate and tokenize the data with the model's tokenizer, once, and resolve and verify the
-    checkpoint to resume from, before any rank starts.
+    """Validate and tokenize the data (training, evaluation and retention sets) with the model's
+    tokenizer, once, and resolve and verify the checkpoint to resume from, before any rank starts.
 
     Returns:
         the config the ranks get: ``--resume`` replaced by the checkpoint it found (or dropped).
@@ -75,16 +75,24 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     from .checkpoint.resume import check_resume_compatible, read_trainer_state
     from .checkpoint.store import newest_complete, verify_checkpoint
+    from .data.cache import tokenize_source
     from .data.mixture import tokenize_for_run
     from .data.positions import check_positions, position_limit
     from .data.sampler import check_enough_samples, make_sampler
+    from .eval_sets import load_eval_sets, split_training_data
     from .model_build import load_protected_bases
     from .model_loading import load_tokenizer
     from .schedule import check_warmup
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
-    data, _ = tokenize_for_run(cfg, tokenizer, lambda message: console.print(
-        f"warning: {message}", markup=False, highlight=False, soft_wrap=True))
+
+    def warn(message: str) -> None:
+        console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
+
+    data, _ = tokenize_for_run(cfg, tokenizer, warn)
+    data, _held_out = split_training_data(data, cfg.eval_split)
+    load_eval_sets(cfg.eval_data_path, cfg.retention_data_path, None, None,  # validated once, cached
+                   lambda path: tokenize_source(cfg, path, tokenizer, warn)[0])
     check_positions(data, position_limit(cfg.model_name_or_path))  # absolute positions: error; rotary: ranks warn
     check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
@@ -127,10 +135,11 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
     return cmd + config_to_argv(cfg)
 
 
-def _finished_code(run_dir: RunDir, node_rank: int, job_id: str) -> int | None:
-    """Exit code of this job's last ``run_finished`` record in ``metrics/node<N>.jsonl``, if any."""
+def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
+    """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
+    ``exit_code``, ``reason`` and ``export_dir``."""
     path = run_dir.metrics / f"node{node_rank}.jsonl"
-    code = None
+    found: dict = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
@@ -138,8 +147,8 @@ def _finished_code(run_dir: RunDir, node_rank: int, job_id: str) -> int | None:
             except json.JSONDecodeError:
                 continue
             if rec.get("event") == "run_finished" and rec.get("job_id") == job_id:
-                code = rec.get("exit_code")
-    return code
+                found = rec
+    return found
 
 
 def _ignore_agent_signals() -> None:
@@ -237,7 +246,10 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
         trigger.remove()
     if stopped_by:
         return stopped_by_signal(stopped_by[0])
-    stopped = _finished_code(run_dir, cfg.node_rank, job_id) == EXIT_STOPPED
+    finished = finished_record(run_dir, cfg.node_rank, job_id)
+    stopped = finished.get("exit_code") == EXIT_STOPPED
+    if finished.get("reason") == "diverged" and not killed:
+        return EXIT_FAILED  # the run ended itself after a divergence, with a checkpoint: the caller says so
     # A scheduler that signals every process of the job (SLURM's scancel and time limit send SIGTERM)
     # also stops torchrun's agent, which then fails even though the ranks saved and stopped.
     if killed or (code != 0 and not (deadline and stopped)):

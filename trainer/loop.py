@@ -55,6 +55,7 @@ from .checkpoint.store import (
     verify_checkpoint,
 )
 from .config import TrainConfig
+from .data.cache import tokenize_source
 from .data.mixture import tokenize_for_run
 from .exit_codes import EXIT_STOPPED
 from .data.collate import collate_packed
@@ -62,6 +63,7 @@ from .data.packing import plan_micro_batches
 from .data.positions import check_positions, position_limit
 from .data.sampler import check_enough_samples, make_sampler
 from .data.tokenize import IGNORE_INDEX
+from .divergence import Diverged
 from .distributed import (
     DistEnv,
     agree,
@@ -74,6 +76,7 @@ from .distributed import (
 from .metrics import MetricsLogger
 from .model_build import build_model, load_protected_bases
 from .model_loading import load_tokenizer, model_vocab_size
+from .monitor import RunEnd, RunMonitor
 from .osft.freeze import count_parameters, freeze_non_targets
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
@@ -93,9 +96,10 @@ from .trackers import open_trackers
 class TrainResult:
     """Outcome of :meth:`Trainer.run`: the step reached, the last loss (NaN when this run trained
     no step), the total orthogonality violations, the final HF export (None when the run stopped on
-    request), the last full-state checkpoint written (or None), the exit code (0 completed,
-    :data:`.exit_codes.EXIT_STOPPED`) and the steps trained by this run (fewer than ``steps``
-    after a resume)."""
+    request), the last full-state checkpoint written (or None), the exit code (0 completed or ended
+    by an evaluation rule, :data:`.exit_codes.EXIT_STOPPED`, :data:`.monitor.EXIT_DIVERGED`), the
+    steps trained by this run (fewer than ``steps`` after a resume) and the reason of
+    ``run_finished``."""
 
     steps: int
     last_loss: float
@@ -104,6 +108,7 @@ class TrainResult:
     checkpoint: str | None = None
     exit_code: int = 0
     steps_run: int = 0
+    reason: str = "completed"
 
     def summary(self) -> str:
         """One line for the console: steps, last loss and violations; after a resume with no
@@ -192,6 +197,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self._saved: tuple[int, str] | None = None  # (step, path) of this run's newest checkpoint
         self.rank_plan: RankPlan | None = None
+        self.monitor = RunMonitor(self)
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -211,9 +217,10 @@ class Trainer:
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()
-        self.data, hit = tokenize_for_run(cfg, self.tokenizer, self._warn)
+        data, hit = tokenize_for_run(cfg, self.tokenizer, self._warn)
         if hit:
             self._say("data: tokenized data loaded from the cache")
+        self.data = self.monitor.prepare_data(data, self._tokenize)
         if self.dist.is_local_main:
             barrier()
         beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))
@@ -287,20 +294,40 @@ class Trainer:
             self._warn(warmup_warning)
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
-        if cfg.checkpointing or resume_dir is not None:
-            self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
+        # Always: a divergence or an evaluation rule that ends the run checkpoints it.
+        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
         if cfg.checkpointing:
             check_shared(root, self.dist.rank, self.dist.hostname)
         if resume_dir is not None:
-            state, rng = self.checkpointer.load(resume_dir)
-            self.start_step = state["step"]
-            self.sampler.restore(state["sampler"], self.start_step)
+            self.start_step = self.load_checkpoint(resume_dir)
             self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
-            self.counters = dict(state["counters"])
-            restore_rng(rng)  # last: nothing after this draws random numbers before training
             self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir),
                              changed={k: list(v) for k, v in changed_settings(saved, cfg).items()})
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
+
+    def _tokenize(self, path: str):
+        """Validate and tokenize one chat file (an evaluation or retention set) as the training
+        sources are (through the data cache unless ``--no-data-cache``).
+
+        Raises:
+            DataValidationError: every problem of the file. ValueError: an unusable file.
+        """
+        data, hit = tokenize_source(self.cfg, path, self.tokenizer, self._warn)
+        if hit:
+            self._say(f"data: tokenized {path} loaded from the cache")
+        return data
+
+    def load_checkpoint(self, step_dir: str | Path, rollback: bool = False) -> int:
+        """Load a verified full-state checkpoint into this run (collective): model, optimizer,
+        scheduler, counters, the evaluation and divergence state (a ``rollback`` keeps this run's
+        skipped batches), and last the generators. Returns the checkpoint's step."""
+        state, rng = self.checkpointer.load(Path(step_dir))
+        self.counters = dict(state["counters"])
+        self.monitor.load_state_dict(state.get("monitor"), keep_divergence=rollback)
+        saved = state["sampler"]  # the data position it was saved at (skipped batches counted)
+        self.sampler.restore(saved, saved["next_epoch"] * self.sampler.steps_per_epoch + saved["next_index"])
+        restore_rng(rng)  # last: nothing after this draws random numbers before training
+        return state["step"]
 
     def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
         """The URR of each OSFT target under ``--osft-rank-schedule importance`` (None: uniform).
@@ -385,11 +412,12 @@ class Trainer:
 
     def _trainer_state(self, step: int) -> dict:
         """Plain data of ``trainer_state.json`` after ``step`` optimizer steps."""
+        position = self.monitor.position(step + 1)  # the data position of the next step (after skipped batches)
         settings = {k: getattr(self.cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
         return {
             "step": step,
-            "epoch": step // self.sampler.steps_per_epoch,
-            "sampler": self.sampler.state(step),
+            "epoch": position // self.sampler.steps_per_epoch,
+            "sampler": self.sampler.state(position),
             "counters": dict(self.counters),
             "scheduler": self.scheduler.state_dict(),
             "world_size": self.dist.world_size,
@@ -398,6 +426,7 @@ class Trainer:
             "model": {"vocab_size": self.model.get_input_embeddings().weight.shape[0],
                       "model_type": self.model.config.model_type},
             "osft_plan": {name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
+            "monitor": self.monitor.state_dict(),
         }
 
     def checkpoint(self, step: int, request: Request | None) -> str:
@@ -424,8 +453,10 @@ class Trainer:
         self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s)")
         return str(saved.path)
 
-    def _micro_batch_loss(self, batch: dict | None) -> torch.Tensor:
-        """Summed token loss of one packed micro-batch (float32 scalar, on the device).
+    def _micro_batch_loss(self, batch: dict | None, float64_sum: bool = False) -> torch.Tensor:
+        """Summed token loss of one packed micro-batch (float32 scalar, on the device; with
+        ``float64_sum`` the float32 token losses are summed in float64, as evaluation does, so the
+        sum hardly depends on how the samples were packed).
 
         ``None`` is this rank's empty micro-batch (fewer samples than micro-batches): a one-token
         forward whose loss is multiplied by 0, so the rank still joins FSDP's collectives.
@@ -439,12 +470,13 @@ class Trainer:
             use_cache=False,
         )
         logits = out.logits
-        return F.cross_entropy(
+        losses = F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(),
             batch["labels"].to(self.device).view(-1),
             ignore_index=IGNORE_INDEX,
-            reduction="sum",
+            reduction="none" if float64_sum else "sum",
         )
+        return losses.double().sum() if float64_sum else losses
 
     def _poll(self, point: str, step: int, micro: int) -> None:
         if self.poller and (request := self.poller.poll(point, step, micro)):
@@ -459,7 +491,8 @@ class Trainer:
         Returns the numbers of the ``step`` metrics record.
 
         Raises:
-            RuntimeError: the batch has no loss token, or the loss is not finite.
+            RuntimeError: the batch has no loss token.
+            Diverged: a non-finite loss or gradient norm, or a loss spike (nothing was applied).
             StepInterrupted: a checkpoint request was agreed before the optimizer step.
         """
         cfg = self.cfg
@@ -474,10 +507,13 @@ class Trainer:
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
         scale = self.dist.world_size / total_loss_tokens
+        inject = self.monitor.injected(step)
         for m, micro in enumerate(plan):
             self._poll("before_forward", step, m)
             batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
             mb_loss = self._micro_batch_loss(batch)
+            if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
+                mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
             self._poll("before_backward", step, m)
             (mb_loss * scale).backward()
             self._poll("after_backward", step, m)
@@ -486,12 +522,13 @@ class Trainer:
                 num_tokens += int(batch["num_tokens"])
         loss_sum, tokens_by_rank = global_sums(loss_sum, num_tokens)
         loss = float(loss_sum) / total_loss_tokens
-        if not np.isfinite(loss):
-            raise RuntimeError(f"step {step}: loss is {loss} (lines {self._lines(idx)})")
+        if inject == "grad":
+            local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
         if self.projector:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))
         lr = self.optimizer.param_groups[0]["lr"]  # what this update uses (also after a resume that changed it)
         self.optimizer.step()
         self.scheduler.step()
@@ -544,11 +581,12 @@ class Trainer:
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
-    def export(self, step: int) -> str:
-        """Write the dense HF export ``hf_format/step_<step>`` with its protected subspaces
-        (``osft_subspaces.safetensors``/``.json``, see :meth:`_fold_subspaces`); rank 0 writes,
-        every rank takes part in gathering the shards. Returns its path."""
-        out = self.run_dir.hf_export(step)
+    def export(self, step: int, out: Path | None = None) -> str:
+        """Write the dense HF export of the model after ``step`` steps to ``out`` (default
+        ``hf_format/step_<step>``) with its protected subspaces (``osft_subspaces.safetensors``/
+        ``.json``, see :meth:`_fold_subspaces`); rank 0 writes, every rank takes part in gathering
+        the shards. Returns its path."""
+        out = out or self.run_dir.hf_export(step)
         grams = self._input_grams() if self.osft and self.cfg.osft_protect_basis == "inputs" else None
         state = full_state_dict(self.model)
         if self.dist.rank == 0:
@@ -650,23 +688,32 @@ class Trainer:
 
         A request agreed in the middle of a step saves the state at the start of that step
         (partial gradients dropped, generators rewound), so a resume replays the step exactly.
+        Evaluations, the rules that may end the run and divergences: :class:`.monitor.RunMonitor`.
         """
         cfg = self.cfg
         step, last_loss, last_checkpoint = self.start_step, float("nan"), None
         process = psutil.Process()
+        self.monitor.start(step)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
-                epoch = step // self.sampler.steps_per_epoch
-                rng_at_start = capture_rng() if self.poller else None
-                indices = self.sampler.indices(step)
+                position = self.monitor.position(step + 1)
+                epoch = position // self.sampler.steps_per_epoch
+                rng_at_start = capture_rng()
+                indices = self.sampler.indices(position)
                 try:
                     record = self.train_step(step + 1, indices)
-                except StepInterrupted as stop:
+                except (StepInterrupted, Diverged) as cut:
                     self.optimizer.zero_grad(set_to_none=True)
                     restore_rng(rng_at_start)
-                    last_checkpoint = self.checkpoint(step, stop.request)
-                    if stop.request.action is Action.CHECKPOINT_AND_EXIT:
-                        return self._stopped(step, last_loss, last_checkpoint, stop.request)
+                    if isinstance(cut, Diverged):
+                        outcome = self.monitor.on_divergence(cut, step)
+                        if isinstance(outcome, RunEnd):
+                            return self._end_early(step, last_loss, outcome, last_checkpoint)
+                        step = outcome  # rolled back: go on after the reloaded step
+                        continue
+                    last_checkpoint = self.checkpoint(step, cut.request)
+                    if cut.request.action is Action.CHECKPOINT_AND_EXIT:
+                        return self._stopped(step, last_loss, last_checkpoint, cut.request)
                     continue  # replay the step from its start
                 step += 1
                 if len(self.data.parts) > 1:
@@ -687,12 +734,15 @@ class Trainer:
                 )
                 if step % cfg.logging_steps == 0 or step == self.total_steps:
                     progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
-                                    self.counters["ortho_violations_total"])
+                                    self.counters["ortho_violations_total"], self.monitor.console_stats())
+                end = self.monitor.after_step(step, final=step == self.total_steps)
                 request = self.poller.poll("after_step", step) if self.poller else None
                 if request or (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
                     last_checkpoint = self.checkpoint(step, request)
                 if request and request.action is Action.CHECKPOINT_AND_EXIT:
                     return self._stopped(step, last_loss, last_checkpoint, request)
+                if end is not None:
+                    return self._end_early(step, last_loss, end, last_checkpoint)
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
                     progress.print(f"exported {self.export(step)}")
         export_dir = self.export(step)
@@ -705,6 +755,19 @@ class Trainer:
         self._finish("completed", 0, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
+
+    def _end_early(self, step: int, last_loss: float, end: RunEnd, checkpoint: str | None) -> TrainResult:
+        """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state
+        checkpoint of that step (unless one was just written), the final export when ``end`` asks
+        for it, its message and ``run_finished`` with its reason and exit code."""
+        if checkpoint is None or Path(checkpoint).name != f"step_{step}":
+            checkpoint = self.checkpoint(step, None)
+        export_dir = self.export(step) if end.export_final else end.export_dir
+        self._say(end.message)
+        self._finish(end.reason, end.exit_code, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)
+        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
+                           export_dir=export_dir, checkpoint=checkpoint, exit_code=end.exit_code, reason=end.reason,
+                           steps_run=step - self.start_step)
 
     def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
         self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "

@@ -1,10 +1,11 @@
 """``osft-train plot RUN_DIR [--out PNG]``: a PNG of a run's metrics over its optimizer steps.
 
-Panels: loss, learning rate, tokens/s of each node, and the worst orthogonality deviation with the
-violating steps marked; every panel has vertical markers at the checkpoints saved and the steps
+Panels: loss (with the evaluation loss of each evaluation set, and a panel of the forgetting of each
+retention set when the run evaluated them), learning rate, tokens/s of each node, and the worst
+orthogonality deviation with the violating steps marked; every panel has vertical markers at the checkpoints saved and the steps
 resumed from. A resumed run appends to the same ``metrics/node<N>.jsonl`` files, so a step can
 appear in several segments: the latest segment wins, as a resume from step K supersedes whatever
-an earlier segment logged after K (its steps and checkpoints). :func:`run_series` returns exactly
+an earlier segment logged after K (its steps, evaluations and checkpoints). :func:`run_series` returns exactly
 what the picture draws. matplotlib is optional (``pip install 'osft[plot]'``).
 """
 
@@ -42,6 +43,7 @@ class NodeTimeline:
     the checkpoints saved and of the resumes, and the last ``run_started`` config."""
 
     steps: dict[int, dict] = field(default_factory=dict)
+    evals: dict[tuple[str, int], dict] = field(default_factory=dict)
     checkpoints: list[int] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)
     config: dict = field(default_factory=dict)
@@ -49,6 +51,7 @@ class NodeTimeline:
     def _supersede(self, after: int) -> None:
         """Forget what an earlier segment logged for steps after ``after``."""
         self.steps = {s: r for s, r in self.steps.items() if s <= after}
+        self.evals = {k: r for k, r in self.evals.items() if k[1] <= after}
         self.checkpoints = [s for s in self.checkpoints if s <= after]
         self.resumes = [s for s in self.resumes if s <= after]
 
@@ -66,6 +69,8 @@ class NodeTimeline:
             if self.steps and step <= max(self.steps):
                 self._supersede(step - 1)
             self.steps[step] = record
+        elif event == "eval":
+            self.evals[(str(record["set"]), int(record["step"]))] = record
         elif event == "checkpoint_saved" and int(record["step"]) not in self.checkpoints:
             self.checkpoints.append(int(record["step"]))
 
@@ -79,8 +84,11 @@ class RunSeries:
         node_tokens_per_s: node rank -> that node's tokens/s.
         ortho_max_dev_deg: worst deviation from 90 degrees, degrees (steps with a check only).
         violation_steps: steps with at least one orthogonality violation.
+        eval_loss: evaluation set -> its loss (nats per token) at each evaluation.
+        forgetting: retention set -> its forgetting (loss minus its step-0 loss, nats per token).
         checkpoints, resumes: steps of the checkpoints saved and of the steps resumed from.
         ortho_margin_deg: the run's violation threshold, degrees (None when unknown).
+        max_forgetting: the run's forgetting budget, nats per token (None: none or unknown).
         problems: malformed lines skipped while reading.
     """
 
@@ -89,9 +97,12 @@ class RunSeries:
     node_tokens_per_s: dict[int, Series]
     ortho_max_dev_deg: Series
     violation_steps: list[int]
+    eval_loss: dict[str, Series]
+    forgetting: dict[str, Series]
     checkpoints: list[int]
     resumes: list[int]
     ortho_margin_deg: float | None
+    max_forgetting: float | None
     problems: list[str]
 
 
@@ -103,6 +114,17 @@ def _series(steps: dict[int, dict], key: str) -> Series:
         if value is not None:
             out.steps.append(step)
             out.values.append(float(value))
+    return out
+
+
+def _eval_series(evals: dict[tuple[str, int], dict], kind: str, key: str) -> dict[str, Series]:
+    """Per set of ``kind``, the non-null values of ``key`` in its ``eval`` records, by ascending step."""
+    out: dict[str, Series] = {}
+    for (name, step), record in sorted(evals.items()):
+        if record.get("kind") == kind and record.get(key) is not None:
+            series = out.setdefault(name, Series())
+            series.steps.append(step)
+            series.values.append(float(record[key]))
     return out
 
 
@@ -137,9 +159,12 @@ def run_series(run_dir: str | Path) -> RunSeries:
         node_tokens_per_s={node: _series(t.steps, "node_tokens_per_s") for node, t in nodes.items()},
         ortho_max_dev_deg=dev,
         violation_steps=[s for s in sorted(first.steps) if (first.steps[s].get("ortho_violations") or 0) > 0],
+        eval_loss=_eval_series(first.evals, "eval", "eval_loss"),
+        forgetting=_eval_series(first.evals, "retention", "forgetting"),
         checkpoints=sorted(first.checkpoints),
         resumes=sorted(first.resumes),
         ortho_margin_deg=float(margin) if margin is not None else None,
+        max_forgetting=first.config.get("max_forgetting"),
         problems=problems,
     )
 
@@ -183,10 +208,23 @@ def draw_run(data: RunSeries, title: str):
     except ImportError as exc:
         raise PlotError("osft-train plot needs matplotlib; install it with: pip install 'osft[plot]'") from exc
     fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
-    ax_loss, ax_lr, ax_tps, ax_dev = fig.subplots(4, 1, sharex=True)
+    axes = list(fig.subplots(5 if data.forgetting else 4, 1, sharex=True))
+    ax_loss, ax_lr, ax_tps, ax_dev = axes[0], *axes[-3:]
     fig.suptitle(title)
-    ax_loss.plot(data.loss.steps, data.loss.values, color="tab:blue", **_marker(data.loss))
-    ax_loss.set_ylabel("loss")
+    ax_loss.plot(data.loss.steps, data.loss.values, color="tab:blue", label="training loss" if data.eval_loss else None,
+                 **_marker(data.loss))
+    for i, (name, series) in enumerate(data.eval_loss.items()):
+        ax_loss.plot(series.steps, series.values, "o-", color=f"C{i + 1}", label=f"evaluation loss ({name})")
+    ax_loss.set_ylabel("loss, nats/token")
+    if data.forgetting:
+        ax_forget = axes[1]
+        for name, series in data.forgetting.items():
+            ax_forget.plot(series.steps, series.values, "o-", label=name)
+        if data.max_forgetting is not None:
+            ax_forget.axhline(data.max_forgetting, color="tab:red", linestyle="--", linewidth=1, label="--max-forgetting")
+        ax_forget.axhline(0.0, color="black", linewidth=0.5)
+        ax_forget.set_ylabel("forgetting, nats/token")
+        ax_forget.legend(loc="best", fontsize="small")
     ax_lr.plot(data.lr.steps, data.lr.values, color="tab:purple", **_marker(data.lr))
     ax_lr.set_ylabel("learning rate")
     for node, series in data.node_tokens_per_s.items():
@@ -197,13 +235,13 @@ def draw_run(data: RunSeries, title: str):
     _draw_orthogonality(ax_dev, data)
     ax_dev.set_xlabel("optimizer step")
     ax_dev.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in (ax_loss, ax_lr, ax_tps, ax_dev):
+    for ax in axes:
         for i, step in enumerate(data.checkpoints):
             ax.axvline(step, color="tab:green", linestyle=":", label="checkpoint saved" if i == 0 and ax is ax_loss else None)
         for i, step in enumerate(data.resumes):
             ax.axvline(step, color="tab:orange", linestyle="--", label="resumed from" if i == 0 and ax is ax_loss else None)
         ax.grid(alpha=0.3)
-    if data.checkpoints or data.resumes:
+    if data.checkpoints or data.resumes or data.eval_loss:
         ax_loss.legend(loc="best", fontsize="small")
     return fig
 

@@ -39,16 +39,18 @@ class TrainProgress:
     def __exit__(self, *exc) -> None:
         self._progress.__exit__(*exc)
 
-    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, violations_total: int) -> None:
-        """Show optimizer step ``step`` (1-based) and its numbers."""
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, violations_total: int,
+               evaluation: str = "") -> None:
+        """Show optimizer step ``step`` (1-based) and its numbers; ``evaluation``: the latest
+        evaluation loss and forgetting, as text ("" before the first)."""
         style = "red" if violations_total else "green"
         stats = (
             f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
-            f"[{style}]violations {violations_total}[/{style}]"
+            f"[{style}]violations {violations_total}[/{style}]" + (f"  {evaluation}" if evaluation else "")
         )
         self._progress.update(self._task, completed=step, stats=stats)
         if self._lines:
-            self._console.print(f"step {step}/{self.total_steps}  {stats}")
+            self._console.print(f"step {step}/{self.total_steps}  {stats}", soft_wrap=True)
 
     def print(self, message: str) -> None:
         """Print a line above the bar."""

@@ -72,9 +72,19 @@ class RunDir:
         return self.root / "hf_format" / f"step_{step}"
 
     @property
+    def hf_best(self) -> Path:
+        """``hf_format/best``: the export of the best evaluation (``--save-best-eval``, ``--max-forgetting``)."""
+        return self.root / "hf_format" / "best"
+
+    @property
     def control(self) -> Path:
         """``control/``: requests from a watcher on another host (docs/architecture.md section 6)."""
         return self.root / "control"
+
+    @property
+    def evaluate_request(self) -> Path:
+        """``control/evaluate``: asks the run to evaluate at its next step boundary (then removed)."""
+        return self.control / "evaluate"
 
     def launcher_log(self, node_rank: int) -> Path:
         """``logs/launcher.node<N>.log``: the output of node N's launcher when osft-tui started it

@@ -3,8 +3,8 @@ TensorBoard and/or Weights & Biases as well.
 
 :class:`.metrics.MetricsLogger` hands each record it writes to its sinks (:class:`Tracker`
 instances, opened by :func:`open_trackers` on global rank 0 only), so the trackers get exactly the
-JSONL records of docs/architecture.md section 4: ``step`` records become scalars, every other event a text
-entry. Neither package is a dependency; :func:`check_available` names the extra to install.
+JSONL records of docs/architecture.md section 4: ``step`` and ``eval`` records become scalars, every
+other event a text entry. Neither package is a dependency; :func:`check_available` names the extra to install.
 """
 
 from __future__ import annotations
@@ -64,11 +64,20 @@ def step_scalars(record: dict) -> dict[str, float]:
     return {name: float(value) for name, value in scalars.items() if value is not None}
 
 
+def eval_scalars(record: dict) -> dict[str, float]:
+    """Scalars of one ``eval`` record: ``eval/<set>/loss`` for the evaluation set,
+    ``retention/<set>/loss`` and ``retention/<set>/forgetting`` for a retention set (nats per token);
+    null fields are left out."""
+    prefix = f"{'eval' if record.get('kind') == 'eval' else 'retention'}/{record.get('set')}"
+    scalars = {f"{prefix}/loss": record.get("eval_loss"), f"{prefix}/forgetting": record.get("forgetting")}
+    return {name: float(value) for name, value in scalars.items() if value is not None}
+
+
 class Tracker:
     """A sink of metrics records; subclasses implement :meth:`scalars`, :meth:`event` and :meth:`close`.
 
-    Records other than ``step`` are placed at their own ``step`` (``from_step`` for ``resumed``),
-    else at the latest step seen.
+    ``eval`` records become scalars at their step; other records than ``step`` are placed at their
+    own ``step`` (``from_step`` for ``resumed``), else at the latest step seen.
     """
 
     def __init__(self) -> None:
@@ -80,6 +89,9 @@ class Tracker:
         if event == "step":
             self.last_step = int(record["step"])
             self.scalars(self.last_step, step_scalars(record), record["ts"])
+            return
+        if event == "eval":
+            self.scalars(int(record["step"]), eval_scalars(record), record["ts"])
             return
         step = record.get("step", record.get("from_step"))
         fields = {k: v for k, v in record.items() if k not in COMMON_FIELDS}

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from .data.validate import DataValidationError
     from .loop import Trainer
+    from .monitor import EXIT_DIVERGED
 
     console = Console(stderr=True)
     try:
@@ -58,7 +59,7 @@ def _main(argv: list[str]) -> int:
         return 2
     try:
         trainer.prepare()
-        trainer.run()
+        result = trainer.run()
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
         trainer.metrics.log("error", message=str(exc), exit_code=2)
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
@@ -75,7 +76,9 @@ def _main(argv: list[str]) -> int:
                       f"(traceback: the error record in {trainer.metrics.path})",
                       markup=False, highlight=False, soft_wrap=True)
         return EXIT_FAILED
-    return EXIT_COMPLETED
+    # A stop on request exits 0 (the launcher reads exit code 75 from the run_finished record); a
+    # divergence fails the worker group.
+    return EXIT_DIVERGED if result.exit_code == EXIT_DIVERGED else EXIT_COMPLETED
 
 
 if __name__ == "__main__":

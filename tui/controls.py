@@ -27,7 +27,7 @@ from .components.checkpoints import CheckpointTable
 from .components.modals import Choice, HelpScreen, LogScreen
 from .components.new_run import NewRunScreen
 from .components.ranks import RankTable
-from .processes import ProcessView, send_request, this_host
+from .processes import ProcessView, request_evaluation, send_request, this_host
 from .processes import kill as kill_processes
 from .requests import CHECKPOINT, STOP, PendingRequests
 from .status import FAILURE_LINES, LaunchFailure
@@ -73,6 +73,8 @@ CONTROLS = (
             "checkpoint now: SIGUSR1 to the launcher; training continues", acts=True),
     Control("s", "stop", "ckpt+stop", "Checkpoint & stop",
             f"checkpoint and stop: SIGUSR2; the run exits {EXIT_STOPPED} after a complete checkpoint", acts=True),
+    Control("e", "evaluate", "evaluate", "Evaluate",
+            "evaluate at the next step boundary (writes control/evaluate); training goes on", acts=True),
     Control("K", "kill", "kill", "Kill",
             "kill: SIGKILL to every process of the run (lists the pids first)", acts=True),
     Control("r", "resume", "resume", "Resume selected",
@@ -241,6 +243,24 @@ class Controls:
         """Checkpoint and stop (SIGUSR2); the launcher exits with :data:`EXIT_STOPPED` after a complete
         checkpoint."""
         self.request(signal.SIGUSR2, STOP)
+
+    def evaluate(self) -> None:
+        """Ask the run to evaluate its evaluation and retention sets at the next step boundary
+        (``control/evaluate``, read by rank 0 wherever it runs); training goes on."""
+        d = self.dashboard
+        why = self.unavailable(d.view is not None and d.view.any_alive())
+        if why is not None or d.run is None:
+            d.notify(f"evaluate: nothing requested: {why}", severity="warning")
+            return
+        try:
+            path = request_evaluation(d.run.root)
+        except OSError as exc:
+            d.notify(f"could not request an evaluation: {exc}", severity="error")
+            return
+        step = d.run.step
+        message = f"evaluation requested at step {step if step is not None else 0}: wrote {path}"
+        d.log_event(message, "bold cyan")
+        d.notify(message, title="evaluate")
 
     def kill(self) -> None:
         """SIGKILL every process of the run on this host, after a confirmation listing the pids."""

@@ -233,6 +233,10 @@ class Dashboard(Screen):
         """``s``: :meth:`.Controls.stop`."""
         self.controls.stop()
 
+    def action_evaluate(self) -> None:
+        """``e``: :meth:`.Controls.evaluate`."""
+        self.controls.evaluate()
+
     def action_kill(self) -> None:
         """``K``: :meth:`.Controls.kill`."""
         self.controls.kill()

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 from osft.trainer.checkpoint.signals import signal_name
@@ -181,6 +182,20 @@ def send_request(view: ProcessView, signum: int) -> str:
     path.touch()
     os.utime(path)
     return f"no process of the run on this host: wrote {path}"
+
+
+def request_evaluation(root: Path) -> Path:
+    """Create ``control/evaluate`` in the run directory ``root``: rank 0 sees it at the next step
+    boundary, the run evaluates its evaluation and retention sets, removes the file and goes on.
+    Returns the file's path.
+
+    Raises:
+        OSError: the control directory cannot be written.
+    """
+    path = RunDir(root).evaluate_request
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    return path
 
 
 def kill(targets: list[Target], timeout_s: float = 10.0) -> list[int]:

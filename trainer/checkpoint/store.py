@@ -63,9 +63,10 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint under ``root`` that verifies, and one line per directory skipped on
-    the way (with the reason), also for entries that are not checkpoints at all.
+def newest_complete(root: Path, max_step: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that verifies (at or before ``max_step`` when given),
+    and one line per directory skipped on the way (with the reason), also for entries that are not
+    checkpoints at all.
 
     Returns:
         ``(step dir or None, skip messages)``.
@@ -78,7 +79,9 @@ def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
                     skipped.append(f"incomplete checkpoint {p.name.split('.tmp-')[0]} skipped: {p.name} was never finished")
                 else:
                     skipped.append(f"{p.name} skipped: not a step_<N> checkpoint directory")
-    for _step, path in step_dirs(root):
+    for step, path in step_dirs(root):
+        if max_step is not None and step > max_step:
+            continue
         try:
             verify_checkpoint(path)
             return path, skipped
