@@ -22,6 +22,7 @@ from osft.tui.app import OsftTui
 from osft.tui.components.checkpoints import CheckpointTable
 from osft.tui.components.header import RunHeader
 from osft.tui.format import fmt_rate
+from osft.tui.components.lines import LineView
 from osft.tui.components.modals import Choice, LogScreen
 from osft.tui.components.new_run import NewRunScreen
 from osft.tui.components.nodes import NodeTable
@@ -177,7 +178,7 @@ def test_c_sends_exactly_one_sigusr1_and_the_checkpoint_is_listed_then_s_stops(t
         assert signals_received(out) == ["SIGUSR1"]
         table = dash.query_one(CheckpointTable)
         assert table.get_row(saved[0]["path"])[0] == str(saved[0]["step"])
-        assert table.get_row(saved[0]["path"])[3] == "complete"
+        assert table.get_row(saved[0]["path"])[1] == "complete"
         written = f"checkpoint of step {saved[0]['step']} written to {saved[0]['path']}"
         def events_with_save() -> str | None:
             text = "\n".join(line.text for line in dash.query_one("#events", RichLog).lines)
@@ -374,8 +375,10 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
         await pilot.press("l")
         screen = await wait_until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen, 10, "the logs")
         assert screen.title_text.endswith("exit code 3")
-        assert any(line.startswith("RuntimeError: fake crash of rank 1 at step 3") for line in screen.lines)
-        assert any("Traceback (most recent call last)" in line for line in screen.lines)
+        lines = await wait_until(pilot, lambda: [t.plain for _, t in screen.query_one(LineView).entries], 10, "lines")
+        assert any(line.startswith("err│ RuntimeError: fake crash of rank 1 at step 3") for line in lines)
+        assert any("Traceback (most recent call last)" in line for line in lines)
+        assert "out│ rank 1 (node 0, local rank 1) started" in "\n".join(lines)  # stdout too
         await pilot.press("escape")
         assert await no_processes_left(out)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from osft.tui.components.new_run import FIELDS
 from tui_support import kill_run, processes_of
 
 TMUX = shutil.which("tmux")
@@ -164,8 +165,9 @@ class Tmux:
             raise AssertionError(f"tmux {' '.join(args)}: {done.returncode} {done.stderr.strip()}")
         return done.stdout
 
-    def open(self, name: str, argv: list[str], cwd: Path) -> Terminal:
-        """A new terminal (session ``name``, 140 x 42) running ``argv`` (osft-tui) as described above."""
+    def open(self, name: str, argv: list[str], cwd: Path, size: tuple[int, int] = SIZE) -> Terminal:
+        """A new terminal (session ``name``, ``size`` columns x rows) running ``argv`` (osft-tui) as
+        described above."""
         term = Terminal(self, name)
         q = shlex.quote
         script = "\n".join([
@@ -181,7 +183,7 @@ class Tmux:
         ])
         path = self.root / f"{name}.sh"
         path.write_text(script)
-        self("new-session", "-d", "-s", name, "-x", str(SIZE[0]), "-y", str(SIZE[1]), f"sh {q(str(path))}")
+        self("new-session", "-d", "-s", name, "-x", str(size[0]), "-y", str(size[1]), f"sh {q(str(path))}")
         self.terminals.append(term)
         self.socket_path = self.socket_path or self("display-message", "-p", "#{socket_path}").strip()
         return term
@@ -312,6 +314,39 @@ class Terminal:
             self.type(values[field])
             wait_for(lambda r=row, v=values[field]: self._value(r) == v, f"{field} = {values[field]!r}", 10, 0.03,
                      self.screen)
+
+    def fill_form_walking(self, values: dict[str, str]) -> None:
+        """Type ``values`` into the new-run form on a terminal too small to show every field: walk up
+        from the launch button with shift+tab, one field at a time (the form scrolls to the focused
+        one), and know the focused field by its border's colour. An input narrower than
+        its value shows the value's end."""
+        labels = [label for _, label, _ in reversed(FIELDS)]
+        for name, label, _ in reversed(FIELDS):
+            self.keys("BTab")
+            wait_for(lambda lb=label: self._focused_label(labels) == lb, f"the focus on {name}", 10, 0.03,
+                     self.screen)
+            if name not in values:
+                continue
+            if self._value(self._row(label)) != "":  # the row is read again each time: the form may scroll
+                self.keys("C-a", "C-k")
+                wait_for(lambda lb=label: self._value(self._row(lb)) == "", f"{name} to be cleared", 10, 0.03,
+                         self.screen)
+            self.type(values[name])
+            wait_for(lambda lb=label, v=values[name]: (shown := self._value(self._row(lb))) and v.endswith(shown)
+                     and len(shown) >= min(len(v), 20), f"{name} = {values[name]!r}", 10, 0.03, self.screen)
+
+    def _focused_label(self, labels: list[str]) -> str | None:
+        """The form label of the focused input: the one whose input border has a colour no other
+        input on the screen has (the hardware cursor's position is not reliable at this size)."""
+        borders: dict[str, str] = {}
+        for line in self.screen(escapes=True).splitlines():
+            text = SGR.sub("", line).strip()
+            label = next((lb for lb in labels if text.startswith(lb)), None)
+            if label is not None and "▊" in line:
+                borders[label] = SGR.findall(line.split("▊")[0])[-1]
+        colours = list(borders.values())
+        unique = [lb for lb, c in borders.items() if colours.count(c) == 1]
+        return unique[0] if len(unique) == 1 and len(borders) > 1 else None
 
     def _cursor_row(self) -> int:
         """The cursor's row once it stays put (tmux may report it in the middle of a frame being drawn)."""
@@ -574,3 +609,52 @@ def test_quit_choices_leave_no_process_of_the_run(tmux, tmp_path, choice):
     finally:
         kill_run(out)
 
+
+
+# ---------------------------------------------------------------------------------------------- issue 20
+
+
+def test_at_80x24_launch_watch_checkpoint_resume_and_read_the_logs_without_leaving_the_dashboard(tmux, tmp_path):
+    """Issue 20's "done when": on an 80 x 24 terminal, a run is launched from the form, watched,
+    checkpointed with ``c``, resumed from that checkpoint with ``r`` (the live run is stopped first)
+    and its rank logs read with ``l``, all inside one dashboard."""
+    term = tmux.open("small", [OSFT_TUI, "--launcher", LAUNCHER], tmp_path, size=(80, 24))
+    out = tmp_path / "rundir"
+    try:
+        new_run_files(tmp_path)  # relative paths: an 80-column input shows only about 35 characters
+        term.wait_screen("New OSFT run", "the new-run form")
+        term.wait_screen(r"\^l launch", "the form's footer")
+        term.fill_form_walking({"model": "model", "data": "train.jsonl", "output_dir": "rundir", "max_steps": "400",
+                                "extra_args": shlex.join(FAKE_FLAGS)})
+        term.keys("C-l")
+        term.wait_header("running", 2, "the dashboard to show the launched run's steps")
+        launcher, ranks = run_pids(out)
+        for line in term.lines():
+            assert len(line) <= 80
+
+        term.keys("c")  # checkpoint: the list shows it complete
+        saved = wait_for(lambda: complete_checkpoints(out), "a complete checkpoint", context=term.screen)
+        step = int(saved[0].parent.name.removeprefix("step_"))
+        term.wait_screen(rf"(?m)^\s*{step}\s.*\bcomplete\b", "the checkpoint in the list")
+        assert_still_training(out, [launcher, *ranks])
+
+        term.keys("r")  # resume from the newest checkpoint (the cursor's row): the live run is stopped first
+        term.wait_screen(r"Stop the running job and resume from step (\d+)\?", "the resume question")
+        chosen = int(re.search(r"resume from step (\d+)\?", term.screen()).group(1))
+        term.keys("Tab")
+        wait_for(lambda: "stop and resume" in term.screen(), "the resume button", context=term.screen)
+        term.keys("Enter")
+        resumed = wait_for(lambda: records(out, "resumed"), "a resumed record", timeout=60, context=term.screen)
+        assert resumed[0]["from_step"] == chosen
+        assert [line.split()[0] for line in signal_lines(out)][-1] == "SIGUSR2"
+        term.wait_header("running", chosen + 2, "the resumed run's steps")
+        assert all(not alive(p) for p in [launcher, *ranks])  # the first run's processes are gone
+
+        term.keys("l")  # rank 0's logs, then back to the dashboard
+        term.wait_screen(r"rank 0 \(node 0, local rank 0\)", "the log view")
+        term.wait_screen(r"resumed from .* at step \d+|step \d+ rank 0 loss", "rank 0's output in the log view")
+        term.keys("Escape")
+        term.wait_header("running", chosen + 3, "the dashboard again")
+        assert term.read_pid() == term.app_pid()  # one dashboard all along
+    finally:
+        kill_run(out)

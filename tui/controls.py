@@ -79,8 +79,11 @@ CONTROLS = (
             "kill: SIGKILL to every process of the run (lists the pids first)", acts=True),
     Control("r", "resume", "resume", "Resume selected",
             "resume from the checkpoint selected in the checkpoint list", acts=True),
-    Control("l", "logs", "logs", "Rank logs", "logs (stderr) of the rank selected in the rank table"),
+    Control("l", "logs", "logs", "Rank logs",
+            "stdout and stderr of the rank selected in the rank table, live (/ searches)"),
     Control("n", "new_run", "new run", "New run", "new run", acts=True),
+    Control("slash", "search", "search", "Search events", "events: show only the lines holding a text"),
+    Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only"),
     Control("question_mark", "help", "help", "Help", "this help"),
     Control("q", "request_quit", "quit", "Quit", "quit: detach (the run goes on), checkpoint and stop, or kill"),
 )
@@ -416,7 +419,7 @@ class Controls:
 
     # ------------------------------------------------------------------ screens
     def logs(self) -> None:
-        """The selected rank's stderr tail, with its exit code and error when it crashed."""
+        """The selected rank's stdout and stderr, live, with its exit code and error when it crashed."""
         d = self.dashboard
         if d.run is None:
             return
@@ -425,15 +428,12 @@ class Controls:
             rank = 0
         info = d.run.ranks.get(rank)
         node, local = (info.node_rank, info.local_rank) if info else (0, rank)
-        path = d.run.log_paths.get((node, local))
-        lines = LogTail(path).poll() if path else []
-        lines = lines or ["(no stderr.log yet)"]
-        title = f"rank {rank} (node {node}, local rank {local}) stderr"
+        stderr = d.run.log_paths.get((node, local))
+        paths = [("out", stderr.with_name("stdout.log")), ("err", stderr)] if stderr else []
+        title = f"rank {rank} (node {node}, local rank {local}) stdout and stderr"
         if info and (info.error or info.exit_code is not None):
             title += f": exit code {info.exit_code if info.exit_code is not None else '?'}"
-            if info.error:
-                lines.append(f"error: {info.error}")
-        d.app.push_screen(LogScreen(title, lines))
+        d.app.push_screen(LogScreen(title, paths, f"error: {info.error}" if info and info.error else None))
 
     def help(self) -> None:
         """The keys."""

@@ -6,6 +6,7 @@ run the control flows of :mod:`.controls`.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -13,10 +14,12 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Label, RichLog
+from textual.widgets import Button, Footer, Label
 
 from .components.checkpoints import CheckpointTable
 from .components.header import RunHeader
+from .components.lines import LineView
+from .components.modals import SearchPrompt
 from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
@@ -24,17 +27,22 @@ from .controls import ACTING, CONTROLS, Controls, offered
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
 from .requests import CHECKPOINT, STOP
-from .run_state import RunModel, Violations
+from .run_state import Event, RunModel, Violations
 from .status import Status, judge
 
 #: Seconds between the costly redraws (sparklines, rank table, event pane) and psutil samples of
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
 #: checkpoint tables and the violation counters follow every poll.
 SAMPLE_S = 1.0
-#: Event lines and rank log lines written to the event pane per SAMPLE_S at most; the others are
-#: counted in a "… not shown" line (a flooding run cannot make the UI slow to answer keys).
+#: Event lines written to the event pane per SAMPLE_S at most; the others are counted in a
+#: "… not shown" line (a flooding run cannot make the UI slow to answer keys). Rank output is not
+#: an event: the log view (l) shows it.
 EVENT_LINES = 20
-LOG_LINES = 12
+#: Seconds an event line is not repeated: the same warning of every rank (or written again by
+#: the same rank) within this time is one line naming the ranks.
+REPEAT_S = 10.0
+#: The "rank N: " start of a rank's event line (events of every rank that differ only in it are one).
+_RANK_PREFIX = re.compile(r"^rank (\d+): ")
 
 #: States the event pane reports in red.
 ALARMS = ("dead", "launch failed", "unreadable run.json", "failed")
@@ -67,6 +75,7 @@ class Dashboard(Screen):
         self._live = False
         self._sampled = float("-inf")
         self._told: tuple[str, str] | None = None
+        self._said: dict[str, float] = {}
         if run_dir is not None:
             self.attach(run_dir)
 
@@ -84,7 +93,7 @@ class Dashboard(Screen):
             with Vertical(id="rank-pane"):
                 yield Label("ranks (select, then l for logs)", classes="pane-title")
                 yield RankTable(id="ranks")
-        yield RichLog(id="events", max_lines=1000, wrap=False, markup=False)
+        yield LineView("events (/ search, v level)", 1000, id="events")
         with Horizontal(id="buttons"):
             for c in offered(self.readonly):
                 key = self.app.get_key_display(c.binding)
@@ -115,9 +124,9 @@ class Dashboard(Screen):
         self.controls.pending.clear()
         self.controls.failure = None
         self._queued = Update(RunModel("."))
-        self._stats, self._live, self._sampled, self._told = {}, False, float("-inf"), None
+        self._stats, self._live, self._sampled, self._told, self._said = {}, False, float("-inf"), None, {}
         if self.is_mounted:
-            self.query_one("#events", RichLog).clear()
+            self.query_one(LineView).forget()
             self.query_one(CheckpointTable).show([])
             self.query_one(NodeTable).clear()
             self.query_one(RankTable).clear()
@@ -197,22 +206,41 @@ class Dashboard(Screen):
         self._told = told
 
     def _queue_events(self, update: Update) -> None:
-        """Keep the update's lines for the next write (the newest :data:`EVENT_LINES` event lines
-        and :data:`LOG_LINES` log lines; the others are counted)."""
-        self._queued.merge(update).cap(EVENT_LINES, LOG_LINES)
+        """Keep the update's event lines for the next write (the newest :data:`EVENT_LINES`; the
+        others are counted); rank output is dropped (the log view reads it)."""
+        self._queued.merge(update).cap(EVENT_LINES, 0)
 
     def _write_events(self) -> None:
         """Append the queued lines to the event pane in one write (one render, one scroll)."""
         q = self._queued
         lines = []
         if q.dropped_events:
-            lines.append(Text(f"… {q.dropped_events} events not shown (metrics/*.jsonl has them)", "dim italic"))
-        if q.dropped_logs:
-            lines.append(Text(f"… {q.dropped_logs} log lines not shown (l: rank logs)", "dim italic"))
-        lines += [Text(e.text, LEVEL_STYLE[e.level]) for e in q.events]
+            lines.append(("info", Text(f"… {q.dropped_events} events not shown (metrics/*.jsonl has them)",
+                                       "dim italic")))
+        lines += self._once(q.events)
         if lines:
-            self.query_one("#events", RichLog).write(Text("\n").join(lines))
+            self.query_one(LineView).add(lines)
         q.events, q.dropped_events, q.dropped_logs, q.checkpoint_records = [], 0, 0, []  # answered per poll
+
+    def _once(self, events: list[Event]) -> list[tuple[str, Text]]:
+        """``(level, line)`` of ``events`` without repeats: lines that differ only in their "rank N: "
+        start are one line naming the ranks, and a line said in the last :data:`REPEAT_S` is not
+        said again."""
+        now, grouped = time.monotonic(), {}
+        for e in events:
+            m = _RANK_PREFIX.match(e.text)
+            key = (e.level, e.text[m.end():] if m else e.text)
+            grouped.setdefault(key, []).append(int(m.group(1)) if m else None)
+        lines = []
+        for (level, text), ranks in grouped.items():
+            if now - self._said.get(text, float("-inf")) < REPEAT_S:
+                continue
+            self._said[text] = now
+            named = sorted({r for r in ranks if r is not None})
+            who = f"rank {named[0]}: " if len(named) == 1 else f"ranks {', '.join(map(str, named))}: " if named else ""
+            lines.append((level, Text(who + text, LEVEL_STYLE[level])))
+        self._said = {t: at for t, at in self._said.items() if now - at < REPEAT_S}
+        return lines
 
     def _sample(self) -> dict[int, ProcStats | None]:
         """psutil stats of each rank on this host (None for a rank on another host)."""
@@ -222,7 +250,7 @@ class Dashboard(Screen):
 
     def log_event(self, message: str, style: str) -> None:
         """Append a line of the dashboard's own (a request, a kill, a launch) to the event pane."""
-        self.query_one("#events", RichLog).write(Text(message, style))
+        self.query_one(LineView).add([("error" if "red" in style else "info", Text(message, style))])
 
     # ------------------------------------------------------------------ controls (see .controls)
     def action_checkpoint(self) -> None:
@@ -252,6 +280,15 @@ class Dashboard(Screen):
     def action_new_run(self) -> None:
         """``n``: :meth:`.Controls.new_run`."""
         self.controls.new_run()
+
+    def action_search(self) -> None:
+        """``/``: show only the event lines holding a text."""
+        view = self.query_one(LineView)
+        self.app.push_screen(SearchPrompt(view.search), lambda text: text is None or view.set_filter(search=text))
+
+    def action_level(self) -> None:
+        """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""
+        self.notify(f"events: {self.query_one(LineView).next_level()}", timeout=2)
 
     def action_help(self) -> None:
         """``?``: :meth:`.Controls.help`."""

@@ -60,7 +60,7 @@ class Update:
         lines = [e for e in self.events if e.level == "log"]
         self.dropped_events += max(0, len(infos) - events)
         self.dropped_logs += max(0, len(lines) - logs)
-        self.events = infos[-events:] + lines[-logs:]
+        self.events = infos[max(0, len(infos) - events):] + lines[max(0, len(lines) - logs):]  # 0 keeps none
         return self
 
     def merge(self, later: Update) -> Update:

@@ -10,11 +10,13 @@ from ..format import fmt_bytes, fmt_clock
 
 
 class CheckpointTable(DataTable):
-    """One row per directory under ``full_state_checkpoints/`` (key: its path), newest first."""
+    """One row per directory under ``full_state_checkpoints/`` (key: its path), newest first. Step
+    and status come first, so a narrow pane (80 columns) still tells a complete checkpoint from an
+    incomplete one; why one is incomplete is the last column."""
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
-        for name, width in (("step", 6), ("time", 8), ("size", 9), ("status", 24)):
+        for name, width in (("step", 6), ("status", 10), ("time", 8), ("size", 9), ("note", 30)):
             self.add_column(name, key=name, width=width)  # fixed: the header never lags the rows
         self._shown: list[CheckpointEntry] = []
 
@@ -25,8 +27,8 @@ class CheckpointTable(DataTable):
         selected = self.selected()
         self.clear()
         for e in entries:
-            status = "complete" if e.complete else f"[yellow]incomplete[/]: {escape(e.note)}"
-            self.add_row(str(e.step), fmt_clock(e.mtime), fmt_bytes(e.bytes), status, key=str(e.path))
+            status = "complete" if e.complete else "[yellow]incomplete[/]"
+            self.add_row(str(e.step), status, fmt_clock(e.mtime), fmt_bytes(e.bytes), escape(e.note), key=str(e.path))
         self._shown = list(entries)
         if selected is not None:
             for i, e in enumerate(entries):

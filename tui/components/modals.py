@@ -1,12 +1,24 @@
-"""Modal screens: confirmation (listing the pids a signal goes to), quit choices, help, rank logs."""
+"""Modal screens: confirmation (listing the pids a signal goes to), quit choices, help, rank logs, search."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Label, Log, Static
+from textual.widgets import Button, Input, Label, Static
+
+from ..tail import LogTail
+from .lines import LineView
+
+#: Lines of each stream the log screen keeps; seconds between its reads of the files.
+LOG_SCREEN_LINES = 2000
+LOG_POLL_S = 0.5
+#: Style of each stream's lines in the log screen.
+STREAM_STYLE = {"err": "yellow"}
 
 
 class Choice(ModalScreen[str]):
@@ -73,24 +85,70 @@ class HelpScreen(ModalScreen[None]):
 
 
 class LogScreen(ModalScreen[None]):
-    """A rank's stderr tail and, for a crashed rank, its
-    exit code and error message."""
+    """A rank's stdout and stderr, full width and live: new lines are read every
+    :data:`LOG_POLL_S` and followed while the view is at the bottom; ``/`` searches. stderr lines
+    are marked ``err│`` (yellow), stdout lines ``out│``. A crashed rank's exit code and error
+    are in the title and the last line.
 
-    BINDINGS = [Binding("escape,q,l", "dismiss(None)", "close")]
+    Args:
+        title: what the view shows (rank, node, exit code).
+        paths: ``(stream name, file)`` per stream, e.g. ``[("out", stdout.log), ("err", stderr.log)]``.
+        footer: a last line (the error of a crashed rank), or None.
+    """
 
-    def __init__(self, title: str, lines: list[str]) -> None:
+    BINDINGS = [Binding("escape,q,l", "dismiss(None)", "close"), Binding("slash", "search", "search")]
+
+    def __init__(self, title: str, paths: list[tuple[str, Path]], footer: str | None = None) -> None:
         super().__init__()
-        self.title_text, self.lines = title, lines
+        self.title_text, self.footer = title, footer
+        self.tails = [(name, LogTail(path, LOG_SCREEN_LINES)) for name, path in paths]
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog logs"):
-            yield Label(self.title_text, classes="dialog-title")
-            yield Log(max_lines=2000, id="rank-log")
-            yield Button("close", id="close", variant="primary")
+        with Vertical(classes="logs"):
+            yield Label(self.title_text + "   (/ search, esc close)", classes="dialog-title")
+            yield LineView(" · ".join(str(t.path) for _, t in self.tails) or "no log", LOG_SCREEN_LINES,
+                           id="rank-log")
 
     def on_mount(self) -> None:
-        self.query_one(Log).write_lines(self.lines)
+        self.read()
+        if self.footer:
+            self.query_one(LineView).add([("error", Text(self.footer, "bold red"))])
+        self.set_interval(LOG_POLL_S, self.read)
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
+    def read(self) -> None:
+        """Append the new lines of every stream."""
+        view = self.query_one(LineView)
+        for name, tail in self.tails:
+            style = STREAM_STYLE.get(name, "")
+            view.add([("log", Text(f"{name}│ {line}", style)) for line in tail.poll()])
+        if not view.entries:
+            view.add([("log", Text("(nothing written yet)", "dim"))])
+
+    def action_search(self) -> None:
+        """``/``: show only the lines holding a text."""
+        view = self.query_one(LineView)
+        self.app.push_screen(SearchPrompt(view.search), lambda text: text is None or view.set_filter(search=text))
+
+
+class SearchPrompt(ModalScreen[str | None]):
+    """One line of text to search for; Enter dismisses with it (empty: no search), Escape with None
+    (the search stays as it was).
+
+    Args:
+        current: the search in force, as the initial text.
+    """
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "cancel")]
+
+    def __init__(self, current: str = "") -> None:
+        super().__init__(classes="modal")
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog search"):
+            yield Label("search (enter: apply, empty: show all, esc: cancel)", classes="dialog-title")
+            yield Input(self.current, id="search-text")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        self.dismiss(None)
+        self.dismiss(event.value.strip())

@@ -1,0 +1,83 @@
+"""The event pane and the log view (issue 20, part 4): rank output is not an event, the same
+warning of several ranks is one line, the view follows new lines only at the bottom and counts
+those that arrive while scrolled up, and a search and a level filter choose the lines shown."""
+
+from __future__ import annotations
+
+import asyncio
+
+from osft.tui.app import OsftTui
+from osft.tui.components.lines import LineView
+from osft.tui.components.modals import SearchPrompt
+from osft.tui.reader import Update
+from osft.tui.run_state import Event, RunModel
+from rich.text import Text
+from textual.app import App, ComposeResult
+
+
+def test_one_line_per_warning_and_no_rank_output_in_the_event_pane(tmp_path):
+    async def scenario():
+        app = OsftTui(tmp_path / "none", readonly=True)
+        async with app.run_test(size=(120, 40)) as pilot:
+            dash = app.dashboard
+            warning = "step 4: orthogonality violations in ['q_proj']"
+            events = [Event(0.0, "warning", f"rank {r}: warning: {warning}") for r in range(4)]
+            events += [Event(0.0, "log", f"[rank 0] WARNING {warning}"), Event(0.0, "log", "[rank 0] step 4 loss 1.2")]
+            dash._queue_events(Update(RunModel(tmp_path), events=events))
+            dash._write_events()
+            dash._queue_events(Update(RunModel(tmp_path), events=events[:2]))  # the same again, a second later
+            dash._write_events()
+            await pilot.pause()
+            lines = [t.plain for _, t in dash.query_one(LineView).entries]
+            assert lines == [f"ranks 0, 1, 2, 3: warning: {warning}"], lines
+
+    asyncio.run(scenario())
+
+
+class Lines(App):
+    def compose(self) -> ComposeResult:
+        yield LineView("events", 1000, id="events")
+
+
+def test_the_view_follows_only_at_the_bottom_and_counts_new_lines():
+    async def scenario():
+        app = Lines()
+        async with app.run_test(size=(60, 12)) as pilot:
+            view = app.query_one(LineView)
+            view.add([("info", Text(f"line {i}")) for i in range(50)])
+            await pilot.pause()
+            assert view.is_vertical_scroll_end and "new lines" not in str(view.border_title)
+            view.scroll_home(animate=False)
+            await pilot.pause()
+            view.add([("info", Text(f"more {i}")) for i in range(3)])
+            await pilot.pause()
+            assert view.scroll_y == 0, "jumped to the bottom while the user reads above"
+            assert "3 new lines below" in str(view.border_title)
+            view.scroll_end(animate=False)
+            await pilot.pause()
+            assert "new lines" not in str(view.border_title)
+
+    asyncio.run(scenario())
+
+
+def test_search_and_level_filter_choose_the_lines_shown(tmp_path):
+    async def scenario():
+        app = OsftTui(tmp_path / "none", readonly=True)
+        async with app.run_test(size=(120, 40)) as pilot:
+            dash = app.dashboard
+            view = dash.query_one(LineView)
+            view.add([("info", Text("rank 0 started")), ("warning", Text("rank 1: warning: slow")),
+                      ("error", Text("rank 2: error: boom"))])
+            await pilot.press("v")
+            assert [s.text for s in view.lines] == ["rank 1: warning: slow", "rank 2: error: boom"]
+            await pilot.press("v")
+            assert [s.text for s in view.lines] == ["rank 2: error: boom"]
+            await pilot.press("v")  # all again
+            await pilot.press("slash")
+            await pilot.pause()
+            assert isinstance(app.screen, SearchPrompt)
+            await pilot.press(*"STARTED", "enter")
+            await pilot.pause()
+            assert [s.text for s in view.lines] == ["rank 0 started"] and "matching 'STARTED'" in str(view.border_title)
+
+    asyncio.run(scenario())

@@ -1,0 +1,92 @@
+"""A scrolling view of lines (the event pane, a rank's log) that follows new lines only while the
+user is at the bottom, counts the lines that arrived while scrolled up, and filters by text and
+level."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+#: Level filters, in the order a key cycles through them: the levels each one shows.
+LEVELS = {"all": None, "warnings": frozenset({"warning", "error"}), "errors": frozenset({"error"})}
+
+
+class LineView(RichLog):
+    """A :class:`~textual.widgets.RichLog` of ``(level, line)`` entries; its top border names it and
+    says how many new lines wait below and which filter is on.
+
+    Args:
+        title: the title on its top border.
+        max_lines: entries kept (the oldest are dropped).
+    """
+
+    def __init__(self, title: str, max_lines: int = 1000, **kwargs) -> None:
+        super().__init__(max_lines=max_lines, wrap=False, markup=False, auto_scroll=False, **kwargs)
+        self.title = title
+        self.entries: deque[tuple[str, Text]] = deque(maxlen=max_lines)
+        self.search = ""
+        self.level = "all"
+        self.unseen = 0
+
+    def on_mount(self) -> None:
+        self._retitle()
+
+    def add(self, entries: list[tuple[str, Text]]) -> None:
+        """Append ``(level, line)`` entries; scroll with them only when the view was at the bottom,
+        else count the shown ones as new lines."""
+        self.entries.extend(entries)
+        shown = [line for level, line in entries if self._matches(level, line)]
+        if not shown:
+            return
+        follow = self.is_vertical_scroll_end or self.max_scroll_y == 0
+        self.write(Text("\n").join(shown), scroll_end=follow)
+        if not follow:
+            self.unseen += len(shown)
+            self._retitle()
+
+    def set_filter(self, search: str | None = None, level: str | None = None) -> None:
+        """Show only the entries that contain ``search`` (case-insensitive) at ``level`` (a key of
+        :data:`LEVELS`); None keeps the current one. The view is drawn again, at the bottom."""
+        self.search = self.search if search is None else search
+        self.level = self.level if level is None else level
+        self.clear()
+        self.unseen = 0
+        shown = [line for level_, line in self.entries if self._matches(level_, line)]
+        if shown:
+            self.write(Text("\n").join(shown), scroll_end=True)
+        self._retitle()
+
+    def next_level(self) -> str:
+        """Switch to the next level filter of :data:`LEVELS`; returns its name."""
+        names = list(LEVELS)
+        self.set_filter(level=names[(names.index(self.level) + 1) % len(names)])
+        return self.level
+
+    def forget(self) -> None:
+        """Drop every entry (another run is shown); the filters stay."""
+        self.entries.clear()
+        self.clear()
+        self.unseen = 0
+        self._retitle()
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        if self.unseen and self.is_vertical_scroll_end:
+            self.unseen = 0
+            self._retitle()
+
+    def _matches(self, level: str, line: Text) -> bool:
+        levels = LEVELS[self.level]
+        return (levels is None or level in levels) and (not self.search or self.search.lower() in line.plain.lower())
+
+    def _retitle(self) -> None:
+        parts = [self.title]
+        if self.level != "all":
+            parts.append(f"{self.level} only")
+        if self.search:
+            parts.append(f"matching {self.search!r}")
+        if self.unseen:
+            parts.append(f"{self.unseen} new lines below (end)")
+        self.border_title = " · ".join(parts)
