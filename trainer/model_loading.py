@@ -76,6 +76,14 @@ def load_tokenizer(path: str | os.PathLike, require_chat_template: bool = True,
     return tokenizer
 
 
+def load_config(path: str | os.PathLike):
+    """The model's ``transformers`` config (``AutoConfig``) from a directory or a ``.gguf`` file; no weights."""
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model_path(path)
+    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+
+
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:

@@ -32,7 +32,7 @@ from transformers.pytorch_utils import Conv1D
 from .checkpoint.subspaces import read_bases, subspaces_file
 from .config import TrainConfig
 from .distributed import DistEnv
-from .model_loading import load_model, resolve_model_path
+from .model_loading import load_config, load_model
 from .osft.decomposition import OSFTLinear, protected_svd
 from .osft.plan import ModulePlan
 from .osft.protect import no_bases
@@ -40,16 +40,9 @@ from .osft.surgery import Bases, OSFTModel, apply_osft, module_urr, replace_modu
 from .osft.targets import decoder_block_names, find_target_modules, weight_shape
 
 
-def _config(path: str):
-    from transformers import AutoConfig
-
-    directory, gguf_file = resolve_model_path(path)
-    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-
-
 def model_vocab_size(path: str) -> int:
     """Rows of the model's input embedding table, from its config (no weights loaded)."""
-    return _config(path).vocab_size
+    return load_config(path).vocab_size
 
 
 def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -148,7 +141,7 @@ def target_shapes(path: str, patterns: list[str] | None) -> dict[str, tuple[int,
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_config(path))
+        model = AutoModelForCausalLM.from_config(load_config(path))
     return {name: weight_shape(model.get_submodule(name))
             for name in find_target_modules(model, model.config.model_type, patterns)}
 
@@ -209,7 +202,7 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
         model = load_model(cfg.model_name_or_path, param_dtype, "cpu")
     else:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(_config(cfg.model_name_or_path), dtype=param_dtype)
+            model = AutoModelForCausalLM.from_config(load_config(cfg.model_name_or_path), dtype=param_dtype)
     _resize_vocab(model, vocab_size, materialised=env.rank == 0 and not from_checkpoint)
     if not cfg.osft:
         osft = None

@@ -7,7 +7,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class TrainProgress:
-    """A progress bar with step, loss, lr, tokens/s and orthogonality violations.
+    """A progress bar with step, loss, lr, tokens/s, MFU and orthogonality violations.
 
     Use as a context manager; :meth:`update` after every optimizer step. With ``enabled=False``
     nothing is printed.
@@ -39,11 +39,13 @@ class TrainProgress:
     def __exit__(self, *exc) -> None:
         self._progress.__exit__(*exc)
 
-    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, violations_total: int) -> None:
-        """Show optimizer step ``step`` (1-based) and its numbers."""
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, violations_total: int,
+               mfu: float | None = None) -> None:
+        """Show optimizer step ``step`` (1-based) and its numbers (``mfu``: a fraction, None unknown)."""
         style = "red" if violations_total else "green"
+        shown = "" if mfu is None else f"MFU {mfu:.1%}  "
         stats = (
-            f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
+            f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  {shown}"
             f"[{style}]violations {violations_total}[/{style}]"
         )
         self._progress.update(self._task, completed=step, stats=stats)
