@@ -31,7 +31,8 @@ def test_bench_step_quick_writes_all_three_methods(tmp_path):
     for name, m in section["methods"].items():
         assert len(m["step_time_samples_s"]) == 2, name
         assert all(t > 0 for t in m["step_time_samples_s"]), name
-        for key in ("step_time_s", "tokens_per_s", "peak_rss_bytes", "first_step_s"):
+        assert 0 < m["mfu"] == pytest.approx(m["flops_per_s"] / section["gemm_peak_flops_per_s"]), name
+        for key in ("step_time_s", "tokens_per_s", "flops_per_s", "peak_rss_bytes", "first_step_s"):
             assert m[key] > 0, (name, key)
         assert (m["svd_s"] is None) == (name == "full_ft"), name
         assert name == "full_ft" or m["svd_s"] > 0
