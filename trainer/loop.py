@@ -54,6 +54,7 @@ from .checkpoint.store import (
     newest_complete,
     verify_checkpoint,
 )
+from .compile import compile_blocks
 from .config import TrainConfig
 from .data.mixture import tokenize_for_run
 from .exit_codes import EXIT_STOPPED
@@ -267,6 +268,8 @@ class Trainer:
                 self._report_rank_plan()
         if self.osft and self.dist.rank == 0:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
+        if cfg.compile:
+            self._say(f"compile: {compile_blocks(self.model)} decoder blocks (torch.compile, inductor)")
         if cfg.freeze_non_target:
             freeze_non_targets(self.model, self.osft)
         self._say(count_parameters(self.model, self.osft).describe())
@@ -279,8 +282,9 @@ class Trainer:
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
         self.projector = Projector(trained, cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+        self.optimizer = torch.optim.AdamW(  # fused kernels on CUDA (PyTorch's fused AdamW)
+            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda" or None,
         )
         self.node_of_rank = node_ranks(self.dist)
         peaks = gather_float(measure_matmul_peak(self.device, self.dtype))
