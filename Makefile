@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-unit test-long
+.PHONY: setup demo test test-unit test-long gpu-check
 
 $(BIN)/osft-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,11 @@ test-unit: setup
 ## Acceptance checks that take several minutes each (not in CI).
 test-long: setup
 	$(BIN)/python -m pytest -q -m long
+
+## One prepared check for a CUDA machine (no set-up, no download; about 5 minutes): bf16 OSFT, a
+## SIGUSR1 checkpoint and a bit-exact resume, tokens/s, MFU and peak GPU memory against full
+## fine-tuning; results/gpu_check.json. Uses the python on PATH when there is no .venv (the
+## machine's own PyTorch). Without CUDA it runs the tiny CPU smoke version.
+GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py

@@ -10,7 +10,10 @@ Three methods train the same model on the same fixed batch of packed samples:
 Every method runs in its own worker subprocess (so its peak RSS is its own). The workers start one
 after the other (each: load, decompose, one warm-up step), then the timed steps run interleaved in
 rounds, A B C A B C ..., so that noise on a shared machine hits all three alike. Ratios are taken
-against ``full_ft`` from medians of the same run.
+against ``full_ft`` from medians of the same run. Each method's achieved model FLOP/s and MFU
+(``osft.trainer.flops``: the same PaLM formula for every method) are taken against the fp32 GEMM
+peak measured in this process just before and after the rounds, with the workers' thread count
+(the higher of the two: on a loaded machine the least disturbed measurement).
 
 Usage::
 
@@ -297,6 +300,18 @@ def _prepare_smollm2(root: Path, demo_dir: str | None, data_lines: int) -> tuple
     return assets.model_dir, data, {k: cfg.get(k) for k in keys} | {"weights": "SmolLM2-135M-Instruct"}
 
 
+def _gemm_peak(threads: int | None) -> float:
+    """The fp32 GEMM peak of this process (FLOP/s, :func:`osft.trainer.matmul_peak.measure_matmul_peak`),
+    with ``threads`` torch threads (the workers' setting; None: torch's default)."""
+    import torch
+
+    from osft.trainer.matmul_peak import measure_matmul_peak
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    return measure_matmul_peak(torch.device("cpu"), torch.float32, repeats=5)
+
+
 def _cpu_snapshot(pid: int) -> tuple[float, float, float, float]:
     """(wall s, busy CPU s of the whole machine, steal CPU s, CPU s of process ``pid``)."""
     import psutil
@@ -371,6 +386,7 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
         batches = {(tuple(w.ready["indices"]), w.ready["num_tokens"]) for w in workers.values()}
         if len(batches) != 1:
             raise RuntimeError(f"[{name}] the methods picked different batches: {batches}")
+        peaks = [_gemm_peak(args.threads)]
         round_load = []
         for rnd in range(args.rounds):
             round_load.append(os.getloadavg()[0])
@@ -387,6 +403,7 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
                 w.round_medians.append(_median(out["times"]))
             console.print(f"\\[{name}] round {rnd + 1}/{args.rounds}: " + ", ".join(
                 f"{m} {workers[m].round_medians[-1]:.3f} s (others {workers[m].foreign[-1]:.0%} CPU)" for m in METHODS))
+        peaks.append(_gemm_peak(args.threads))
         for w in workers.values():
             w.bye = w.request({"cmd": "quit"})
             w.proc.wait(timeout=120)
@@ -399,7 +416,14 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
     ready = workers["full_ft"].ready
     section = dict(model=model_info, batch=dict(num_samples=len(ready["indices"]), num_tokens=ready["num_tokens"],
                                                 sample_lengths=ready["lengths"], indices=ready["indices"]),
-                   load_avg_1min_at_round_start=round_load, methods={}, ratios_vs_full_ft={})
+                   load_avg_1min_at_round_start=round_load, methods={}, ratios_vs_full_ft={},
+                   gemm_peak_flops_per_s=max(peaks), gemm_peak_samples_flops_per_s=peaks)
+    from osft.trainer.flops import flop_model, mfu
+    from osft.trainer.model_loading import load_config
+
+    flops = flop_model(load_config(model_dir))
+    step_flops = flops.step_flops(ready["lengths"])
+    section["model_flops_per_step"] = dict(flops.to_json(), flops=step_flops)
     for method, w in workers.items():
         r = w.ready
         med = _median(w.times)
@@ -408,7 +432,8 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
             label=METHOD_LABELS[method], step_time_s=med, step_time_samples_s=w.times,
             step_time_min_s=min(w.times), step_time_clean_median_s=_median(clean) if clean else None,
             clean_steps=len(clean), others_cpu_share_per_step=w.foreign, steal_share_per_step=w.steal,
-            tokens_per_s=r["num_tokens"] / med, peak_rss_bytes=w.bye["peak_rss_bytes"],
+            tokens_per_s=r["num_tokens"] / med, flops_per_s=step_flops / med,
+            mfu=mfu(step_flops, med, max(peaks)), peak_rss_bytes=w.bye["peak_rss_bytes"],
             rss_end_bytes=w.bye["rss_bytes"], first_step_s=r["first_step_s"], svd_s=r["svd_s"],
             prepare_s=r["prepare_s"], warmup_step_s=r["warmup_step_s"], trainable_params=r["trainable_params"],
             total_params=r["total_params"], torch_threads=r["torch_threads"], first_loss=r["first_loss"],
@@ -469,9 +494,10 @@ def print_report(result: dict, console) -> None:
         b = sec["batch"]
         n = len(sec["methods"]["full_ft"]["step_time_samples_s"])
         table = Table(title=f"{name}: {b['num_samples']} samples, {b['num_tokens']} tokens/step, "
-                            f"URR {result['settings']['urr']}, {n} timed steps/method")
+                            f"URR {result['settings']['urr']}, {n} timed steps/method; GEMM peak "
+                            f"{sec['gemm_peak_flops_per_s'] / 1e9:.1f} GFLOP/s")
         for col in ("method", "step s median", "x full", "clean s (n)", "x full clean", "min s", "x full min",
-                    "tokens/s", "peak RSS MiB", "x full RSS", "first step s", "SVD s", "trainable"):
+                    "tokens/s", "GFLOP/s", "MFU", "peak RSS MiB", "x full RSS", "first step s", "SVD s", "trainable"):
             table.add_column(col, justify="left" if col == "method" else "right")
         for method, m in sec["methods"].items():
             r = sec["ratios_vs_full_ft"][method]
@@ -479,6 +505,7 @@ def print_report(result: dict, console) -> None:
                 m["label"], f"{m['step_time_s']:.3f}", f"{r['step_time']:.3f}",
                 f"{num(m['step_time_clean_median_s'], '.3f')} ({m['clean_steps']})", num(r["step_time_clean"], ".3f"),
                 f"{m['step_time_min_s']:.3f}", f"{r['step_time_min']:.3f}", f"{m['tokens_per_s']:.0f}",
+                f"{m['flops_per_s'] / 1e9:.1f}", num(m["mfu"], ".1%"),
                 f"{m['peak_rss_bytes'] / 2**20:.0f}", f"{r['peak_rss']:.2f}", f"{m['first_step_s']:.1f}",
                 num(m["svd_s"], ".2f"), f"{m['trainable_params'] / 1e6:.1f} M")
         console.print(table)

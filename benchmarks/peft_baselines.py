@@ -89,14 +89,14 @@ class PeftTrainer:
         from transformers import get_scheduler
 
         from osft.trainer.data.sampler import GlobalBatchSampler
-        from osft.trainer.data.tokenize import tokenize_chat_file
+        from osft.trainer.data.mixture import tokenize_for_run
         from osft.trainer.loop import seed_everything, shifted_loss_tokens
         from osft.trainer.model_loading import load_model, load_tokenizer
 
         self.cfg = cfg
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
-        self.data = tokenize_chat_file(cfg.data_path, self.tokenizer, cfg.max_seq_len, cfg.overlong, cfg.train_on_all)
+        self.data, _ = tokenize_for_run(cfg, self.tokenizer, print)  # as our trainer tokenizes (every --data-path)
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
         model = load_model(cfg.model_name_or_path, torch.float32, "cpu")

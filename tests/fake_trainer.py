@@ -612,6 +612,11 @@ class Rank:
             tokens_per_s=num_tokens / elapsed,
             node_tokens_per_s=node_tokens[self.node] / elapsed,
             samples_per_s=args.batch_size / elapsed,
+            # a made-up model of 1e8 matmul parameters on ranks of 1e11 FLOP/s each
+            model_flops=6e8 * num_tokens,
+            flops_per_s=6e8 * num_tokens / elapsed,
+            mfu=6e8 * num_tokens / elapsed / (1e11 * args.nnodes * args.nproc_per_node),
+            node_mfu=6e8 * node_tokens[self.node] / elapsed / (1e11 * args.nproc_per_node),
             ortho_violations=violations,
             ortho_max_dev_deg=1.5 if violations else 0.01 + 0.001 * (s % 7),
         )

@@ -31,10 +31,25 @@ def test_bench_step_quick_writes_all_three_methods(tmp_path):
     for name, m in section["methods"].items():
         assert len(m["step_time_samples_s"]) == 2, name
         assert all(t > 0 for t in m["step_time_samples_s"]), name
-        for key in ("step_time_s", "tokens_per_s", "peak_rss_bytes", "first_step_s"):
+        assert 0 < m["mfu"] == pytest.approx(m["flops_per_s"] / section["gemm_peak_flops_per_s"]), name
+        for key in ("step_time_s", "tokens_per_s", "flops_per_s", "peak_rss_bytes", "first_step_s"):
             assert m[key] > 0, (name, key)
         assert (m["svd_s"] is None) == (name == "full_ft"), name
         assert name == "full_ft" or m["svd_s"] > 0
         assert section["ratios_vs_full_ft"][name]["step_time"] > 0
     assert section["ratios_vs_full_ft"]["full_ft"]["step_time"] == 1.0
     assert section["batch"]["num_tokens"] > 0
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_resumes_bit_exact(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out", str(out)],
+                          cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["resume"]["bit_exact"] and result["resume"]["steps_compared"]
+    assert result["exit_codes"] == {"reference": 0, "stopped": 75, "resumed": 0, "full_ft": 0}
+    for method in ("osft", "full_ft"):
+        assert result["methods"][method]["tokens_per_s"] > 0 and 0 < result["methods"][method]["mfu"]

@@ -12,7 +12,7 @@ from osft.trainer.cli import main
 STEP_FIELDS = {
     "ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id", "step", "epoch", "lr",
     "loss", "grad_norm", "num_tokens", "num_loss_tokens", "num_samples", "step_time_s", "tokens_per_s",
-    "node_tokens_per_s", "samples_per_s", "ortho_violations", "ortho_violations_total", "ortho_max_dev_deg",
+    "node_tokens_per_s", "samples_per_s", "model_flops", "flops_per_s", "mfu", "node_mfu", "ortho_violations", "ortho_violations_total", "ortho_max_dev_deg",
     "rss_bytes", "gpu_mem_bytes", "osft_dw_rel_max", "osft_dw_rel_median", "osft_dw_rel_worst_module", "osft_gap_max",
     "osft_gap_median", "osft_gap_worst_module",
 }

@@ -4,6 +4,8 @@ those that arrive while scrolled up, and a search and a level filter choose the 
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 
 from osft.tui.app import OsftTui
@@ -15,6 +17,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 
 
+@pytest.mark.tui_process  # the dashboard's reader process
 def test_one_line_per_warning_and_no_rank_output_in_the_event_pane(tmp_path):
     async def scenario():
         app = OsftTui(tmp_path / "none", readonly=True)
@@ -60,6 +63,7 @@ def test_the_view_follows_only_at_the_bottom_and_counts_new_lines():
     asyncio.run(scenario())
 
 
+@pytest.mark.tui_process  # the dashboard's reader process
 def test_search_and_level_filter_choose_the_lines_shown(tmp_path):
     async def scenario():
         app = OsftTui(tmp_path / "none", readonly=True)

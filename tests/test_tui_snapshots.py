@@ -78,7 +78,7 @@ def _step(node: int, step: int, violations: int, total: int, dev: float) -> dict
             "world_size": 4, "hostname": f"node-{'ab'[node]}", "job_id": "3f9c2a7b1d04", "step": step, "epoch": 0,
             "lr": 5e-5, "loss": 2.9 - 0.12 * step + (0.05 if step % 3 == 0 else 0), "grad_norm": 1.2,
             "num_tokens": 4096, "num_loss_tokens": 3100, "num_samples": 16, "step_time_s": 10.0,
-            "tokens_per_s": 2400.0, "node_tokens_per_s": tps, "samples_per_s": 1.6, "ortho_violations": violations,
+            "tokens_per_s": 2400.0, "node_tokens_per_s": tps, "node_mfu": tps / 4000, "samples_per_s": 1.6, "ortho_violations": violations,
             "ortho_violations_total": total, "ortho_max_dev_deg": dev, "rss_bytes": 1_730_000_000,
             "gpu_mem_bytes": None}
 

@@ -77,6 +77,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     save_dtype: str = "bfloat16"
+    compile: bool = False
     # outputs
     hf_export_every_steps: int = 0
     logging_steps: int = 1
@@ -321,6 +322,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="training dtype; auto = float32 on CPU, bfloat16 on GPU")
     g.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=d.save_dtype,
                    help="dtype of the HF export")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder block's forward (OSFT modules included; the gradient and "
+                        "parameter projections run outside the compiled code)")
     g.add_argument("--hf-export-every-steps", type=non_negative_int, default=d.hf_export_every_steps,
                    help="also export hf_format/step_N every N steps (0: only at the end)")
     g.add_argument("--logging-steps", type=positive_int, default=d.logging_steps, help="console update interval, steps")

@@ -105,6 +105,16 @@ def global_sums(loss_sum: torch.Tensor, num_tokens: int) -> tuple[float, list[in
     return float(sum(g[0] for g in gathered)), [int(g[1].item()) for g in gathered]
 
 
+def gather_float(value: float) -> list[float]:
+    """Every rank's ``value``, by global rank (one ``all_gather``; ``[value]`` without a process group)."""
+    if not is_distributed():
+        return [float(value)]
+    local = torch.tensor([float(value)], dtype=torch.float64, device=backend_device())
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [float(g.item()) for g in gathered]
+
+
 def agree(fn, rank: int):
     """Run ``fn()`` on rank 0 and give every rank its result (``broadcast_object_list``); an
     exception of type ValueError (or a subclass) raised by ``fn`` is raised again on every rank,

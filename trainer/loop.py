@@ -54,6 +54,7 @@ from .checkpoint.store import (
     newest_complete,
     verify_checkpoint,
 )
+from .compile import compile_blocks
 from .config import TrainConfig
 from .data.cache import tokenize_source
 from .data.mixture import tokenize_for_run
@@ -68,14 +69,17 @@ from .distributed import (
     DistEnv,
     agree,
     barrier,
+    gather_float,
     global_sums,
     init_distributed,
     node_ranks,
     shutdown_distributed,
 )
+from .flops import Utilization, flop_model
+from .matmul_peak import measure_matmul_peak
 from .metrics import MetricsLogger
 from .model_build import build_model, load_protected_bases
-from .model_loading import load_tokenizer, model_vocab_size
+from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import RunEnd, RunMonitor
 from .osft.freeze import count_parameters, freeze_non_targets
 from .osft.indicators import INDICATOR_FIELDS
@@ -212,7 +216,8 @@ class Trainer:
         model and decompose its targets, build AdamW and the LR schedule."""
         cfg = self.cfg
         seed_everything(cfg.seed)
-        self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json())
+        self.flop_model = flop_model(load_config(cfg.model_name_or_path))
+        self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
         self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
@@ -272,6 +277,8 @@ class Trainer:
                 self._report_rank_plan()
         if self.osft and self.dist.rank == 0:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
+        if cfg.compile:
+            self._say(f"compile: {compile_blocks(self.model)} decoder blocks (torch.compile, inductor)")
         if cfg.freeze_non_target:
             freeze_non_targets(self.model, self.osft)
         self._say(count_parameters(self.model, self.osft).describe())
@@ -284,10 +291,15 @@ class Trainer:
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
         self.projector = Projector(trained, osft_settings.v_projection, osft_settings.cache_v_basis) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+        self.optimizer = torch.optim.AdamW(  # fused kernels on CUDA (PyTorch's fused AdamW)
+            params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda" or None,
         )
         self.node_of_rank = node_ranks(self.dist)
+        peaks = gather_float(measure_matmul_peak(self.device, self.dtype))
+        self.utilization = Utilization(self.flop_model, tuple(peaks), tuple(self.node_of_rank), self.dist.node_rank)
+        self._say(f"matmul peak measured: {sum(peaks) / 1e9:,.1f} GFLOP/s ({self.dtype}, {len(peaks)} rank(s)); "
+                  f"model FLOPs per token {self.flop_model.dense_flops_per_token / 1e9:.3f} G + attention")
         self.total_steps = self.sampler.run_steps(cfg.max_steps, cfg.num_epochs)
         warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved["step"] if saved else 0)
         if warmup_warning and self.dist.rank == 0:
@@ -501,7 +513,8 @@ class Trainer:
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self._lines(idx)})")
-        plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
+        plans = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)
+        plan = plans[self.dist.rank]
         loss_sum = torch.zeros((), dtype=torch.float64)
         num_tokens = 0
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
@@ -556,6 +569,7 @@ class Trainer:
             tokens_per_s=global_tokens / elapsed,
             node_tokens_per_s=node_tokens / elapsed,
             samples_per_s=len(indices) / elapsed,
+            **self.utilization.fields([self.lengths[idx[[i for micro in p for i in micro]]] for p in plans], elapsed),
             ortho_violations=violations,
             ortho_max_dev_deg=max_dev,
             **forgetting,
@@ -734,7 +748,8 @@ class Trainer:
                 )
                 if step % cfg.logging_steps == 0 or step == self.total_steps:
                     progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
-                                    self.counters["ortho_violations_total"], self.monitor.console_stats())
+                                    self.counters["ortho_violations_total"], record["mfu"],
+                                    self.monitor.console_stats())
                 end = self.monitor.after_step(step, final=step == self.total_steps)
                 request = self.poller.poll("after_step", step) if self.poller else None
                 if request or (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):

@@ -7,7 +7,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class TrainProgress:
-    """A progress bar with step, loss, lr, tokens/s and orthogonality violations.
+    """A progress bar with step, loss, lr, tokens/s, MFU and orthogonality violations.
 
     Use as a context manager; :meth:`update` after every optimizer step. With ``enabled=False``
     nothing is printed.
@@ -40,12 +40,13 @@ class TrainProgress:
         self._progress.__exit__(*exc)
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float, violations_total: int,
-               evaluation: str = "") -> None:
-        """Show optimizer step ``step`` (1-based) and its numbers; ``evaluation``: the latest
-        evaluation loss and forgetting, as text ("" before the first)."""
+               mfu: float | None = None, evaluation: str = "") -> None:
+        """Show optimizer step ``step`` (1-based) and its numbers (``mfu``: a fraction, None unknown;
+        ``evaluation``: the latest evaluation loss and forgetting, as text, "" before the first)."""
         style = "red" if violations_total else "green"
+        shown = "" if mfu is None else f"MFU {mfu:.1%}  "
         stats = (
-            f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  "
+            f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s  {shown}"
             f"[{style}]violations {violations_total}[/{style}]" + (f"  {evaluation}" if evaluation else "")
         )
         self._progress.update(self._task, completed=step, stats=stats)

@@ -67,6 +67,7 @@ class NodeStats:
 
     Attributes:
         tokens_per_s: this node's ranks' tokens/s in the latest step (``node_tokens_per_s``).
+        mfu: this node's model FLOPs utilisation in the latest step (``node_mfu``, a fraction).
         samples_per_s: the job's samples/s in the latest step (the schema has no per-node value).
         rss_bytes: the reporting rank's resident memory (bytes), from the record.
         gpu_mem_bytes: its GPU memory (bytes), None on CPU.
@@ -77,6 +78,7 @@ class NodeStats:
     step: int | None = None
     loss: float | None = None
     tokens_per_s: float | None = None
+    mfu: float | None = None
     samples_per_s: float | None = None
     rss_bytes: int | None = None
     gpu_mem_bytes: int | None = None
@@ -302,6 +304,7 @@ class RunModel:
         node.step = record.get("step")
         node.loss = record.get("loss")
         node.tokens_per_s = record.get("node_tokens_per_s", record.get("tokens_per_s"))
+        node.mfu = record.get("node_mfu")
         node.samples_per_s = record.get("samples_per_s")
         node.rss_bytes = record.get("rss_bytes")
         node.gpu_mem_bytes = record.get("gpu_mem_bytes")

@@ -1,4 +1,4 @@
-"""Per-node table (throughput, loss, CPU, memory, straggler flag) and the history sparklines."""
+"""Per-node table (throughput, MFU, loss, CPU, memory, straggler flag) and the history sparklines."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from textual.widgets import DataTable, Label, Sparkline
 from ..run_state import RunModel
 from ..format import fmt_bytes, fmt_rate
 
-COLUMNS = ("node", "host", "ranks", "step", "tokens/s", "samples/s", "loss", "CPU %", "RSS", "GPU mem", "")
+COLUMNS = ("node", "host", "ranks", "step", "tokens/s", "MFU", "samples/s", "loss", "CPU %", "RSS", "GPU mem", "")
 #: Column widths (fixed, so the header never lags rows that arrive later).
-WIDTHS = (4, 10, 5, 6, 9, 9, 7, 5, 8, 8, 9)
+WIDTHS = (4, 10, 5, 6, 9, 5, 9, 7, 5, 8, 8, 9)
 
 
 class NodeTable(DataTable):
@@ -37,6 +37,7 @@ class NodeTable(DataTable):
                 str(n), escape(host), _ranks(ranks),
                 "-" if stats is None or stats.step is None else str(stats.step),
                 fmt_rate(stats.tokens_per_s if stats else None),
+                "-" if stats is None or stats.mfu is None else f"{stats.mfu:.0%}",
                 fmt_rate(stats.samples_per_s if stats else None),
                 "-" if stats is None or stats.loss is None else f"{stats.loss:.4f}",
                 "-" if cpu is None else f"{cpu:.0f}",
