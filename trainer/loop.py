@@ -642,7 +642,7 @@ class Trainer:
         folds = {name: fold_module(module_factors(name, module), cfg.osft_protect_energy,
                                    cfg.osft_protect_max_rank_ratio, cfg.osft_protect_basis,
                                    None if grams is None else grams[name], cfg.osft_protect_input_energy)
-                 for name, module in self.osft.modules}
+                 for name, module in self.osft.modules if not module.plan.experts}  # banks: not folded (issue 18)
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
         self.metrics.log("subspaces_folded", step=step, modules=len(folds),
                          added_left=sum(f.added_left for f in folds.values()),
@@ -660,7 +660,8 @@ class Trainer:
         cfg = self.cfg
         idx = np.arange(min(cfg.osft_protect_input_samples, len(self.data)))
         plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
-        grams = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in self.osft.modules}
+        linear = [(name, m) for name, m in self.osft.modules if not m.plan.experts]  # banks run no forward of their own
+        grams = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linear}
         recording = [False]
 
         def hook(name: str):
@@ -670,7 +671,7 @@ class Trainer:
                     grams[name] += x.t() @ x
             return record
 
-        handles = [m.register_forward_pre_hook(hook(name)) for name, m in self.osft.modules]
+        handles = [m.register_forward_pre_hook(hook(name)) for name, m in linear]
         self.model.eval()
         try:
             for micro in plan:

@@ -102,7 +102,8 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     full_state = None if from_checkpoint else model.state_dict() if env.rank == 0 else {}
     shard_and_broadcast(model, env, device, dtype, full_state)
     if built is not None:  # the modules are the same objects, now holding DTensors
-        built = OSFTModel(modules=[(n, model.get_submodule(n)) for n, _ in built.modules], svd_seconds=built.svd_seconds)
+        built = OSFTModel(modules=[(n, model.get_submodule(n)) for n, _ in built.modules], svd_seconds=built.svd_seconds,
+                          experts=[(n, model.get_submodule(n)) for n, _ in built.experts])
     return model.train(), built
 
 

@@ -30,36 +30,38 @@ GRAM_EIGH_MAX_COND = 1e5
 
 
 def thin_svd(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thin SVD W = U·diag(S)·Vh of a 2-D weight, in float32 or better whatever its dtype.
+    """Thin SVD W = U·diag(S)·Vh of a 2-D weight, or of each matrix of a batch (E×N×M: the experts
+    of a fused MoE tensor, decomposed together by batched LAPACK calls), in float32 or better
+    whatever its dtype.
 
-    On CUDA: ``torch.linalg.svd`` in float32 (there is no half-precision SVD
-    kernel). On CPU: the eigendecomposition of the smaller Gram matrix (WᵀW or WWᵀ) in float64, then
-    U = W·V/S (also float64); about 1.5× faster than LAPACK's float32 ``gesdd`` on SmolLM2's shapes
-    with 2 cores, and more accurate. Weights with a condition number above
-    :data:`GRAM_EIGH_MAX_COND` (rank-deficient ones included) fall back to float64
-    ``torch.linalg.svd``.
+    On CUDA: ``torch.linalg.svd`` in float32 (there is no half-precision SVD kernel). On CPU: the
+    eigendecomposition of the smaller Gram matrix (WᵀW or WWᵀ) in float64 (``torch.linalg.eigh``,
+    batched over leading dimensions), then U = W·V/S (also float64); about 1.5× faster than LAPACK's
+    float32 ``gesdd`` on SmolLM2's shapes with 2 cores, and more accurate. Weights with a condition
+    number above :data:`GRAM_EIGH_MAX_COND` (rank-deficient ones included; in a batch, any one of
+    them) fall back to float64 ``torch.linalg.svd``.
 
     Args:
-        weight: N×M tensor of any floating dtype.
+        weight: N×M or E×N×M tensor of any floating dtype.
 
     Returns:
-        ``(U, S, Vh)``: N×r, r (descending, ≥ 0), r×M with r = min(N, M); float64 on CPU,
-        float32 on CUDA.
+        ``(U, S, Vh)``: N×r, r (descending, ≥ 0), r×M with r = min(N, M), each with the leading E of
+        a batch; float64 on CPU, float32 on CUDA.
     """
     w = weight.detach()
     if w.is_cuda:
         return torch.linalg.svd(w.float(), full_matrices=False)
     a = w.double()
-    tall = a.shape[0] >= a.shape[1]
+    tall = a.shape[-2] >= a.shape[-1]
     if not tall:
-        a = a.t()
-    eigvals, v = torch.linalg.eigh(a.t() @ a)
-    s = eigvals.flip(0).clamp_min(0).sqrt()
-    if s.numel() == 0 or s[-1] * GRAM_EIGH_MAX_COND <= s[0]:
+        a = a.mT
+    eigvals, v = torch.linalg.eigh(a.mT @ a)
+    s = eigvals.flip(-1).clamp_min(0).sqrt()
+    if s.numel() == 0 or bool((s[..., -1] * GRAM_EIGH_MAX_COND <= s[..., 0]).any()):
         return torch.linalg.svd(w.double(), full_matrices=False)
-    v = v.flip(1)
-    u = (a @ v) / s
-    return (u, s, v.t()) if tall else (v, s, u.t())
+    v = v.flip(-1)
+    u = (a @ v) / s.unsqueeze(-2)
+    return (u, s, v.mT) if tall else (v, s, u.mT)
 
 
 def _orthonormal_against(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -114,6 +116,15 @@ def protected_svd(weight: torch.Tensor, P: torch.Tensor, Q: torch.Tensor) -> tup
         v = v - right @ (right.t() @ v)
         u = (a @ v) / s
     return (u, s, v.t()) if tall else (v, s, u.t())
+
+
+def dense_from_factors(w_high: torch.Tensor, u_low: torch.Tensor, s_low: torch.Tensor,
+                       v_low: torch.Tensor) -> torch.Tensor:
+    """W_high + U_low·diag(S_low)·V_low: N×M from N×M, N×k, k, k×M (``torch.addmm``), or E×N×M
+    from the same with a leading E (``torch.baddbmm``, one product per expert)."""
+    if w_high.dim() == 2:
+        return torch.addmm(w_high, u_low * s_low, v_low)
+    return torch.baddbmm(w_high, u_low * s_low.unsqueeze(-2), v_low)
 
 
 #: Low-rank GEMMs with a small inner dimension k run far below peak on CPUs; the cost model counts
@@ -210,8 +221,8 @@ class OSFTLinear(nn.Module):
                      sigma_frozen_min=sigma_frozen_min)
         shapes = plan.tensor_shapes()
         wrong = [f"{k} {tuple(t.shape)} (plan: {shapes[k]})" for k, t in given.items() if tuple(t.shape) != shapes[k]]
-        if bias is not None and tuple(bias.shape) != (plan.n,):
-            wrong.append(f"bias {tuple(bias.shape)} (plan: {(plan.n,)})")
+        if bias is not None and tuple(bias.shape) != shapes["bias"]:
+            wrong.append(f"bias {tuple(bias.shape)} (plan: {shapes['bias']})")
         if wrong:
             raise ValueError(f"OSFT tensors do not fit their plan: {', '.join(wrong)}")
         self.plan = plan
@@ -220,8 +231,8 @@ class OSFTLinear(nn.Module):
         self.V_basis = nn.Parameter(V_basis, requires_grad=False)
         # A side without protected directions has no P (or Q) parameter: FSDP2's broadcast of the
         # full state cannot shard zero-size tensors.
-        self.P = nn.Parameter(P, requires_grad=False) if P.shape[1] else None
-        self.Q = nn.Parameter(Q, requires_grad=False) if Q.shape[1] else None
+        self.P = nn.Parameter(P, requires_grad=False) if P.shape[-1] else None
+        self.Q = nn.Parameter(Q, requires_grad=False) if Q.shape[-1] else None
         self.U_start = nn.Parameter(U_low.detach().clone(), requires_grad=False)
         self.S_start = nn.Parameter(S_low.detach().clone(), requires_grad=False)
         self.V_start = nn.Parameter(V_low.detach().clone(), requires_grad=False)
@@ -261,42 +272,51 @@ class OSFTLinear(nn.Module):
         protected: tuple[torch.Tensor, torch.Tensor] | None = None,
         plan: ModulePlan | None = None,
     ) -> "OSFTLinear":
-        """Decompose a dense weight (N×M, or M×N when ``transposed``) into an OSFT module.
+        """Decompose a dense weight (N×M, or M×N when ``transposed``) into an OSFT module, or a bank
+        of expert weights (E×N×M, out×in, with a plan of ``experts`` = E; bias E×N) into one module
+        whose every tensor has a leading expert dimension: each expert is split by the same plan.
 
         ``protected`` = (P, Q): orthonormal bases (N×p_L, M×p_R) of earlier runs' updates, frozen
-        in addition to this run's high part (None: p_L = p_R = 0). The layout is :func:`module_layout`
-        (``plan``, or the plan of ``urr``, ``max_tokens_per_micro_batch`` and ``forward_form``).
-        ``svd`` is the precomputed :func:`protected_svd` of the N×M weight (computed here when None).
-        W_high is formed in the SVD's precision; every factor is then cast back to the weight's dtype
-        and device.
+        in addition to this run's high part (None: p_L = p_R = 0; always None for a bank). The layout
+        is :func:`module_layout` (``plan``, or the plan of ``urr``, ``max_tokens_per_micro_batch``
+        and ``forward_form``). ``svd`` is the precomputed :func:`protected_svd` of the N×M weight, or
+        the batched :func:`thin_svd` of a bank (computed here when None). W_high is formed in the
+        SVD's precision; every factor is then cast back to the weight's dtype and device.
 
         Raises:
-            ValueError: a weight that is not 2-D, bases of the wrong shape, or from :func:`module_layout`.
+            ValueError: a weight that is not 2-D (3-D for a bank plan), bases of the wrong shape or
+                with a bank, or from :func:`module_layout`.
         """
-        if weight.dim() != 2:
-            raise ValueError(f"OSFT needs a 2-D weight, got shape {tuple(weight.shape)}")
+        bank = plan is not None and plan.experts > 0
+        if weight.dim() != (3 if bank else 2) or (bank and (transposed or protected is not None)):
+            raise ValueError(f"OSFT needs a 2-D weight, or a 3-D bank of experts without protected bases or "
+                             f"transposition; got shape {tuple(weight.shape)}")
         w = weight.detach().t() if transposed else weight.detach()
-        n, m = w.shape
-        P, Q = protected if protected is not None else no_bases(n, m, like=w)
+        n, m = w.shape[-2:]
+        if bank:
+            P, Q = w.new_zeros(n, 0), w.new_zeros(m, 0)
+        else:
+            P, Q = protected if protected is not None else no_bases(n, m, like=w)
         if P.shape[0] != n or Q.shape[0] != m:
             raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a {n}×{m} weight")
         plan = module_layout(n, m, (P.shape[1], Q.shape[1]), plan, urr, max_tokens_per_micro_batch, forward_form)
-        U, S, Vh = svd if svd is not None else protected_svd(w, P, Q)
+        U, S, Vh = svd if svd is not None else (thin_svd(w) if bank else protected_svd(w, P, Q))
         kh = plan.k_high
         # W − U_low·diag(S_low)·V_low equals the frozen part up to rounding, costs k_low instead of
         # p + k_high per element, and makes W_high + low part reproduce W to the last bit.
-        W_high = w.to(U.dtype) - (U[:, kh:] * S[kh:]) @ Vh[kh:]
-        P, Q = P.to(U.dtype), Q.to(U.dtype)
-        U_basis = U[:, kh:] if plan.u_keep else torch.cat([P, U[:, :kh]], dim=1)
-        V_basis = Vh[kh:] if plan.v_keep else torch.cat([Q.t(), Vh[:kh]], dim=0)
-        sigma = S[kh - 1 : kh] if kh > 0 else S.new_zeros(1)
+        W_high = w.to(U.dtype) - (U[..., kh:] * S[..., None, kh:]) @ Vh[..., kh:, :]
+        lead = U.shape[:-2]
+        P, Q = P.to(U.dtype).expand(*lead, n, -1), Q.to(U.dtype).expand(*lead, m, -1)
+        U_basis = U[..., kh:] if plan.u_keep else torch.cat([P, U[..., :kh]], dim=-1)
+        V_basis = Vh[..., kh:, :] if plan.v_keep else torch.cat([Q.mT, Vh[..., :kh, :]], dim=-2)
+        sigma = S[..., kh - 1 : kh] if kh > 0 else S.new_zeros(*lead, 1)
         cast = dict(dtype=weight.dtype, device=weight.device)
         return cls(
             plan,
             W_high=W_high.to(**cast).contiguous(),
-            U_low=U[:, kh:].to(**cast).contiguous(),
-            S_low=S[kh:].to(**cast).contiguous(),
-            V_low=Vh[kh:].to(**cast).contiguous(),
+            U_low=U[..., kh:].to(**cast).contiguous(),
+            S_low=S[..., kh:].to(**cast).contiguous(),
+            V_low=Vh[..., kh:, :].to(**cast).contiguous(),
             U_basis=U_basis.to(**cast).contiguous(),
             V_basis=V_basis.to(**cast).contiguous(),
             P=P.to(**cast).contiguous(),
@@ -335,17 +355,18 @@ class OSFTLinear(nn.Module):
         shapes = plan.tensor_shapes()
         tensors = {name: torch.empty(shapes[name], dtype=dtype, device=device) for name in
                    ("W_high", "U_low", "S_low", "V_low", "U_basis", "V_basis", "P", "Q", "sigma_frozen_min")}
-        bias = torch.empty(n, dtype=dtype, device=device) if has_bias else None
+        bias = torch.empty(shapes["bias"], dtype=dtype, device=device) if has_bias else None
         return cls(plan, bias=bias, transposed=transposed, **tensors)
 
     @property
     def k_low(self) -> int:
         """Trainable rank."""
-        return self.S_low.shape[0]
+        return self.plan.k_low
 
     def dense_weight(self) -> torch.Tensor:
-        """W = W_high + U_low·diag(S_low)·V_low, shape N×M (out×in), in the parameters' dtype."""
-        return torch.addmm(self.W_high, self.U_low * self.S_low, self.V_low)
+        """W = W_high + U_low·diag(S_low)·V_low, shape N×M (out×in), in the parameters' dtype; for a
+        bank E×N×M, every expert's at once (``torch.baddbmm``)."""
+        return dense_from_factors(self.W_high, self.U_low, self.S_low, self.V_low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., M) → (..., N)."""

@@ -50,13 +50,14 @@ class ParameterCount:
 
 def count_parameters(model: nn.Module, osft: OSFTModel | None) -> ParameterCount:
     """Trainable (``requires_grad``) parameter elements of ``model``, and the parameter count of the
-    dense model it stands for: an OSFT module counts as its N×M weight (and bias), not as the
+    dense model it stands for: an OSFT module counts as its N×M weight (E of them for an expert
+    bank) and bias, not as the
     factors and frozen bases it stores (W_high, U_basis, V_basis, the start factors, P, Q), so the
     total is the model's usual size (about 135 M for SmolLM2-135M).
     """
     params = list(model.parameters())
     stored = {id(p) for m in (osft.osft_modules if osft else []) for p in m.parameters()}
-    dense = sum(m.plan.n * m.plan.m + (m.bias.numel() if m.bias is not None else 0)
+    dense = sum(m.plan.n * m.plan.m * m.plan.copies + (m.bias.numel() if m.bias is not None else 0)
                 for m in (osft.osft_modules if osft else []))
     return ParameterCount(trainable=sum(p.numel() for p in params if p.requires_grad),
                           total=dense + sum(p.numel() for p in params if id(p) not in stored))

@@ -30,7 +30,10 @@ class ModulePlan:
     Fields: ``n``, ``m`` (shape), ``urr`` (unfreeze rank ratio), ``p_left``/``p_right`` (protected
     rank p_L, p_R), ``rank`` (R = min(N − p_L, M − p_R)), ``k_high``, ``k_low`` (R = k_high + k_low),
     ``u_keep``/``v_keep`` (the side stores the complement basis, see
-    :class:`.decomposition.OSFTLinear`), ``forward_form`` (``dense`` or ``split``).
+    :class:`.decomposition.OSFTLinear`), ``forward_form`` (``dense`` or ``split``), ``experts``
+    (0: one N×M weight; E ≥ 1: a bank of E expert weights of one fused MoE tensor, E×N×M, each
+    expert decomposed on its own with this layout, every tensor of the module carrying a leading
+    expert dimension, see :mod:`.experts`).
     """
 
     n: int
@@ -44,6 +47,12 @@ class ModulePlan:
     u_keep: bool
     v_keep: bool
     forward_form: ForwardForm
+    experts: int = 0
+
+    @property
+    def copies(self) -> int:
+        """Weights this plan lays out: E for an expert bank, else 1."""
+        return max(self.experts, 1)
 
     @property
     def frozen(self) -> bool:
@@ -74,18 +83,21 @@ class ModulePlan:
         """Shape of every tensor of the :class:`.decomposition.OSFTLinear` laid out by this plan
         (bias apart, N): ``W_high`` N×M; ``U_low``, ``U_start`` N×k_low; ``S_low``, ``S_start``
         k_low; ``V_low``, ``V_start`` k_low×M; ``U_basis`` N×:attr:`u_basis_cols`; ``V_basis``
-        :attr:`v_basis_rows`×M; ``P`` N×p_L; ``Q`` M×p_R; ``sigma_frozen_min`` 1. The one rule both
-        a decomposed module and a skeleton are built by."""
+        :attr:`v_basis_rows`×M; ``P`` N×p_L; ``Q`` M×p_R; ``sigma_frozen_min`` 1; each with a
+        leading E for an expert bank (``bias`` then E×N). The one rule both a decomposed module and
+        a skeleton are built by."""
         n, m, k = self.n, self.m, self.k_low
-        return {"W_high": (n, m), "U_low": (n, k), "S_low": (k,), "V_low": (k, m), "U_start": (n, k),
-                "S_start": (k,), "V_start": (k, m), "U_basis": (n, self.u_basis_cols),
-                "V_basis": (self.v_basis_rows, m), "P": (n, self.p_left), "Q": (m, self.p_right),
-                "sigma_frozen_min": (1,)}
+        lead = (self.experts,) if self.experts else ()
+        shapes = {"W_high": (n, m), "U_low": (n, k), "S_low": (k,), "V_low": (k, m), "U_start": (n, k),
+                  "S_start": (k,), "V_start": (k, m), "U_basis": (n, self.u_basis_cols),
+                  "V_basis": (self.v_basis_rows, m), "P": (n, self.p_left), "Q": (m, self.p_right),
+                  "sigma_frozen_min": (1,), "bias": (n,)}
+        return {name: lead + shape for name, shape in shapes.items()}
 
     @property
     def trainable_params(self) -> int:
-        """Trainable numbers of the factors: k_low·(N + M + 1) (bias not counted)."""
-        return self.k_low * (self.n + self.m + 1)
+        """Trainable numbers of the factors: k_low·(N + M + 1) per weight (bias not counted)."""
+        return self.k_low * (self.n + self.m + 1) * self.copies
 
     def to_dict(self) -> dict:
         """Plain data (JSON) for checkpoints."""
@@ -95,9 +107,12 @@ class ModulePlan:
     def from_dict(cls, data: dict) -> "ModulePlan":
         """Inverse of :meth:`to_dict`.
 
+        A plan stored before expert banks existed has no ``experts`` field: 0.
+
         Raises:
             ValueError: a field is missing or unknown.
         """
+        data = {"experts": 0, **data}
         names = {f.name for f in dataclasses.fields(cls)}
         if set(data) != names:
             raise ValueError(f"OSFT module plan {data!r}: expected the fields {sorted(names)}")
@@ -121,8 +136,10 @@ def split_rank(rank: int, urr: float) -> tuple[int, int]:
 
 
 def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_left: int = 0, p_right: int = 0,
-                forward_form: ForwardForm | Literal["auto"] = "auto") -> ModulePlan:
-    """The layout of an N×M target with protected ranks (p_L, p_R) at unfreeze rank ratio ``urr``.
+                forward_form: ForwardForm | Literal["auto"] = "auto", experts: int = 0) -> ModulePlan:
+    """The layout of an N×M target with protected ranks (p_L, p_R) at unfreeze rank ratio ``urr``
+    (``experts`` = E ≥ 1: a bank of E such weights, always ``dense``: the bank is rebuilt into the
+    fused tensor its experts module computes with, see :mod:`.experts`).
 
     Keep mode on a side needs [L, U_low] (or [Rb, V_lowᵀ]) to span that whole side, i.e.
     p + R equal to the side's dimension, so that keeping the complement's component equals removing
@@ -141,9 +158,14 @@ def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_l
     k_high, k_low = split_rank(rank, urr)
     u_keep = p_left + rank == n and k_low < p_left + k_high
     v_keep = p_right + rank == m and k_low < p_right + k_high
-    form = choose_forward_form(n, m, k_low, max_tokens_per_micro_batch) if forward_form == "auto" else forward_form
+    if experts:
+        form = "dense"
+    elif forward_form == "auto":
+        form = choose_forward_form(n, m, k_low, max_tokens_per_micro_batch)
+    else:
+        form = forward_form
     return ModulePlan(n=n, m=m, urr=float(urr), p_left=p_left, p_right=p_right, rank=rank, k_high=k_high,
-                      k_low=k_low, u_keep=u_keep, v_keep=v_keep, forward_form=form)
+                      k_low=k_low, u_keep=u_keep, v_keep=v_keep, forward_form=form, experts=experts)
 
 
 #: A module name inside a numbered block: ``(model.layers.)(self_attn.q_proj)`` of ``model.layers.3.self_attn.q_proj``.
@@ -160,13 +182,13 @@ def plan_table(plans: Sequence[tuple[str, ModulePlan]]):
 
     groups: dict[tuple, list[tuple[str, ModulePlan]]] = {}
     for name, p in plans:
-        groups.setdefault((p.n, p.m, p.urr, p.p_left, p.p_right, p.k_high, p.k_low), []).append((name, p))
+        groups.setdefault((f"{p.experts}×" if p.experts else "", p.n, p.m, p.urr, p.p_left, p.p_right, p.k_high, p.k_low), []).append((name, p))
     blocks = {}
     for name, _ in plans:
         if hit := BLOCK_INDEX.match(name):
             blocks[hit.group(1)] = None
     caption = "#: modules; " + (f"names: after {', '.join(f'{b}<i>.' for b in blocks)}; " if blocks else "") + \
-        "p_L/p_R: protected rank, left/right; trainable: parameters of U_low, S_low, V_low"
+        "E×N×M: a bank of E experts; p_L/p_R: protected rank, left/right; trainable: parameters of U_low, S_low, V_low"
     table = Table(title="OSFT plan", title_justify="left", caption=caption, caption_justify="left",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for column in ("#", "names", "N×M", "URR", "k_high", "p_L/p_R", "k_low", "trainable"):
@@ -174,9 +196,9 @@ def plan_table(plans: Sequence[tuple[str, ModulePlan]]):
             table.add_column(column, justify="left", overflow="fold")
         else:
             table.add_column(column, justify="right", no_wrap=True)
-    for (n, m, urr, pl, pr, kh, kl), members in groups.items():
+    for (bank, n, m, urr, pl, pr, kh, kl), members in groups.items():
         params = members[0][1].trainable_params * len(members)
         names = "\n".join(dict.fromkeys((hit.group(2) if (hit := BLOCK_INDEX.match(name)) else name) for name, _ in members))
-        table.add_row(str(len(members)), names, f"{n}×{m}", f"{urr:g}", str(kh), f"{pl}/{pr}",
+        table.add_row(str(len(members)), names, f"{bank}{n}×{m}", f"{urr:g}", str(kh), f"{pl}/{pr}",
                       "frozen" if kl == 0 else str(kl), f"{params:,}")
     return table

@@ -23,6 +23,11 @@ Under FSDP2 every factor is a DTensor sharded by rows (``Shard(0)``), possibly u
 The forgetting indicators (:meth:`Projector.indicators`, see :mod:`.indicators`) use the same
 pattern: the U-side Gram matrices of all modules go through one all-reduce, the V side is gathered.
 
+Expert banks (:mod:`.experts`: every tensor E×…, one factorisation per expert) are projected by
+the same formulas batched over the experts (``@`` on the leading dimension, ``.mT``). FSDP2 shards
+their dim 0, the expert dimension, so each rank holds whole experts, bases included: their
+projection, check and indicators need no communication beyond the final maximum over ranks.
+
 All products are computed in float32, also for bf16 factors.
 """
 
@@ -52,6 +57,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _is_sharded(t: torch.Tensor) -> bool:
     """True for a DTensor (FSDP2 parameter or gradient): its rows are spread over the ranks."""
     return hasattr(t, "to_local")
+
+
+def _max_or_zero(values: torch.Tensor) -> torch.Tensor:
+    """The largest element of ``values``, 0 when it is empty (a rank without experts of a bank)."""
+    return values.max() if values.numel() else torch.zeros(())
 
 
 def _sum_across_ranks(flat: torch.Tensor, sharded: bool) -> torch.Tensor:
@@ -90,34 +100,51 @@ class Projector:
             self._v_cache[i] = basis
         return basis
 
+    def _row_sharded(self) -> list[int]:
+        """Indices of the modules sharded by rows (not expert banks): their U-side products are
+        partial sums over ranks."""
+        return [i for i, m in enumerate(self.modules) if not m.plan.experts]
+
+    def _sum_row_parts(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``parts`` (one per module) with those of row-sharded modules summed over ranks by one
+        all-reduce; a bank's own part is already complete (its rank holds whole experts)."""
+        rows = self._row_sharded()
+        if not rows:
+            return parts
+        sharded = _is_sharded(self.modules[rows[0]].U_basis)
+        flat = _sum_across_ranks(torch.cat([parts[i].reshape(-1) for i in rows]), sharded)
+        out = list(parts)
+        for i, c in zip(rows, flat.split([parts[i].numel() for i in rows])):
+            out[i] = c.view_as(parts[i])
+        return out
+
     def _u_coefficients(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """U_basisᵀ X for every module (X = the local rows of U_low or its gradient), summed over
-        ranks with one all-reduce for all modules; float32, k_b×k_low each."""
-        parts = [_local(m.U_basis).float().t() @ x.float() for m, x in zip(self.modules, xs)]
-        if not parts:
-            return []
-        flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]), _is_sharded(self.modules[0].U_basis))
-        return [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
+        """U_basisᵀ X for every module (X = the local rows of U_low or its gradient; a bank's local
+        experts), summed over ranks with one all-reduce for all row-sharded modules; float32,
+        k_b×k_low each (E_local×k_b×k_low for a bank)."""
+        return self._sum_row_parts([_local(m.U_basis).float().mT @ x.float() for m, x in zip(self.modules, xs)])
 
     def _project_v(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Projected local rows of V_low (or its gradient) of module ``i`` (float32)."""
         m, xf = self.modules[i], x.float()
         if self.v_projection == "gram":
             local = _local(m.V_basis).float()
-            gram = _sum_across_ranks(local.t() @ local, _is_sharded(m.V_basis))
+            gram = local.mT @ local
+            if not m.plan.experts:
+                gram = _sum_across_ranks(gram, _is_sharded(m.V_basis))
             return xf @ gram if m.v_keep else xf - xf @ gram
-        basis = self._v_basis(i)
-        coeff = xf @ basis.t()
+        basis = _local(m.V_basis).float() if m.plan.experts else self._v_basis(i)
+        coeff = xf @ basis.mT
         return coeff @ basis if m.v_keep else xf - coeff @ basis
 
     @torch.no_grad()
     def _project(self, us: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         coeffs = self._u_coefficients(us)
         for i, (m, u, v, c) in enumerate(zip(self.modules, us, vs, coeffs)):
-            if c.shape[0] > 0:
+            if m.plan.u_basis_cols > 0:
                 basis = _local(m.U_basis).float()
                 u.copy_(basis @ c if m.u_keep else u.float() - basis @ c)
-            if m.V_basis.shape[0] > 0:
+            if m.plan.v_basis_rows > 0:
                 v.copy_(self._project_v(i, v))
 
     # -- public -----------------------------------------------------------------------------
@@ -149,30 +176,31 @@ class Projector:
         # mode the frozen component is the residual, a per-rank partial sum; in remove mode it is
         # the (already reduced) coefficient column.
         partial_frozen = [
-            (u - _local(m.U_basis).float() @ c).square().sum(0) if m.u_keep else torch.zeros(u.shape[1])
+            (u - _local(m.U_basis).float() @ c).square().sum(-2) if m.u_keep else u.new_zeros(u.shape[:-2] + u.shape[-1:])
             for m, u, c in zip(self.modules, us, coeffs)
         ]
-        partial_norm = [u.square().sum(0) for u in us]
-        sizes = [t.numel() for t in partial_frozen]
-        sharded = bool(self.modules) and _is_sharded(self.modules[0].U_low)
-        summed = _sum_across_ranks(torch.cat(partial_frozen + partial_norm), sharded) if sizes else torch.zeros(0)
-        frozen_sq, norm_sq = summed.split([sum(sizes), sum(sizes)]) if sizes else (summed, summed)
+        partial_norm = [u.square().sum(-2) for u in us]
+        summed = self._sum_row_parts(partial_frozen + partial_norm)
+        frozen_sq, norm_sq = summed[:len(us)], summed[len(us):]
         worst = []
-        for i, (m, c, f, n) in enumerate(zip(self.modules, coeffs, frozen_sq.split(sizes), norm_sq.split(sizes))):
+        for i, (m, c, f, n) in enumerate(zip(self.modules, coeffs, frozen_sq, norm_sq)):
             if not m.u_keep:
-                f = f + c.square().sum(0)
-            u_frac = (f.sqrt() / n.sqrt().clamp_min(1e-30)).max()
-            # V side: each rank holds complete rows of V_low; the basis is gathered.
+                f = f + c.square().sum(-2)
+            u_frac = _max_or_zero(f.sqrt() / n.sqrt().clamp_min(1e-30))
+            # V side: each rank holds complete rows of V_low (whole experts of a bank); the basis of
+            # a row-sharded module is gathered.
             v = _local(m.V_low).float()
             v_frac = torch.zeros(())
-            if m.V_basis.shape[0] > 0:
-                basis = self._v_basis(i)  # collective: every rank gathers, even one without rows
-            if m.V_basis.shape[0] > 0 and v.shape[0] > 0:
-                coeff = v @ basis.t()
-                frozen = (v - coeff @ basis) if m.v_keep else coeff
-                v_frac = (frozen.norm(dim=1) / v.norm(dim=1).clamp_min(1e-30)).max()
+            if m.plan.v_basis_rows > 0:
+                # collective for row-sharded modules: every rank gathers, even one without rows
+                basis = _local(m.V_basis).float() if m.plan.experts else self._v_basis(i)
+                if v.numel() > 0:
+                    coeff = v @ basis.mT
+                    frozen = (v - coeff @ basis) if m.v_keep else coeff
+                    v_frac = _max_or_zero(frozen.norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-30))
             worst.append(torch.maximum(u_frac, v_frac))
         worst_t = torch.stack(worst) if worst else torch.zeros(0)
+        sharded = any(_is_sharded(m.U_low) for m in self.modules)
         if sharded and dist.get_world_size() > 1 and worst_t.numel():
             dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
         degrees = [fraction_to_degrees(float(f)) for f in worst_t]
@@ -187,19 +215,47 @@ class Projector:
 
         Identical result on every rank. Collectives: all-gathers of S_low, S_start, V_low, V_start
         and sigma_frozen_min per module, and one all-reduce of every module's U-side Gram matrix (k_low×2k_low)
-        and ‖W_high‖_F² together.
+        and ‖W_high‖_F² together. An expert bank reports its worst expert (each rank computes its own
+        experts, then one all-reduce(MAX) for all banks).
         """
-        parts, s_start = [], [_full(m.S_start) for m in self.modules]
-        for m, s0 in zip(self.modules, s_start):
-            parts += [indicators.left_gram(_local(m.U_low), _full(m.S_low), _local(m.U_start), s0),
+        rows = self._row_sharded()
+        parts, s_start = [], {i: _full(self.modules[i].S_start) for i in rows}
+        for i in rows:
+            m = self.modules[i]
+            parts += [indicators.left_gram(_local(m.U_low), _full(m.S_low), _local(m.U_start), s_start[i]),
                       _local(m.W_high).float().square().sum().reshape(1)]
-        sharded = bool(self.modules) and _is_sharded(self.modules[0].U_low)
+        sharded = any(_is_sharded(m.U_low) for m in self.modules)
         flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]), sharded) if parts else torch.zeros(0)
         summed = [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
-        dw_rel, gap = [], []
-        for m, s0, g_u, w_high_sq in zip(self.modules, s_start, summed[0::2], summed[1::2]):
+        values: dict[int, tuple[float, float | None]] = {}
+        for i, g_u, w_high_sq in zip(rows, summed[0::2], summed[1::2]):
+            m, s0 = self.modules[i], s_start[i]
             g_v = indicators.right_gram(_full(m.V_low), _full(m.V_start))
             update_sq, sigma_max = indicators.low_part_norms(g_u, g_v, s0)
-            dw_rel.append(indicators.relative_update(update_sq, float(w_high_sq), s0))
-            gap.append(indicators.spectral_gap(sigma_max, float(_full(m.sigma_frozen_min))))
+            values[i] = (indicators.relative_update(update_sq, float(w_high_sq), s0),
+                         indicators.spectral_gap(sigma_max, float(_full(m.sigma_frozen_min))))
+        banks = [i for i, m in enumerate(self.modules) if m.plan.experts]
+        if banks:
+            worst = torch.stack([self._bank_indicators(self.modules[i]) for i in banks])
+            if sharded and dist.get_world_size() > 1:
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            for i, (d, g) in zip(banks, worst.tolist()):
+                values[i] = (d, None if g < 0 else g)
+        dw_rel = [values[i][0] for i in range(len(self.modules))]
+        gap = [values[i][1] for i in range(len(self.modules))]
         return IndicatorReport(names=list(self.names), dw_rel=dw_rel, gap=gap)
+
+    @staticmethod
+    def _bank_indicators(m: OSFTLinear) -> torch.Tensor:
+        """[largest ‖ΔW‖_F/‖W‖_F, largest spectral gap (−1: none)] over this rank's experts of a
+        bank (float64; [0, −1] without any), each expert computed as a whole module."""
+        names = ("U_low", "S_low", "U_start", "S_start", "V_low", "V_start", "W_high", "sigma_frozen_min")
+        u, s, u0, s0, v, v0, w_high, sigma = (_local(getattr(m, k)) for k in names)
+        dw, gap = 0.0, -1.0
+        for e in range(u.shape[0]):
+            g_u, g_v = indicators.left_gram(u[e], s[e], u0[e], s0[e]), indicators.right_gram(v[e], v0[e])
+            update_sq, sigma_max = indicators.low_part_norms(g_u, g_v, s0[e])
+            dw = max(dw, indicators.relative_update(update_sq, float(w_high[e].float().square().sum()), s0[e]))
+            g = indicators.spectral_gap(sigma_max, float(sigma[e]))
+            gap = max(gap, -1.0 if g is None else g)
+        return torch.tensor([dw, gap], dtype=torch.float64)

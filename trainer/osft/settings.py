@@ -49,12 +49,14 @@ class OSFTSettings:
                    forward_form=cfg.osft_forward, target_patterns=None if patterns is None else tuple(patterns),
                    v_projection=cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high)
 
-    def plan(self, n: int, m: int, p_left: int = 0, p_right: int = 0, urr: float | None = None) -> ModulePlan:
-        """The layout of an N×M target with protected ranks (p_L, p_R) under these settings
-        (:func:`.plan.plan_module`); ``urr`` overrides :attr:`urr` (a per-module rank plan).
+    def plan(self, n: int, m: int, p_left: int = 0, p_right: int = 0, urr: float | None = None,
+             experts: int = 0) -> ModulePlan:
+        """The layout of an N×M target (``experts`` = E: a bank of E) with protected ranks (p_L, p_R)
+        under these settings (:func:`.plan.plan_module`); ``urr`` overrides :attr:`urr` (a per-module
+        rank plan).
 
         Raises:
             ValueError: from :func:`.plan.plan_module`.
         """
         return plan_module(n, m, self.urr if urr is None else urr, self.max_tokens_per_micro_batch, p_left, p_right,
-                           self.forward_form)
+                           self.forward_form, experts)

@@ -14,6 +14,10 @@ Every OSFT module is built here, on one of three paths with one layout rule (eac
   modules, the others skeletons whose values arrive with FSDP2's broadcast of rank 0's state.
 - resume (:func:`skeleton_osft`): skeletons laid out by the plans a full-state checkpoint stored,
   no SVD; the values come from the checkpoint.
+
+Fused MoE experts (:mod:`.experts`) go the same three ways: each bank (E×N×M) is one target whose
+E SVDs are one batched call (:func:`.decomposition.thin_svd`), and the experts module is replaced
+by an :class:`.experts.OSFTExperts` holding its banks.
 """
 
 from __future__ import annotations
@@ -22,17 +26,18 @@ import itertools
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .decomposition import OSFTLinear, protected_svd
+from .decomposition import OSFTLinear, dense_from_factors, protected_svd, thin_svd
+from .experts import ExpertLayout, OSFTExperts
 from .plan import ModulePlan
 from .protect import no_bases
 from .settings import OSFTSettings
-from .targets import find_target_modules, weight_matrix, weight_shape
+from .targets import find_expert_banks, find_target_modules, weight_matrix
 
 #: Protected bases by module name: (P: N×p_L, Q: M×p_R), see :mod:`.protect`.
 Bases = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -43,11 +48,13 @@ SVD = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass
 class OSFTModel:
-    """The OSFT modules of a model after :func:`apply_osft`, by full module name, and the time the
-    decomposition took (``svd_seconds``, s)."""
+    """The OSFT modules of a model after :func:`apply_osft`, by full module name (expert banks
+    included, ``<experts>.gate_proj``), the time the decomposition took (``svd_seconds``, s) and the
+    experts modules that hold banks (``experts``, by name)."""
 
     modules: list[tuple[str, OSFTLinear]]
     svd_seconds: float
+    experts: list[tuple[str, OSFTExperts]] = field(default_factory=list)
 
     @property
     def osft_modules(self) -> list[OSFTLinear]:
@@ -57,19 +64,42 @@ class OSFTModel:
 
 @dataclass(frozen=True)
 class Target:
-    """One OSFT target of a model before the surgery: its full ``name``, the dense ``module``
-    (``nn.Linear`` or GPT-2 ``Conv1D``), its layout ``plan`` and its protected bases ``protected``
-    = (P: N×p_L, Q: M×p_R) of earlier runs (None: nothing protected)."""
+    """One OSFT target of a model before the surgery: its full ``name``, its weight as ``matrix``
+    (N×M out×in, a view; E×N×M for an expert bank), its ``bias`` (N, E×N or None), whether the
+    module stores the weight transposed (``transposed``, GPT-2 ``Conv1D``), its layout ``plan``, its
+    protected bases ``protected`` = (P: N×p_L, Q: M×p_R) of earlier runs (None: nothing protected)
+    and, for a bank, the name of its ``experts`` module (None for a linear module)."""
 
     name: str
-    module: nn.Module
+    matrix: torch.Tensor
+    bias: torch.Tensor | None
+    transposed: bool
     plan: ModulePlan
     protected: tuple[torch.Tensor, torch.Tensor] | None
+    experts: str | None = None
+
+
+def _weights(model: nn.Module, settings: OSFTSettings
+             ) -> list[tuple[str, torch.Tensor, torch.Tensor | None, bool, str | None]]:
+    """``(name, matrix, bias, transposed, experts module)`` of every target: the linear modules of
+    :func:`.targets.find_target_modules`, then the banks of :func:`.targets.find_expert_banks`."""
+    model_type, patterns = model.config.model_type, settings.target_patterns
+    out = []
+    for name in find_target_modules(model, model_type, patterns):
+        module = model.get_submodule(name)
+        matrix, transposed = weight_matrix(module)
+        out.append((name, matrix, module.bias, transposed, None))
+    for experts, bank in find_expert_banks(model, model_type, patterns):
+        module = model.get_submodule(experts)
+        layout = ExpertLayout.of(module)
+        matrix, bias = layout.split(dict(module.named_parameters(recurse=False)))[bank]
+        out.append((f"{experts}.{bank}", matrix, bias, False, experts))
+    return out
 
 
 def plan_targets(model: nn.Module, settings: OSFTSettings, urr_by_module: Mapping[str, float] | None = None,
                  bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None) -> list[Target]:
-    """The targets of ``model`` (:func:`.targets.find_target_modules` with the settings' patterns),
+    """The targets of ``model`` (linear modules and expert banks matched by the settings' patterns),
     each with its layout.
 
     Without ``plans``, a target's plan is :meth:`.settings.OSFTSettings.plan` of its shape, its
@@ -79,21 +109,24 @@ def plan_targets(model: nn.Module, settings: OSFTSettings, urr_by_module: Mappin
 
     Raises:
         ValueError: from target matching or planning; with ``plans``, a target without a stored plan
-            or one whose shape differs from its plan.
+            or one whose shape differs from its plan; protected bases for an expert bank.
     """
     targets = []
-    for name in find_target_modules(model, model.config.model_type, settings.target_patterns):
-        module = model.get_submodule(name)
-        n, m = weight_shape(module)
+    for name, matrix, bias, transposed, experts in _weights(model, settings):
+        n, m = matrix.shape[-2:]
+        e = matrix.shape[0] if experts else 0
         protected = (bases or {}).get(name)
+        if experts and protected is not None:
+            raise ValueError(f"OSFT bank {name}: protected subspaces of expert banks are not supported")
         if plans is None:
             p_left, p_right = (protected[0].shape[1], protected[1].shape[1]) if protected is not None else (0, 0)
-            plan = settings.plan(n, m, p_left, p_right, urr=(urr_by_module or {}).get(name))
+            plan = settings.plan(n, m, p_left, p_right, urr=(urr_by_module or {}).get(name), experts=e)
         else:
             plan = plans.get(name)
-            if plan is None or (plan.n, plan.m) != (n, m):
-                raise ValueError(f"OSFT module {name} ({n}×{m}): the checkpoint stores no plan of this shape for it")
-        targets.append(Target(name, module, plan, protected))
+            if plan is None or (plan.n, plan.m, plan.experts) != (n, m, e):
+                raise ValueError(f"OSFT module {name} ({tuple(matrix.shape)}): the checkpoint stores no plan of this "
+                                 "shape for it")
+        targets.append(Target(name, matrix, bias, transposed, plan, protected, experts))
     return targets
 
 
@@ -115,7 +148,8 @@ def apply_osft(model: nn.Module, settings: OSFTSettings, urr_by_module: Mapping[
     start = time.perf_counter()
     targets = plan_targets(model, settings, urr_by_module, bases)
     svds = _threaded_svds(targets) if world_size == 1 else _svds_over_ranks(targets, rank, world_size)
-    return OSFTModel(modules=_replace_targets(model, targets, svds, "meta"), svd_seconds=time.perf_counter() - start)
+    modules, experts = _replace_targets(model, targets, svds, "meta")
+    return OSFTModel(modules=modules, svd_seconds=time.perf_counter() - start, experts=experts)
 
 
 def skeleton_osft(model: nn.Module, settings: OSFTSettings, device: torch.device | str,
@@ -129,26 +163,40 @@ def skeleton_osft(model: nn.Module, settings: OSFTSettings, device: torch.device
         ValueError: from :func:`plan_targets`.
     """
     targets = plan_targets(model, settings, plans=plans)
-    return OSFTModel(modules=_replace_targets(model, targets, itertools.repeat(None), device), svd_seconds=0.0)
+    modules, experts = _replace_targets(model, targets, itertools.repeat(None), device)
+    return OSFTModel(modules=modules, svd_seconds=0.0, experts=experts)
 
 
-def _replace_targets(model: nn.Module, targets: Sequence[Target], svds: Iterable[SVD | None],
-                     device: torch.device | str) -> list[tuple[str, OSFTLinear]]:
+def _replace_targets(model: nn.Module, targets: Sequence[Target], svds: Iterable[SVD | None], device: torch.device | str
+                     ) -> tuple[list[tuple[str, OSFTLinear]], list[tuple[str, OSFTExperts]]]:
     """Put an :class:`OSFTLinear` in place of each target: decomposed from its weight with its SVD,
-    or, where the SVD is None, an uninitialised skeleton on ``device`` in the weight's dtype."""
-    replaced = []
+    or, where the SVD is None, an uninitialised skeleton on ``device`` in the weight's dtype. The
+    banks of an experts module replace it together, as an :class:`.experts.OSFTExperts`.
+
+    Returns:
+        The OSFT modules and the experts modules that hold banks, by name.
+    """
+    replaced, banks = [], {}
     for target, svd in zip(targets, svds):
-        old = target.module
-        transposed = weight_matrix(old)[1]
         if svd is None:
-            new = OSFTLinear.empty(target.plan.n, target.plan.m, old.bias is not None, transposed=transposed,
-                                   dtype=old.weight.dtype, device=device, plan=target.plan)
+            new = OSFTLinear.empty(target.plan.n, target.plan.m, target.bias is not None, transposed=target.transposed,
+                                   dtype=target.matrix.dtype, device=device, plan=target.plan)
         else:
-            new = OSFTLinear.from_weight(old.weight, old.bias, transposed=transposed, svd=svd,
+            stored = target.matrix.mT if target.transposed else target.matrix
+            new = OSFTLinear.from_weight(stored, target.bias, transposed=target.transposed, svd=svd,
                                          protected=target.protected, plan=target.plan)
-        replace_module(model, target.name, new)
+        if target.experts is None:
+            replace_module(model, target.name, new)
+        else:
+            banks.setdefault(target.experts, {})[target.name.rpartition(".")[2]] = new
         replaced.append((target.name, new))
-    return replaced
+    experts = []
+    for name, bank in banks.items():
+        fused = model.get_submodule(name)
+        wrapper = OSFTExperts(fused, ExpertLayout.of(fused), bank)
+        replace_module(model, name, wrapper)
+        experts.append((name, wrapper))
+    return replaced, experts
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -158,7 +206,10 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _svd(weight: torch.Tensor, protected: tuple[torch.Tensor, torch.Tensor] | None) -> SVD:
-    """:func:`.decomposition.protected_svd` of an N×M weight with its protected bases (None: none)."""
+    """:func:`.decomposition.protected_svd` of an N×M weight with its protected bases (None: none);
+    the batched :func:`.decomposition.thin_svd` of an E×N×M bank."""
+    if weight.dim() == 3:
+        return thin_svd(weight)
     return protected_svd(weight, *(protected or no_bases(*weight.shape, like=weight)))
 
 
@@ -169,7 +220,7 @@ def _threaded_svds(targets: Sequence[Target]) -> Iterator[SVD]:
     intra-op thread (small LAPACK calls scale poorly across cores; measured 1.4× faster on 2 cores).
     Each matrix is still decomposed by one thread, so the result does not depend on scheduling.
     """
-    weights = [weight_matrix(t.module)[0] for t in targets]
+    weights = [t.matrix for t in targets]
 
     def one(i: int) -> SVD:
         return _svd(weights[i], targets[i].protected)
@@ -196,11 +247,11 @@ def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> I
     for i, target in enumerate(targets):
         w = None
         if rank == 0:
-            w = weight_matrix(target.module)[0].detach().contiguous()
+            w = target.matrix.detach().contiguous()
             if owner[i] != 0:
                 dist.send(w, dst=owner[i])
         elif owner[i] == rank:
-            w = torch.empty(target.plan.n, target.plan.m, dtype=target.module.weight.dtype)
+            w = torch.empty(target.matrix.shape, dtype=target.matrix.dtype)
             dist.recv(w, src=0)
         if owner[i] == rank:
             mine[i] = w
@@ -212,8 +263,9 @@ def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> I
             yield factors.pop(i)
         elif rank == 0:
             n, m, r = target.plan.n, target.plan.m, target.plan.rank
-            svd = (torch.empty(n, r, dtype=torch.float64), torch.empty(r, dtype=torch.float64),
-                   torch.empty(r, m, dtype=torch.float64))
+            lead = target.matrix.shape[:-2]
+            svd = (torch.empty(*lead, n, r, dtype=torch.float64), torch.empty(*lead, r, dtype=torch.float64),
+                   torch.empty(*lead, r, m, dtype=torch.float64))
             for t in svd:
                 dist.recv(t, src=owner[i])
             yield svd
@@ -245,16 +297,25 @@ def dense_state_dict(state: dict[str, torch.Tensor], osft: OSFTModel | None) -> 
     names with dense weights.
 
     Each OSFT module ``X`` contributes ``X.weight`` = W_high + U_low·diag(S_low)·V_low (N×M, or
-    its transpose for GPT-2 ``Conv1D``), computed in float32, and ``X.bias``; its projection bases
-    are dropped; every other entry is passed through.
+    its transpose for GPT-2 ``Conv1D``), computed in float32, and ``X.bias``; the banks of an experts
+    module ``Y`` are rebuilt the same way (E×N×M each) and fused back into ``Y.gate_up_proj``,
+    ``Y.down_proj`` (and their biases) in the original layout (:meth:`.experts.ExpertLayout.fuse`);
+    projection bases are dropped; every other entry is passed through.
     """
     if osft is None:
         return dict(state)
     out = {k: v for k, v in state.items() if k.rpartition(".")[0] not in dict(osft.modules)}
+    banks = {}
     for name, module in osft.modules:
-        w_high, u, s, v = (state[f"{name}.{k}"].float() for k in ("W_high", "U_low", "S_low", "V_low"))
-        dense = torch.addmm(w_high, u * s, v)
+        dense = dense_from_factors(*(state[f"{name}.{k}"].float() for k in ("W_high", "U_low", "S_low", "V_low")))
+        bias = state.get(f"{name}.bias")
+        if module.plan.experts:
+            banks[name] = (dense, bias)
+            continue
         out[f"{name}.weight"] = (dense.t() if module.transposed else dense).contiguous()
-        if f"{name}.bias" in state:
-            out[f"{name}.bias"] = state[f"{name}.bias"]
+        if bias is not None:
+            out[f"{name}.bias"] = bias
+    for name, experts in osft.experts:
+        fused = experts.layout.fuse({bank: banks[f"{name}.{bank}"] for bank in experts.layout.bank_names()})
+        out.update({f"{name}.{key}": tensor for key, tensor in fused.items()})
     return out

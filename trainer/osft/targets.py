@@ -13,13 +13,19 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .experts import find_experts_modules, router_parameters
+
 _LLAMA_STYLE = r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 
 #: model_type (``config.model_type``) -> regular expression searched in each module's full name.
 ARCHITECTURE_TARGET_PATTERNS: dict[str, str] = {
     "llama": _LLAMA_STYLE,
     "mistral": _LLAMA_STYLE,
-    "mixtral": r"\.(q_proj|k_proj|v_proj|o_proj|w1|w2|w3)$",
+    # Experts: transformers 4's per-expert w1/w2/w3 linear layers; transformers 5's fused tensors
+    # as the banks gate_proj/up_proj/down_proj of :mod:`.experts` (matched by :func:`find_expert_banks`).
+    "mixtral": r"\.(q_proj|k_proj|v_proj|o_proj|w1|w2|w3|gate_proj|up_proj|down_proj)$",
+    "qwen3_moe": _LLAMA_STYLE,
+    "gpt_oss": _LLAMA_STYLE,
     "qwen2": _LLAMA_STYLE,
     "qwen3": _LLAMA_STYLE,
     "gemma": _LLAMA_STYLE,
@@ -52,20 +58,13 @@ def weight_shape(module: nn.Module) -> tuple[int, int]:
     return int(n), int(m)
 
 
-def find_target_modules(
-    model: nn.Module, model_type: str, patterns: Sequence[str] | None = None
-) -> list[str]:
-    """Return the names of the linear modules OSFT decomposes, in ``named_modules`` order.
-
-    Args:
-        model: the causal LM.
-        model_type: ``config.model_type``; selects the built-in pattern when ``patterns`` is None.
-        patterns: regular expressions (``re.search`` on the full module name) overriding the
-            built-in ones (``--osft-target-patterns``).
+def compile_patterns(model_type: str, patterns: Sequence[str] | None) -> list[re.Pattern]:
+    """The target patterns of a model: ``patterns`` (``--osft-target-patterns``), or the built-in one
+    of ``model_type`` when None, compiled.
 
     Raises:
         ValueError: no built-in patterns for ``model_type`` and none given; an invalid regular
-            expression; or no linear module matches (the message lists some module names).
+            expression.
     """
     if patterns is None:
         if model_type not in ARCHITECTURE_TARGET_PATTERNS:
@@ -81,6 +80,45 @@ def find_target_modules(
             compiled.append(re.compile(pattern))
         except re.error as exc:
             raise ValueError(f"--osft-target-patterns: invalid regular expression {pattern!r}: {exc}") from exc
+    return compiled
+
+
+def find_expert_banks(model: nn.Module, model_type: str, patterns: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """``(experts module, bank)`` of every fused-experts bank OSFT decomposes (:mod:`.experts`): a
+    bank is matched by its name ``<experts module>.<bank>`` (``model.layers.0.mlp.experts.gate_proj``),
+    as a linear module would be. An experts module is decomposed whole or not at all.
+
+    Raises:
+        ValueError: from :func:`compile_patterns`; the patterns match some banks of an experts
+            module but not all.
+    """
+    compiled = compile_patterns(model_type, patterns)
+    found = []
+    for name, _, layout in find_experts_modules(model):
+        hit = [bank for bank in layout.bank_names() if any(rx.search(f"{name}.{bank}") for rx in compiled)]
+        if hit and len(hit) != len(layout.bank_names()):
+            raise ValueError(f"OSFT target patterns match {hit} of the experts {name} but not all of "
+                             f"{list(layout.bank_names())}: an experts module is decomposed whole or not at all")
+        found += [(name, bank) for bank in hit]
+    return found
+
+
+def find_target_modules(
+    model: nn.Module, model_type: str, patterns: Sequence[str] | None = None
+) -> list[str]:
+    """Return the names of the linear modules OSFT decomposes, in ``named_modules`` order.
+
+    Args:
+        model: the causal LM.
+        model_type: ``config.model_type``; selects the built-in pattern when ``patterns`` is None.
+        patterns: regular expressions (``re.search`` on the full module name) overriding the
+            built-in ones (``--osft-target-patterns``).
+
+    Raises:
+        ValueError: no built-in patterns for ``model_type`` and none given; an invalid regular
+            expression; or no linear module matches (the message lists some module names).
+    """
+    compiled = compile_patterns(model_type, patterns)
     names = [
         name
         for name, module in model.named_modules()
@@ -113,17 +151,19 @@ def decoder_block_names(model: nn.Module) -> list[str]:
 def unconstrained_block_weights(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, tuple[int, ...]]]:
     """Name and global shape of every trainable parameter of two or more dimensions inside the
     decoder blocks (:func:`decoder_block_names`) that is not part of an OSFT target in ``targets``:
-    weights that train without OSFT's constraint, e.g. Mixtral's fused 3-D experts on transformers 5
-    and its router. One-dimensional ones (norms, biases) and everything outside the blocks
-    (embeddings, LM head, final norm) train normally by design and are not listed. Empty when the
-    model has no recognisable blocks."""
+    weights that train without OSFT's constraint, e.g. fused 3-D experts that the target patterns
+    leave out. One-dimensional ones (norms, biases), MoE routers (:func:`.experts.router_parameters`)
+    and everything outside the blocks (embeddings, LM head, final norm) train normally by design and
+    are not listed. Empty when the model has no recognisable blocks."""
     try:
         blocks = tuple(f"{name}." for name in decoder_block_names(model))
     except ValueError:
         return []
     inside = tuple(f"{name}." for name in targets)
+    routers = router_parameters(model)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()
-            if p.requires_grad and p.dim() >= 2 and name.startswith(blocks) and not name.startswith(inside)]
+            if p.requires_grad and p.dim() >= 2 and name.startswith(blocks) and not name.startswith(inside)
+            and name not in routers]
 
 
 def describe_unconstrained(model: nn.Module, targets: Sequence[str]) -> tuple[str | None, str | None]:
@@ -146,6 +186,6 @@ def describe_unconstrained(model: nn.Module, targets: Sequence[str]) -> tuple[st
     inside = tuple(f"{name}." for name in targets)
     free = sum(p.numel() for name, p in model.named_parameters()
                if p.requires_grad and name not in listed and not name.startswith(inside))
-    note = (f"trained normally by design (not under OSFT): {free:,} parameters of the embeddings, LM head, norms "
-            "and biases") if free else None
+    note = (f"trained normally by design (not under OSFT): {free:,} parameters of the embeddings, LM head, norms, "
+            "biases and MoE routers") if free else None
     return warning, note

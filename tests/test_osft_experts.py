@@ -1,0 +1,204 @@
+"""MoE experts under OSFT (issue 18 item 4): the fused 3-D expert tensors of Mixtral, Qwen3-MoE and
+gpt-oss (transformers 5) split into per-expert banks, decomposed by batched SVDs, projected batched
+over the experts, trained, exported under their original names and resumed bit-exactly. Tiny
+random models built from their configs."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from osft.trainer.osft.decomposition import OSFTLinear
+from osft.trainer.osft.experts import ExpertLayout, OSFTExperts
+from osft.trainer.osft.projection import Projector
+from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.surgery import apply_osft, dense_state_dict
+from osft.trainer.osft.targets import describe_unconstrained
+
+MOE = ("mixtral", "qwen3_moe", "gpt_oss")
+#: One config for all three (each reads the keys it knows): 4 experts, 2 per token, 2 layers.
+TINY = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=128)
+
+
+def moe_model(model_type: str, vocab_size: int = 97, **extra):
+    """A tiny random MoE model (float32, weights N(0, 0.1) so every expert has a full spectrum)."""
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **{**TINY, **extra})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_banks_reconstruct_every_expert_and_export_the_original_tensors(model_type):
+    model = moe_model(model_type)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        before = model(ids).logits
+    osft = apply_osft(model, OSFTSettings(urr=0.25, max_tokens_per_micro_batch=64))
+    # per layer: q/k/v/o and the three banks of the experts module
+    assert len(osft.modules) == 2 * 7 and len(osft.experts) == 2
+    for name, experts in osft.experts:
+        assert isinstance(experts, OSFTExperts) and model.get_submodule(name) is experts
+        assert set(experts.banks()) == {"gate_proj", "up_proj", "down_proj"}
+        for bank in experts.banks().values():
+            assert bank.plan.experts == 4 and bank.W_high.shape[0] == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    exported = dense_state_dict(model.state_dict(), osft)
+    assert set(exported) == set(original)
+    for key, value in original.items():
+        assert exported[key].shape == value.shape, key
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=1e-6, msg=key)
+    # nothing inside the blocks trains outside OSFT: the router is a normal parameter by design
+    warning, note = describe_unconstrained(model, [n for n, _ in osft.modules])
+    assert warning is None and "MoE routers" in note
+    router = "router" if model_type == "gpt_oss" else "gate"
+    assert model.get_submodule(f"model.layers.0.mlp.{router}").weight.requires_grad
+
+
+def test_batched_svd_gives_each_expert_its_own_decomposition():
+    """A bank's expert e holds the factors of a plain OSFTLinear of that expert's weight alone."""
+    model = moe_model("gpt_oss")  # transposed, interleaved gate/up, biases
+    fused = model.get_submodule("model.layers.0.mlp.experts")
+    split = ExpertLayout.of(fused).split(dict(fused.named_parameters(recurse=False)))
+    gate, gate_bias = (t.detach().clone() for t in split["gate_proj"])
+    assert torch.equal(gate[1], fused.gate_up_proj[1].detach().t()[::2]) and torch.equal(gate_bias[1], fused.gate_up_proj_bias[1, ::2])
+    osft = apply_osft(model, OSFTSettings(urr=0.5, max_tokens_per_micro_batch=64))
+    bank = dict(osft.modules)["model.layers.0.mlp.experts.gate_proj"]
+    for e in range(4):
+        alone = OSFTLinear.from_weight(gate[e], gate_bias[e], plan=OSFTSettings(urr=0.5, max_tokens_per_micro_batch=64).plan(*gate.shape[1:]))
+        torch.testing.assert_close(bank.dense_weight()[e], gate[e], rtol=0, atol=1e-6)
+        torch.testing.assert_close(bank.S_low[e], alone.S_low, rtol=1e-6, atol=1e-7)
+        # singular vectors up to sign
+        torch.testing.assert_close((bank.U_low[e] * alone.U_low).sum(0).abs(), torch.ones(alone.k_low), rtol=0, atol=1e-5)
+        torch.testing.assert_close(bank.bias[e], gate_bias[e])
+
+
+def test_projection_keeps_every_experts_update_orthogonal_to_its_frozen_subspaces():
+    """Random gradients and AdamW steps with weight decay: after the projection every expert's
+    gradient and factors are orthogonal to that expert's own frozen bases (checked per expert
+    against the frozen SVD factors), and the batched projection equals the per-expert one."""
+    model = moe_model("qwen3_moe")
+    osft = apply_osft(model, OSFTSettings(urr=0.25, max_tokens_per_micro_batch=64))
+    banks = [(n, m) for n, m in osft.modules if m.plan.experts]
+    g = torch.Generator().manual_seed(1)
+    for _, m in banks:
+        m.U_low.grad, m.V_low.grad = torch.randn(m.U_low.shape, generator=g), torch.randn(m.V_low.shape, generator=g)
+    # the same gradients projected expert by expert, as 2-D modules
+    singles = []
+    for _, m in banks:
+        for e in range(m.plan.experts):
+            one = OSFTLinear.from_weight(m.dense_weight()[e].detach(), None, plan=OSFTSettings(urr=0.25, max_tokens_per_micro_batch=64).plan(m.plan.n, m.plan.m))
+            with torch.no_grad():
+                for key in ("U_basis", "V_basis"):
+                    getattr(one, key).copy_(getattr(m, key)[e])
+            one.U_low.grad, one.V_low.grad = m.U_low.grad[e].clone(), m.V_low.grad[e].clone()
+            singles.append(one)
+    projector = Projector(banks)
+    projector.project_gradients()
+    Projector([(str(i), s) for i, s in enumerate(singles)]).project_gradients()
+    flat = [(m, e) for _, m in banks for e in range(m.plan.experts)]
+    for (m, e), one in zip(flat, singles):
+        torch.testing.assert_close(m.U_low.grad[e], one.U_low.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(m.V_low.grad[e], one.V_low.grad, rtol=0, atol=1e-6)
+
+    def frozen_parts(m):
+        """Largest component of U_low (and its gradient) in span(U_high), V side alike, over experts."""
+        u_high = m.U_basis if not m.u_keep else None
+        v_high = m.V_basis if not m.v_keep else None
+        out = []
+        for x, basis, side in ((m.U_low, u_high, "u"), (m.V_low, v_high, "v")):
+            if basis is None:  # keep mode: the basis is the complement; the residual is the frozen part
+                keep = m.U_basis if side == "u" else m.V_basis
+                comp = x - (keep @ (keep.mT @ x) if side == "u" else (x @ keep.mT) @ keep)
+            else:
+                comp = basis.mT @ x if side == "u" else x @ basis.mT
+            out.append(float(comp.abs().max()))
+        return max(out)
+
+    optimizer = torch.optim.AdamW([p for _, m in banks for p in (m.U_low, m.S_low, m.V_low)], lr=5e-2, weight_decay=0.1)
+    for _ in range(5):
+        for _, m in banks:
+            m.U_low.grad, m.V_low.grad = torch.randn(m.U_low.shape, generator=g), torch.randn(m.V_low.shape, generator=g)
+            m.S_low.grad = torch.randn(m.S_low.shape, generator=g)
+        projector.project_gradients()
+        optimizer.step()
+        projector.project_parameters()
+        with torch.no_grad():
+            assert max(frozen_parts(m) for _, m in banks) < 1e-5
+    report = projector.check(margin_deg=1.0)
+    assert report.violations == 0 and report.max_dev_deg < 1e-3
+    fields = projector.indicators().fields()
+    assert fields["osft_dw_rel_max"] > 0 and fields["osft_gap_max"] > 0
+
+
+def test_partial_patterns_over_an_experts_module_are_refused():
+    from osft.trainer.osft.targets import find_expert_banks
+
+    model = moe_model("mixtral")
+    assert find_expert_banks(model, "mixtral", [r"q_proj$"]) == []
+    with pytest.raises(ValueError, match="decomposed whole or not at all"):
+        find_expert_banks(model, "mixtral", [r"experts\.down_proj$"])
+
+
+def train(model_dir, data, out, *flags):
+    from osft.trainer.cli import main
+
+    return main(["--model-name-or-path", str(model_dir), "--data-path", str(data), "--output-dir", str(out),
+                 "--batch-size", "4", "--max-tokens-per-gpu", "128", "--max-seq-len", "64", "--learning-rate", "5e-3",
+                 "--save-dtype", "float32", *flags])
+
+
+def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_exactly(tmp_path, monkeypatch, capsys):
+    """One rank in-process, tiny Qwen3-MoE: 2 steps with a checkpoint at step 1 and a resume from it
+    (same losses and state hash at step 2, same export); the export reloads with the original
+    parameter names and shapes, its experts changed, and generates; no unconstrained-weights warning."""
+    from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("OSFT_TEST_STATE_HASH", "1")
+    tokenizer = tiny_chat_tokenizer()
+    model = moe_model("qwen3_moe", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    source = tmp_path / "moe"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 2)
+    ref = tmp_path / "ref"
+    assert train(source, data, ref, "--max-steps", "2", "--checkpoint-every-steps", "1") == 0
+    assert "OSFT's constraint" not in capsys.readouterr().err.replace("\n", "")
+    resumed = tmp_path / "resumed"
+    assert train(source, data, resumed, "--max-steps", "2", "--resume-from-full-state-checkpoint",
+                 str(ref / "full_state_checkpoints" / "step_1")) == 0
+
+    def steps(out):
+        lines = (out / "metrics" / "node0.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines) if r["event"] == "step"}
+
+    want, got = steps(ref), steps(resumed)
+    assert sorted(got) == [2]
+    assert (got[2]["loss"], got[2]["state_sha256"]) == (want[2]["loss"], want[2]["state_sha256"])
+    a, b = (load_file(out / "hf_format" / "step_2" / "model.safetensors") for out in (ref, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # on disk both carry the per-expert names transformers saves Qwen3-MoE under (experts.<e>.gate_proj.weight)
+    before = load_file(source / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in a.items()} == {k: tuple(v.shape) for k, v in before.items()}
+    for e in range(4):
+        assert not torch.equal(a[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"],
+                               before[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"])
+    reloaded = AutoModelForCausalLM.from_pretrained(ref / "hf_format" / "step_2").eval()
+    shapes = {k: tuple(v.shape) for k, v in reloaded.state_dict().items()}
+    assert shapes == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 48, 32)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    generated = reloaded.generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] > ids.shape[1]
