@@ -110,7 +110,7 @@ def test_bad_input_raises_input_error_with_the_cli_message(tiny_model_dir, chat_
     with pytest.raises(InputError, match=r"^batch_size: expected a positive integer, got '-3'$"):
         train({**paths, "batch_size": -3})
     with pytest.raises(InputError, match=r"^the following arguments are required: --output-dir$"):
-        train({key: paths[key] for key in ("model_name_or_path", "data_path")})
+        train(model_name_or_path=paths["model_name_or_path"], data_path=paths["data_path"])  # no config: keywords only
     assert kept(handlers)
 
 

@@ -35,13 +35,14 @@ def _refuse(message: str) -> NoReturn:
     raise InputError(message)
 
 
-def resolve_config(config: TrainConfig | Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> TrainConfig:
+def resolve_config(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+                   **overrides: Any) -> TrainConfig:
     """The run's config, checked value by value as ``osft-train`` checks its flags and ``--config`` files.
 
     Args:
         config: a :class:`TrainConfig`, a mapping keyed like a config file (field names:
             ``{"model_name_or_path": ..., "data_path": [...], "output_dir": ..., "osft": False}``),
-            or the path of a ``--config`` YAML file.
+            the path of a ``--config`` YAML file, or None (every setting from ``overrides``).
         overrides: settings by field name that replace those of ``config`` (as command-line flags
             override a config file).
 
@@ -58,8 +59,8 @@ def resolve_config(config: TrainConfig | Mapping[str, Any] | str | os.PathLike, 
     try:
         if isinstance(config, TrainConfig):
             settings = convert_settings(config.to_json(), parser)
-        elif isinstance(config, Mapping):
-            settings = convert_settings(config, parser)
+        elif isinstance(config, Mapping) or config is None:
+            settings = convert_settings(config or {}, parser)
         else:
             settings = read_config_file(config, parser)
         settings.update(convert_settings(overrides, parser))
@@ -69,8 +70,8 @@ def resolve_config(config: TrainConfig | Mapping[str, Any] | str | os.PathLike, 
     return config_from_args(parser.parse_args([]))
 
 
-def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike, *, console: Console | None = None,
-          **overrides: Any) -> TrainOutcome:
+def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,
+          console: Console | None = None, **overrides: Any) -> TrainOutcome:
     """Train as ``osft-train`` would with these settings, in this process or on a torchrun worker group.
 
     Call it from the main thread (signal handlers can only be set there). Every checkpoint signal
@@ -80,8 +81,8 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike, *, consol
     handlers in place before the call are restored when it returns or raises.
 
     Args:
-        config: a :class:`TrainConfig`, a mapping keyed like a config file, or a ``--config`` YAML
-            path (:func:`resolve_config`).
+        config: a :class:`TrainConfig`, a mapping keyed like a config file, a ``--config`` YAML
+            path, or None (:func:`resolve_config`).
         console: where progress and the end of the run are printed (default: stderr).
         overrides: settings by field name that replace those of ``config``.
 
