@@ -123,8 +123,8 @@ def run_training(cfg, console: Console, argv: list[str], command: list[str]) -> 
         cfg: the resolved config.
         console: where progress and the end of the run are printed.
         argv: ``osft-train`` flags that make this run, for the resume command of a failure report.
-        command: the command line recorded in ``run.json`` (``argv``; the dashboard relaunches
-            its arguments).
+        command: the command line recorded as ``argv`` in ``run.json``, program first (the
+            dashboard relaunches its arguments).
 
     Returns:
         the exit code with the final export: 0 and the export, or :data:`EXIT_STOPPED`,
