@@ -29,6 +29,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -127,24 +128,46 @@ def _demo_reply(export_dir: str, console: Console) -> None:
     console.print(f"[bold]user:[/bold] {escape(DEMO_PROMPT)}\n[bold]fine-tuned model:[/bold] {escape(reply)}")
 
 
-def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
-    """Train in this process (one rank) or through a torchrun worker group (``argv``: the command
-    line's flags, for the resume command of a failure report).
+class TrainingEnd(NamedTuple):
+    """How :func:`run_training` ended: the exit code (:mod:`.exit_codes`), the final export (None
+    unless completed) and the job id (its records in the metrics carry it)."""
+
+    exit_code: int
+    export_dir: str | None
+    job_id: str
+
+
+def run_training(cfg, console: Console, argv: list[str], command: list[str]) -> TrainingEnd:
+    """Check ``cfg`` (:func:`.config.check_config`), then train in this process (one rank) or
+    through a torchrun worker group: what ``osft-train`` does once its flags are parsed, and what
+    the Python API (:mod:`.api`) calls.
+
+    Args:
+        cfg: the resolved config.
+        console: where progress and the end of the run are printed.
+        argv: ``osft-train`` flags that make this run, for the resume command of a failure report.
+        command: the command line recorded as ``argv`` in ``run.json``, program first (the
+            dashboard relaunches its arguments).
 
     Returns:
-        ``(exit code, export dir)``: 0 and the run's export (the final one, or ``hf_format/best``
-        after the forgetting budget ended it, None when no evaluation was within budget), or
+        the exit code with the run's export: 0 and the export (the final one, or ``hf_format/best``
+        after the forgetting budget ended the run, None when no evaluation was within budget), or
         :data:`EXIT_STOPPED`, :data:`EXIT_FAILED` (the launcher printed what happened, or a
         divergence) or 128 + N and None.
 
     Raises:
-        InputError: bad data, model path or sample count (before any training), or an output
-            directory that another job owns or an earlier run left without --resume or
-            --overwrite-output-dir (before anything is written).
+        InputError: bad flags together (:func:`.config.check_config`), bad data, model path or
+            sample count (before any training), or an output directory that another job owns or
+            an earlier run left without --resume or --overwrite-output-dir (before anything is
+            written).
     """
     from .ownership import Heartbeat, OutputDirInUse, check_output_dir, clear_previous_run, process_identity
     from .rundir import RunDir, write_text_atomic
 
+    try:
+        check_config(cfg)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     resuming = bool(cfg.resume or cfg.resume_from_full_state_checkpoint)
     job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
@@ -160,16 +183,16 @@ def _train(cfg, console: Console, argv: list[str]) -> tuple[int, str | None]:
     if cfg.node_rank == 0:
         write_text_atomic(run_dir.config_yaml, config_to_yaml(cfg))
     run_dir.update_run_json(
-        argv=sys.argv, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
+        argv=command, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
         nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,
         **process_identity(),
     )
     with Heartbeat(run_dir, job_id):
-        return _run(cfg, console, run_dir, job_id, argv)
+        return TrainingEnd(*_run(cfg, console, run_dir, job_id, argv), job_id)
 
 
 def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[int, str | None]:
-    """:func:`_train` once the run directory is this job's: prepare, train, record the end in ``run.json``."""
+    """:func:`run_training` once the run directory is this job's: prepare, train, record the end in ``run.json``."""
     from .data.validate import DataValidationError
     from .launcher import finished_record, launch, preflight
     from .loop import Trainer
@@ -293,14 +316,10 @@ def _main(argv: list[str]) -> int:
         if demo and made_here:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
             _demo_retention_set(Path(cfg.retention_data_path[0]), assets, console)
-        try:
-            check_config(cfg)
-        except ValueError as exc:
-            raise InputError(str(exc)) from exc
-        code, export_dir = _train(cfg, console, argv)
-        if demo and export_dir:
-            _demo_reply(export_dir, console)
-        return code
+        end = run_training(cfg, console, argv, sys.argv)
+        if demo and end.export_dir:
+            _demo_reply(end.export_dir, console)
+        return end.exit_code
     except (InputError, ConfigFileError) as exc:
         console.print("[bold red]osft-train: error:[/bold red]", escape(str(exc)), highlight=False, soft_wrap=True)
         return EXIT_BAD_INPUT

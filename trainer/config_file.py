@@ -5,6 +5,7 @@ A config file is a YAML mapping from training flag names, with underscores (the
 to values. Each value goes through the parser's own ``type`` function and ``choices``, as on the
 command line; command-line flags override the file. :func:`config_to_yaml` writes the fully
 resolved config in the same format, so that it reads back into an equal ``TrainConfig``.
+:func:`convert_settings` checks a mapping given in code (the Python API, :mod:`.api`) the same way.
 
 YAML merge keys work (``<<: *common`` or ``<<: {batch_size: 2}``) as ``yaml.safe_load`` merges
 them: the file's own keys override merged ones, a later mapping of a merge list an earlier one, and top-level keys starting with :data:`HELPER_PREFIX` are
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import difflib
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,41 @@ def _suggestion(key: str, actions: dict[str, argparse.Action]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _training_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """``parser``'s actions of the :class:`~.config.TrainConfig` fields, by field name."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {a.dest: a for a in parser._actions if a.dest in fields}
+
+
+def _unknown_key(key: str, actions: dict[str, argparse.Action]) -> str:
+    """The message for a key that is no training flag, with the closest key."""
+    return f"unknown key '{key}'{_suggestion(key, actions)}"
+
+
+def convert_settings(settings: Mapping[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Check and convert a mapping keyed like a config file (``{"learning_rate": 1e-5, "osft": False}``)
+    as :func:`read_config_file` checks a file's mapping, for settings given in code.
+
+    Returns:
+        the settings by field name, converted as the command line converts them.
+
+    Raises:
+        ConfigFileError: a key is no training flag (the closest one is suggested), or a value is
+            rejected by the flag's type or choices (``key: what is allowed``).
+    """
+    actions, nullable = _training_actions(parser), _nullable_fields()
+    converted: dict[str, Any] = {}
+    for name, value in settings.items():
+        key = str(name)
+        if key not in actions:
+            raise ConfigFileError(_unknown_key(key, actions))
+        try:
+            converted[key] = _convert(actions[key], value, key in nullable)
+        except ValueError as exc:
+            raise ConfigFileError(f"{key}: {exc}") from None
+    return converted
+
+
 def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Read a config file and check every key and value against ``parser``'s training flags.
 
@@ -118,9 +155,7 @@ def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
             rejected by the flag's type or choices. The message names the file and line. Merge keys
             and helper keys: see the module docstring.
     """
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    actions = {a.dest: a for a in parser._actions if a.dest in fields}
-    nullable = _nullable_fields()
+    actions, nullable = _training_actions(parser), _nullable_fields()
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -143,7 +178,7 @@ def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
             if key.startswith(HELPER_PREFIX):
                 continue
             if key not in actions:
-                raise ConfigFileError(f"{path}:{line}: unknown key '{key}'{_suggestion(key, actions)}")
+                raise ConfigFileError(f"{path}:{line}: {_unknown_key(key, actions)}")
             if id(key_node) in own:
                 if key in own_lines:
                     raise ConfigFileError(f"{path}:{line}: '{key}' given twice (also on line {own_lines[key]})")
@@ -176,12 +211,17 @@ def parse_with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
     except argparse.ArgumentError:  # e.g. --config without a value: the full parser reports it
         path = None
     if path is not None:
-        settings = read_config_file(path, parser)
-        for action in parser._actions:
-            if settings.get(action.dest) is not None:
-                action.required = False
-        parser.set_defaults(**settings)
+        apply_settings(parser, read_config_file(path, parser))
     return parser.parse_args(argv)
+
+
+def apply_settings(parser: argparse.ArgumentParser, settings: dict[str, Any]) -> None:
+    """Make ``settings`` (converted: :func:`read_config_file`, :func:`convert_settings`) ``parser``'s
+    defaults; the flags they set are no longer required (``parser`` is changed in place)."""
+    for action in parser._actions:
+        if settings.get(action.dest) is not None:
+            action.required = False
+    parser.set_defaults(**settings)
 
 
 #: Fields that are one-time actions of a launch, not settings of the run: never written to a config

@@ -207,6 +207,12 @@ def install_handlers(on_signal: Callable[[int], None]) -> dict[int, object]:
     return previous
 
 
+def current_handlers(signals: tuple[int, ...] = CHECKPOINT_SIGNALS) -> dict[int, object]:
+    """The handlers of ``signals`` now, for :func:`restore_handlers`; a signal whose handler was not
+    set from Python (``signal.getsignal`` gives None) is left out, since it cannot be put back."""
+    return {s: h for s in signals if (h := signal.getsignal(s)) is not None}
+
+
 def restore_handlers(previous: dict[int, object]) -> None:
     """Put back the handlers returned by :func:`install_handlers`."""
     for s, h in previous.items():
