@@ -125,8 +125,9 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
             assert row[0] == str(node) and row[2] == ("0-1" if node == 0 else "2-3")
             assert row[3] == "6"
             assert row[4] == fmt_rate(last["node_tokens_per_s"])
-            assert row[6] == f"{last['loss']:.4f}"
-            assert row[10] == ("[b red]straggler[/]" if node == 1 else "")
+            assert row[5] == f"{last['node_mfu']:.0%}"
+            assert row[7] == f"{last['loss']:.4f}"
+            assert row[11] == ("[b red]straggler[/]" if node == 1 else "")
         steps = records(out, "node0", "step")
         total = steps[-1]["ortho_violations_total"]
         assert total > 0 and total == sum(r["ortho_violations"] for r in steps)
