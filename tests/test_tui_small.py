@@ -1,15 +1,21 @@
 """osft-tui at 80x24 (issue 20): every field and button of the new-run form can be reached with Tab
-and is on screen when focused, dialogs keep their buttons on screen, and the footer always shows
-? and q."""
+and is on screen when focused, dialogs keep their buttons on screen and answer single keys, the help
+text wraps to its dialog, the command palette has one entry per command, the button row can be
+hidden, and the footer always shows ?, q and ^p."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+from types import SimpleNamespace
 
+from osft.tui import controls
 from osft.tui.app import OsftTui
-from osft.tui.components.modals import Choice
+from osft.tui.components.modals import Choice, HelpScreen
 from osft.tui.components.new_run import NewRunScreen
-from textual.widgets import Button
+from textual.command import CommandList, CommandPalette
+from textual.geometry import Region
+from textual.widgets import Button, Static
 from textual.widgets._footer import FooterKey
 from tui_support import wait_until
 
@@ -52,3 +58,97 @@ def test_the_form_and_the_dialogs_fit_80x24(tmp_path, monkeypatch):
             assert all(on_screen(app, b) for b in app.screen.query(Button))
 
     asyncio.run(main())
+
+
+def on_dashboard(tmp_path, monkeypatch, check) -> None:
+    """Run ``await check(app, pilot)`` on a dashboard without a run at 80x24, its new-run form closed."""
+    monkeypatch.chdir(tmp_path)
+
+    async def main():
+        app = OsftTui(None)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen), 10, "the form")
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: app.screen is app.dashboard, 10, "the dashboard")
+            await check(app, pilot)
+
+    asyncio.run(main())
+
+
+def test_the_palette_lists_each_command_once_without_markup(tmp_path, monkeypatch):
+    async def check(app, pilot):
+        await pilot.press("ctrl+p")
+        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette)
+                         and app.screen.query_one(CommandList).option_count, 10, "the palette")
+        entries = [str(o.prompt) for o in app.screen.query_one(CommandList).options]
+        titles = [e.split("\n")[0] for e in entries]
+        assert len(titles) == len(set(titles)), titles
+        assert {"Quit", "Help", "Checkpoint"} <= set(titles) and "Keys" not in titles, titles
+        assert not [e for e in entries if re.search(r"``|:(meth|data|class|attr):", e)], entries
+
+    on_dashboard(tmp_path, monkeypatch, check)
+
+
+def test_the_help_text_wraps_to_its_dialog(tmp_path, monkeypatch):
+    """No line of the help could have held the next line's first word: the text is wrapped where
+    the dialog ends, not where an earlier, wider layout ended."""
+    async def check(app, pilot):
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 10, "the help")
+        await pilot.pause(0.3)
+        texts = list(app.screen.query(Static).exclude("Button"))
+        assert any("control/checkpoint" in str(t.render()) for t in texts)
+        for text in texts:
+            width = text.content_size.width
+            lines = [s.text.rstrip() for s in text.render_lines(Region(0, 0, *text.content_size))]
+            for line, after in zip(lines, lines[1:]):
+                if line.strip() and after.strip():
+                    assert len(line) + 1 + len(after.split()[0]) > width, (line, after, width)
+
+    on_dashboard(tmp_path, monkeypatch, check)
+
+
+def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch):
+    """The quit dialog (detach d, checkpoint and stop s, kill k, cancel c) and the kill
+    confirmation (cancel c, kill k) of a run that looks alive; kill reaches no real process."""
+    killed = []
+    monkeypatch.setattr(controls, "kill_processes", lambda targets: killed.append(targets) or [])
+    target = SimpleNamespace(pid=4242, role="launcher of node 0")
+
+    async def check(app, pilot):
+        app.dashboard.view = SimpleNamespace(any_alive=lambda: True, kill_targets=lambda: [target])
+        await pilot.press("q")
+        await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
+        labels = [str(b.label) for b in app.screen.query(Button)]
+        assert labels == ["detach (d)", "checkpoint and stop (s)", "kill (k)", "cancel (c)"], labels
+        await pilot.press("c")
+        await wait_until(pilot, lambda: app.screen is app.dashboard, 10, "the dashboard again")
+        await pilot.press("K")
+        await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the kill confirmation")
+        assert [str(b.label) for b in app.screen.query(Button)] == ["cancel (c)", "kill (k)"]
+        await pilot.press("k")
+        await wait_until(pilot, lambda: killed, 10, "the kill")
+        assert killed == [[target]] and app.screen is app.dashboard
+        await pilot.press("q")
+        await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
+        await pilot.press("d")
+        await wait_until(pilot, lambda: app.return_value == 0, 10, "detach")
+
+    on_dashboard(tmp_path, monkeypatch, check)
+    assert killed == [[target]]
+
+
+def test_b_hides_the_button_row_and_the_footer_keeps_help_quit_and_palette(tmp_path, monkeypatch):
+    async def check(app, pilot):
+        row, events = app.screen.query_one("#buttons"), app.screen.query_one("#events")
+        height = events.size.height
+        assert row.display and on_screen(app, row.query(Button).first())
+        await pilot.press("b")
+        await wait_until(pilot, lambda: events.size.height == height + 1, 10, "the events taking the row")
+        assert not row.display
+        keys = {k.key for k in app.screen.query(FooterKey) if on_screen(app, k)}
+        assert {"question_mark", "q", "ctrl+p"} <= keys, keys
+        await pilot.press("b")
+        await wait_until(pilot, lambda: row.display and events.size.height == height, 10, "the row back")
+
+    on_dashboard(tmp_path, monkeypatch, check)

@@ -66,9 +66,12 @@ class OsftTui(App[int]):
         self.dashboard.action_request_quit()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """The command palette: every dashboard control (those that signal only without --readonly)."""
-        yield from super().get_system_commands(screen)
+        """The command palette: every dashboard control (those that signal only without --readonly),
+        after Textual's commands but its Quit and Keys (the controls' Quit and Help replace them)."""
         if screen is not self.dashboard:
+            yield from super().get_system_commands(screen)
             return
+        replaced = (self.action_quit, self.action_show_help_panel, self.action_hide_help_panel)
+        yield from (c for c in super().get_system_commands(screen) if c.callback not in replaced)
         for c in offered(self.readonly):
             yield SystemCommand(c.title, c.help, lambda a=c.action: self.dashboard.run_action(a))

@@ -81,11 +81,12 @@ CONTROLS = (
             "resume from the checkpoint selected in the checkpoint list", acts=True),
     Control("l", "logs", "logs", "Rank logs",
             "stdout and stderr of the rank selected in the rank table, live (/ searches)"),
-    Control("n", "new_run", "new run", "New run", "new run", acts=True),
+    Control("n", "new_run", "new run", "New run", "new run: the form, then launch", acts=True),
     Control("slash", "search", "search", "Search events", "events: show only the lines holding a text"),
     Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only"),
-    Control("question_mark", "help", "help", "Help", "this help"),
+    Control("question_mark", "help", "help", "Help", "the keys and what each does (this screen)"),
     Control("q", "request_quit", "quit", "Quit", "quit: detach (the run goes on), checkpoint and stop, or kill"),
+    Control("b", "toggle_buttons", "buttons", "Button row", "show or hide the button row (the footer has every key)"),
 )
 #: Actions that act on a run or start one (removed by ``--readonly``).
 ACTING = frozenset(c.action for c in CONTROLS if c.acts)
@@ -101,10 +102,10 @@ def offered(readonly: bool) -> list[Control]:
 def help_screen() -> HelpScreen:
     """The help screen: one line per control and Textual key, then how requests reach a run."""
     acting = [c.key for c in CONTROLS if c.acts]
-    notes = ("Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a\n"
-             "torchrun agent. When no process of the run is on this host, c and s write control/checkpoint\n"
-             "or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.\n"
-             f"With --readonly, {', '.join(acting[:-1])} and {acting[-1]} are not available.")
+    notes = ["Signals go to the osft-train launcher (or to the ranks when no launcher runs), never to a "
+             "torchrun agent. When no process of the run is on this host, c and s write control/checkpoint "
+             "or control/checkpoint-and-exit in the run directory instead; rank 0 polls them.",
+             f"With --readonly, {', '.join(acting[:-1])} and {acting[-1]} are not available."]
     return HelpScreen([(c.key, c.help) for c in CONTROLS] + list(TEXTUAL_KEYS), notes)
 
 

@@ -290,6 +290,11 @@ class Dashboard(Screen):
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""
         self.notify(f"events: {self.query_one(LineView).next_level()}", timeout=2)
 
+    def action_toggle_buttons(self) -> None:
+        """``b``: show or hide the button row (the events get its line)."""
+        row = self.query_one("#buttons")
+        row.display = not row.display
+
     def action_help(self) -> None:
         """``?``: :meth:`.Controls.help`."""
         self.controls.help()

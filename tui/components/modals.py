@@ -7,7 +7,8 @@ from pathlib import Path
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.events import Key
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
@@ -23,12 +24,13 @@ STREAM_STYLE = {"err": "yellow"}
 
 class Choice(ModalScreen[str]):
     """A question with one button per answer; dismisses with the answer's id (``cancel`` on
-    Escape).
+    Escape). Each answer's key is the first letter of its id, shown on its button: ``k`` answers
+    ``kill``.
 
     Args:
         title: the question.
         body: lines under it (for example each pid a signal will go to).
-        choices: ``(id, label, variant)`` per button, the default first.
+        choices: ``(id, label, variant)`` per button, the default first; ids start with different letters.
     """
 
     BINDINGS = [Binding("escape", "dismiss('cancel')", "cancel")]
@@ -36,6 +38,8 @@ class Choice(ModalScreen[str]):
     def __init__(self, title: str, body: list[str], choices: list[tuple[str, str, str]]) -> None:
         super().__init__(classes="modal")
         self.title_text, self.body, self.choices = title, body, choices
+        self.keys = {cid[0]: cid for cid, _, _ in choices}
+        assert len(self.keys) == len(choices), f"answers with the same key: {[cid for cid, _, _ in choices]}"
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -44,10 +48,15 @@ class Choice(ModalScreen[str]):
                 yield Static("\n".join(self.body), markup=False)
             with Horizontal(classes="dialog-buttons"):
                 for cid, label, variant in self.choices:
-                    yield Button(label, id=cid, variant=variant)
+                    yield Button(f"{label} ({cid[0]})", id=cid, variant=variant)
 
     def on_mount(self) -> None:
         self.query(Button).first().focus()
+
+    def on_key(self, event: Key) -> None:
+        if event.key in self.keys:
+            event.stop()
+            self.dismiss(self.keys[event.key])
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
@@ -60,23 +69,25 @@ class HelpScreen(ModalScreen[None]):
     Args:
         keys: ``(key, what it does)`` per line, keys by their Textual names (shown as the footer
             shows them).
-        notes: text under the keys.
+        notes: paragraphs under the keys (the dialog wraps them to its width).
     """
 
     BINDINGS = [Binding("escape,q,question_mark", "dismiss(None)", "close")]
 
-    def __init__(self, keys: list[tuple[str, str]], notes: str) -> None:
+    def __init__(self, keys: list[tuple[str, str]], notes: list[str]) -> None:
         super().__init__()
         self.keys, self.notes = keys, notes
 
     def compose(self) -> ComposeResult:
-        shown = [(self.app.get_key_display(Binding(key, "")), text) for key, text in self.keys]
-        width = max(len(key) for key, _ in shown)
-        lines = [f"{key:<{width}}  {text}" for key, text in shown]
         with Vertical(classes="dialog help"):
             yield Label("osft-tui keys", classes="dialog-title")
             with VerticalScroll(classes="dialog-body"):
-                yield Static("\n".join(lines) + "\n\n" + self.notes, markup=False)
+                with Grid(classes="help-keys"):
+                    for key, text in self.keys:
+                        yield Label(self.app.get_key_display(Binding(key, "")), markup=False)
+                        yield Static(text, markup=False)
+                for paragraph in self.notes:
+                    yield Static(paragraph, markup=False, classes="help-note")
             yield Button("close", id="close", variant="primary")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
