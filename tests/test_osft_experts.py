@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from model_matrix import TINY, random_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from osft.trainer.osft.decomposition import OSFTLinear
@@ -17,22 +18,11 @@ from osft.trainer.osft.surgery import apply_osft, dense_state_dict
 from osft.trainer.osft.targets import describe_unconstrained
 
 MOE = ("mixtral", "qwen3_moe", "gpt_oss")
-#: One config for all three (each reads the keys it knows): 4 experts, 2 per token, 2 layers.
-TINY = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=128)
 
 
 def moe_model(model_type: str, vocab_size: int = 97, **extra):
-    """A tiny random MoE model (float32, weights N(0, 0.1) so every expert has a full spectrum)."""
-    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **{**TINY, **extra})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).float()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.1)
-    return model.eval()
+    """A tiny random MoE model (:func:`model_matrix.random_model`)."""
+    return random_model(AutoConfig.for_model(model_type, vocab_size=vocab_size, **{**TINY, **extra}))
 
 
 @pytest.mark.parametrize("model_type", MOE)
