@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .specs import parse_data_specs
-from .tokenize import TokenizedChat
+from .tokenize import TokenizedChat, TokenizedSamples
 
 
 @dataclass
-class TrainingData:
+class TrainingData(TokenizedSamples):
     """The tokenized sources of a run, as one indexable dataset.
 
     ``parts`` are the sources' :class:`.tokenize.TokenizedChat` in ``--data-path`` order, ``dataset``
@@ -41,17 +41,6 @@ class TrainingData:
         else:
             weights = None
         return cls(parts, weights, dataset)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.dataset[int(i)]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Token length of each sample of :attr:`dataset`, int64 (for the packer)."""
-        return np.concatenate([p.lengths for p in self.parts])
 
     @property
     def sizes(self) -> list[int]:

@@ -127,17 +127,11 @@ class OverlongSampleError(DataValidationError):
                                           f"{report.max_seq_len} (overlong policy: error)")
 
 
-@dataclass
-class TokenizedChat:
-    """Tokenized samples and their report.
-
-    ``dataset`` (a ``datasets.Dataset``) has one row per kept sample with columns ``input_ids``
-    (list[int32], length ``length`` <= max_seq_len), ``labels`` (same length, -100 = not trained,
-    not shifted), ``length``, ``num_loss_tokens`` and ``line`` (physical line in the file).
-    """
+class TokenizedSamples:
+    """Indexing shared by every holder of tokenized samples in a ``dataset`` attribute (a
+    ``datasets.Dataset`` with one row per sample and the columns of :class:`TokenizedChat`)."""
 
     dataset: object
-    report: DataReport
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -149,6 +143,19 @@ class TokenizedChat:
     def lengths(self) -> np.ndarray:
         """Token length of each sample, int64 array of shape [len(self)] (for the packer)."""
         return np.asarray(self.dataset["length"], dtype=np.int64)
+
+
+@dataclass
+class TokenizedChat(TokenizedSamples):
+    """Tokenized samples and their report.
+
+    ``dataset`` (a ``datasets.Dataset``) has one row per kept sample with columns ``input_ids``
+    (list[int32], length ``length`` <= max_seq_len), ``labels`` (same length, -100 = not trained,
+    not shifted), ``length``, ``num_loss_tokens`` and ``line`` (physical line in the file).
+    """
+
+    dataset: object
+    report: DataReport
 
 
 def assistant_char_spans(tokenizer, messages: list[dict], rendered: str,
