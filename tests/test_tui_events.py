@@ -17,24 +17,33 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 
 
-@pytest.mark.tui_process  # the dashboard's reader process
-def test_one_line_per_warning_and_no_rank_output_in_the_event_pane(tmp_path):
+def on_an_idle_dashboard(tmp_path, check) -> None:
+    """Run ``await check(app, pilot)`` on a read-only dashboard (120 x 40) attached to a directory
+    that holds no run (its reader process starts and finds nothing)."""
     async def scenario():
         app = OsftTui(tmp_path / "none", readonly=True)
         async with app.run_test(size=(120, 40)) as pilot:
-            dash = app.dashboard
-            warning = "step 4: orthogonality violations in ['q_proj']"
-            events = [Event(0.0, "warning", f"rank {r}: warning: {warning}") for r in range(4)]
-            events += [Event(0.0, "log", f"[rank 0] WARNING {warning}"), Event(0.0, "log", "[rank 0] step 4 loss 1.2")]
-            dash._queue_events(Update(RunModel(tmp_path), events=events))
-            dash._write_events()
-            dash._queue_events(Update(RunModel(tmp_path), events=events[:2]))  # the same again, a second later
-            dash._write_events()
-            await pilot.pause()
-            lines = [t.plain for _, t in dash.query_one(LineView).entries]
-            assert lines == [f"ranks 0, 1, 2, 3: warning: {warning}"], lines
+            await check(app, pilot)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.tui_process  # the dashboard's reader process
+def test_one_line_per_warning_and_no_rank_output_in_the_event_pane(tmp_path):
+    async def check(app, pilot):
+        dash = app.dashboard
+        warning = "step 4: orthogonality violations in ['q_proj']"
+        events = [Event(0.0, "warning", f"rank {r}: warning: {warning}") for r in range(4)]
+        events += [Event(0.0, "log", f"[rank 0] WARNING {warning}"), Event(0.0, "log", "[rank 0] step 4 loss 1.2")]
+        dash._queue_events(Update(RunModel(tmp_path), events=events))
+        dash._write_events()
+        dash._queue_events(Update(RunModel(tmp_path), events=events[:2]))  # the same again, a second later
+        dash._write_events()
+        await pilot.pause()
+        lines = [t.plain for _, t in dash.query_one(LineView).entries]
+        assert lines == [f"ranks 0, 1, 2, 3: warning: {warning}"], lines
+
+    on_an_idle_dashboard(tmp_path, check)
 
 
 class Lines(App):
@@ -65,23 +74,21 @@ def test_the_view_follows_only_at_the_bottom_and_counts_new_lines():
 
 @pytest.mark.tui_process  # the dashboard's reader process
 def test_search_and_level_filter_choose_the_lines_shown(tmp_path):
-    async def scenario():
-        app = OsftTui(tmp_path / "none", readonly=True)
-        async with app.run_test(size=(120, 40)) as pilot:
-            dash = app.dashboard
-            view = dash.query_one(LineView)
-            view.add([("info", Text("rank 0 started")), ("warning", Text("rank 1: warning: slow")),
-                      ("error", Text("rank 2: error: boom"))])
-            await pilot.press("v")
-            assert [s.text for s in view.lines] == ["rank 1: warning: slow", "rank 2: error: boom"]
-            await pilot.press("v")
-            assert [s.text for s in view.lines] == ["rank 2: error: boom"]
-            await pilot.press("v")  # all again
-            await pilot.press("slash")
-            await pilot.pause()
-            assert isinstance(app.screen, SearchPrompt)
-            await pilot.press(*"STARTED", "enter")
-            await pilot.pause()
-            assert [s.text for s in view.lines] == ["rank 0 started"] and "matching 'STARTED'" in str(view.border_title)
+    async def check(app, pilot):
+        dash = app.dashboard
+        view = dash.query_one(LineView)
+        view.add([("info", Text("rank 0 started")), ("warning", Text("rank 1: warning: slow")),
+                  ("error", Text("rank 2: error: boom"))])
+        await pilot.press("v")
+        assert [s.text for s in view.lines] == ["rank 1: warning: slow", "rank 2: error: boom"]
+        await pilot.press("v")
+        assert [s.text for s in view.lines] == ["rank 2: error: boom"]
+        await pilot.press("v")  # all again
+        await pilot.press("slash")
+        await pilot.pause()
+        assert isinstance(app.screen, SearchPrompt)
+        await pilot.press(*"STARTED", "enter")
+        await pilot.pause()
+        assert [s.text for s in view.lines] == ["rank 0 started"] and "matching 'STARTED'" in str(view.border_title)
 
-    asyncio.run(scenario())
+    on_an_idle_dashboard(tmp_path, check)
