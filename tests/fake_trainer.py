@@ -75,7 +75,6 @@ from osft.trainer.checkpoint.manifest import (
     write_manifest,
 )
 from osft.trainer.checkpoint.signals import (
-    EXIT_STOPPED,
     JOB_START_ENV,
     Action,
     TriggerDir,
@@ -84,6 +83,7 @@ from osft.trainer.checkpoint.signals import (
     request_files,
     signal_name,
 )
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.rundir import STEP_DIR, RunDir, write_json_atomic
 
 EXIT_COMPLETED = 0
@@ -647,7 +647,7 @@ class Rank:
     def pending_request(self) -> dict | None:
         """The strongest pending request (triggers and control files), as ``RequestPoller`` encodes it."""
         code = 0
-        for t in self.trigger.pending():
+        for t in self.trigger.files():
             code = max(code, int(action_for_signal(t.signum, self.args.sigusr1_action)) * 256 + t.signum)
         for _path, action, _mtime in self.control_files():
             code = max(code, int(action) * 256)
@@ -656,7 +656,7 @@ class Rank:
         return {"action": Action(code // 256).name, "signal": signal_name(code % 256), "point": "after_step"}
 
     def served(self, until: float) -> None:
-        for t in self.trigger.pending():
+        for t in self.trigger.files():
             if t.mtime <= until:
                 t.path.unlink(missing_ok=True)
         for path, _action, mtime in self.control_files():

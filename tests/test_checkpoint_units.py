@@ -56,10 +56,10 @@ def test_a_real_signal_is_recorded_in_a_private_trigger_dir(trigger):
     previous = install_handlers(trigger.record)
     try:
         os.kill(os.getpid(), signal.SIGUSR1)  # default action would kill this process
-        os.kill(os.getpid(), signal.SIGUSR1)  # repeated signals coalesce
+        os.kill(os.getpid(), signal.SIGUSR1)  # a repeated signal is a request of its own (one file each)
     finally:
         restore_handlers(previous)
-    assert [t.signum for t in trigger.pending()] == [signal.SIGUSR1]
+    assert [t.signum for t in trigger.files()] == [signal.SIGUSR1, signal.SIGUSR1]
     assert (trigger.path.stat().st_mode & 0o777) == 0o700
 
 
@@ -83,7 +83,7 @@ def test_requests_older_than_the_job_are_stale(trigger, tmp_path):
     trigger.record(signal.SIGTERM)
     (tmp_path / "checkpoint-and-exit").touch()
     old = time.time() - 30
-    os.utime(trigger.pending()[0].path, (old, old))
+    os.utime(trigger.files()[0].path, (old, old))
     os.utime(tmp_path / "checkpoint-and-exit", (old, old))
     trigger.record(signal.SIGUSR1)  # arrived during this job's start-up: kept
     poller = RequestPoller(trigger, tmp_path, "checkpoint", rank=0)

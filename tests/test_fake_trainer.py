@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from osft.trainer.checkpoint.manifest import read_manifest, verify_files
-from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
+from osft.trainer.checkpoint.signals import TriggerDir
+from osft.trainer.exit_codes import EXIT_STOPPED
 
 FAKE = Path(__file__).with_name("fake_trainer.py")
 STEP = "0.1"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.cli import main
 from osft.trainer.cluster import CACHE_ENV
 

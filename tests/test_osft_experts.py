@@ -82,14 +82,11 @@ def test_projection_keeps_every_experts_update_orthogonal_to_its_frozen_subspace
     g = torch.Generator().manual_seed(1)
     for _, m in banks:
         m.U_low.grad, m.V_low.grad = torch.randn(m.U_low.shape, generator=g), torch.randn(m.V_low.shape, generator=g)
-    # the same gradients projected expert by expert, as 2-D modules
+    # the same gradients projected expert by expert, as 2-D modules with bases from their own SVD
     singles = []
     for _, m in banks:
         for e in range(m.plan.experts):
             one = OSFTLinear.from_weight(m.dense_weight()[e].detach(), None, plan=OSFTSettings(urr=0.25, max_tokens_per_micro_batch=64).plan(m.plan.n, m.plan.m))
-            with torch.no_grad():
-                for key in ("U_basis", "V_basis"):
-                    getattr(one, key).copy_(getattr(m, key)[e])
             one.U_low.grad, one.V_low.grad = m.U_low.grad[e].clone(), m.V_low.grad[e].clone()
             singles.append(one)
     projector = Projector(banks)

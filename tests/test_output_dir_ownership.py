@@ -18,7 +18,7 @@ import pytest
 import yaml
 from helpers import QA, chat, write_jsonl
 
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.cli import main
 from osft.trainer.ownership import STALE_S, OutputDirInUse, check_output_dir
 from osft.trainer.rundir import RunDir, write_json_atomic

@@ -15,7 +15,7 @@ import torch
 from helpers import QA, chat, save_tiny_model, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
 from osft.trainer.osft.plan import plan_module, plan_table
 from osft.trainer.osft.projection import Projector

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from helpers import QA, chat, save_tiny_model, write_jsonl
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 
 
 def records(out, event):

@@ -19,7 +19,8 @@ import pytest
 import torch
 from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
 from osft.trainer.checkpoint.safe_load import SafeFileSystemReader
-from osft.trainer.checkpoint.signals import EXIT_STOPPED, TriggerDir
+from osft.trainer.checkpoint.signals import TriggerDir
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.checkpoint.store import newest_complete
 
 pytestmark = pytest.mark.torchrun
@@ -161,7 +162,7 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
     trigger = TriggerDir(job_id)
     trigger.record(signal.SIGTERM)
     past = time.time() - 60
-    os.utime(trigger.pending()[0].path, (past, past))
+    os.utime(trigger.files()[0].path, (past, past))
     metrics = out / "metrics" / "node0.jsonl"
     want = {r["step"]: r for r in records(reference, "step")}
     resumed_from = []

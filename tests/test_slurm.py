@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import QA, chat, write_jsonl
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.cli import main
 from osft.trainer.slurm import parse_time_limit
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.tui.app import OsftTui
 from osft.tui.components.checkpoints import CheckpointTable
 from osft.tui.components.header import RunHeader

@@ -83,11 +83,7 @@ def backend_device() -> torch.device:
 
 def node_ranks(env: DistEnv) -> list[int]:
     """Node rank of every global rank (index = global rank); ``[env.node_rank]`` for one rank."""
-    if not is_distributed():
-        return [env.node_rank]
-    gathered = [torch.zeros(1, dtype=torch.long, device=backend_device()) for _ in range(env.world_size)]
-    dist.all_gather(gathered, torch.tensor([env.node_rank], device=backend_device()))
-    return [int(t.item()) for t in gathered]
+    return [int(v) for v in gather_float(env.node_rank)]
 
 
 def global_sums(loss_sum: torch.Tensor, num_tokens: int) -> tuple[float, list[int]]:

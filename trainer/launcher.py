@@ -20,7 +20,6 @@ still gives exit code 75.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -137,18 +136,12 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
 
 def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
     """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
-    ``exit_code``, ``reason`` and ``export_dir``."""
+    ``exit_code``, ``reason`` and ``export_dir`` (:func:`.metrics.read_records` reads the file)."""
+    from .metrics import read_records
+
     path = run_dir.metrics / f"node{node_rank}.jsonl"
-    found: dict = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("event") == "run_finished" and rec.get("job_id") == job_id:
-                found = rec
-    return found
+    records = read_records(path)[0] if path.is_file() else []
+    return next((r for r in reversed(records) if r.get("event") == "run_finished" and r.get("job_id") == job_id), {})
 
 
 def _ignore_agent_signals() -> None:

@@ -101,7 +101,7 @@ class TrainResult:
     """Outcome of :meth:`Trainer.run`: the step reached, the last loss (NaN when this run trained
     no step), the total orthogonality violations, the final HF export (None when the run stopped on
     request), the last full-state checkpoint written (or None), the exit code (0 completed or ended
-    by an evaluation rule, :data:`.exit_codes.EXIT_STOPPED`, :data:`.monitor.EXIT_DIVERGED`), the
+    by an evaluation rule, :data:`.exit_codes.EXIT_STOPPED`, :data:`.exit_codes.EXIT_FAILED` after a divergence), the
     steps trained by this run (fewer than ``steps`` after a resume) and the reason of
     ``run_finished``."""
 

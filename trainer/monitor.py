@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 #: ``best_eval.json`` in ``hf_format/best``: the step, evaluation loss and forgetting of the export.
 BEST_INFO = "best_eval.json"
-#: Exit code of a run ended by a divergence: a failure, not to be requeued (:mod:`.exit_codes`).
-EXIT_DIVERGED = EXIT_FAILED
 
 
 @dataclass(frozen=True)
@@ -137,7 +135,7 @@ class RunMonitor:
                 if found:
                     return self._rollback(bad, found)
                 why = f"; no complete checkpoint at or before step {step} to roll back to"
-        return RunEnd("diverged", EXIT_DIVERGED, f"step {bad.step} diverged ({bad.reason}){why}: stopped with a "
+        return RunEnd("diverged", EXIT_FAILED, f"step {bad.step} diverged ({bad.reason}){why}: stopped with a "
                       f"checkpoint of step {step}, the last good one", fields={"divergence": bad.reason})
 
     def _rollback(self, bad: Diverged, path: str) -> int:
@@ -221,6 +219,11 @@ class RunMonitor:
         request is consumed."""
         t = self.trainer
         path = t.run_dir.evaluate_request
+        if not self.sets:  # every rank has the same sets: no collective needed to consume a request
+            if t.dist.rank == 0 and path.exists():
+                path.unlink(missing_ok=True)
+                t._warn(f"{path}: nothing to evaluate (no --eval-data-path, --eval-split or --retention-data-path)")
+            return False
         flag = int(t.dist.rank == 0 and path.exists())
         if is_distributed():
             box = torch.tensor([flag], dtype=torch.int64, device=backend_device())
@@ -228,8 +231,6 @@ class RunMonitor:
             flag = int(box.item())
         if flag and t.dist.rank == 0:
             path.unlink(missing_ok=True)
-            if not self.sets:
-                t._warn(f"{path}: nothing to evaluate (no --eval-data-path, --eval-split or --retention-data-path)")
         return bool(flag)
 
     def _evaluate(self, step: int, sets: list[EvalSet], trigger: str) -> Verdict:

@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from .data.validate import DataValidationError
     from .loop import Trainer
-    from .monitor import EXIT_DIVERGED
 
     console = Console(stderr=True)
     try:
@@ -78,7 +77,7 @@ def _main(argv: list[str]) -> int:
         return EXIT_FAILED
     # A stop on request exits 0 (the launcher reads exit code 75 from the run_finished record); a
     # divergence fails the worker group.
-    return EXIT_DIVERGED if result.exit_code == EXIT_DIVERGED else EXIT_COMPLETED
+    return EXIT_FAILED if result.exit_code == EXIT_FAILED else EXIT_COMPLETED  # a divergence fails the group
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.ownership import OutputDirInUse, check_output_dir
 from osft.trainer.rundir import RunDir
 from textual.binding import Binding

@@ -17,9 +17,9 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Label
 
 from .components.checkpoints import CheckpointTable
-from .components.header import RunHeader
+from .components.header import STATE_STYLE, RunHeader
 from .components.lines import LineView
-from .components.modals import SearchPrompt
+from .components.modals import ask_search
 from .components.nodes import Histories, NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
@@ -45,7 +45,7 @@ REPEAT_S = 10.0
 _RANK_PREFIX = re.compile(r"^rank (\d+): ")
 
 #: States the event pane reports in red.
-ALARMS = ("dead", "launch failed", "unreadable run.json", "failed")
+ALARMS = frozenset(state for state, style in STATE_STYLE.items() if "red" in style)
 LEVEL_STYLE = {"info": "", "warning": "yellow", "error": "bold red", "log": "dim"}
 
 
@@ -283,8 +283,7 @@ class Dashboard(Screen):
 
     def action_search(self) -> None:
         """``/``: show only the event lines holding a text."""
-        view = self.query_one(LineView)
-        self.app.push_screen(SearchPrompt(view.search), lambda text: text is None or view.set_filter(search=text))
+        ask_search(self.app, self.query_one(LineView))
 
     def action_level(self) -> None:
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""

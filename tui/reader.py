@@ -5,8 +5,9 @@ A run can write tens of thousands of metrics records and log lines per second
 Parsing them on the dashboard's UI thread would take the CPU the UI needs to answer a key press,
 and a thread would not help (the GIL). So a child process runs the :class:`~.watcher.RunWatcher`
 and sends the UI, once per poll, a snapshot of the :class:`~.run_state.RunModel` (a few KB) and at
-most :data:`EVENTS_PER_UPDATE` event lines and :data:`LOG_LINES_PER_UPDATE` log lines: the UI's
-work per poll no longer grows with the run's output.
+most :data:`EVENTS_PER_UPDATE` event lines (rank log lines stay out: :data:`LOG_LINES_PER_UPDATE`
+is 0, since the dashboard shows rank output only in its log view, which reads the log files
+itself): the UI's work per poll no longer grows with the run's output.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from .watcher import RunWatcher
 
 #: Event lines (run events, warnings, errors, malformed-line reports) per update at most.
 EVENTS_PER_UPDATE = 40
-#: Rank log lines per update at most.
-LOG_LINES_PER_UPDATE = 40
+#: Rank log lines per update at most: none, the event pane does not show rank output.
+LOG_LINES_PER_UPDATE = 0
 #: Frame header on the pipe: the pickle's length in bytes.
 _HEADER = struct.Struct(">Q")
 

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from osft.trainer.checkpoint.signals import EXIT_STOPPED
+from osft.trainer.exit_codes import EXIT_STOPPED
 
 from .format import fmt_bytes
 

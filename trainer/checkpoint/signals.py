@@ -19,16 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import exit_codes
 
 #: Every signal that asks for a checkpoint (docs/architecture.md section 6).
 CHECKPOINT_SIGNALS = (
     signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU, signal.SIGHUP, signal.SIGQUIT,
 )
-
-#: Exit code of a run that stopped on request after writing a complete checkpoint (the table of
-#: every exit code is :mod:`..exit_codes`).
-EXIT_STOPPED = exit_codes.EXIT_STOPPED
 
 #: Environment variable with the job's start time (unix s), set by the launcher for its workers.
 JOB_START_ENV = "OSFT_JOB_START"
@@ -121,11 +116,6 @@ class TriggerDir:
             if name.startswith("sig") and number.isdigit():
                 found.append(Trigger(int(number), path, mtime))
         return sorted(found, key=lambda t: t.mtime)
-
-    def pending(self) -> list[Trigger]:
-        """Recorded requests, oldest first, repeated signals of one kind coalesced into their latest."""
-        latest = {t.signum: t for t in self.files()}
-        return sorted(latest.values(), key=lambda t: t.mtime)
 
     def remove_stale(self, job_start: float) -> list[str]:
         """Delete triggers older than ``job_start`` (unix s); return their signal names."""

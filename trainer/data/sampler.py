@@ -95,14 +95,9 @@ class MixtureSampler:
         self._base = self._last = (0, [0] * len(sizes))  # (step, positions before it)
         self._perms: dict[int, tuple[int, list[int]]] = {}
 
-    @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch (see the class docstring)."""
-        return math.ceil(self.num_samples / self.batch_size)
-
-    def run_steps(self, max_steps: int | None, num_epochs: int) -> int:
-        """As :meth:`GlobalBatchSampler.run_steps`."""
-        return max_steps or num_epochs * self.steps_per_epoch
+    # An epoch is the same number of steps as a single dataset of all the samples (class docstring).
+    steps_per_epoch = GlobalBatchSampler.steps_per_epoch
+    run_steps = GlobalBatchSampler.run_steps
 
     def counts(self, step: int, positions: list[int]) -> list[int]:
         """Samples step ``step`` takes from each dataset, given the ``positions`` before it."""

@@ -293,10 +293,7 @@ class OSFTLinear(nn.Module):
                              f"transposition; got shape {tuple(weight.shape)}")
         w = weight.detach().t() if transposed else weight.detach()
         n, m = w.shape[-2:]
-        if bank:
-            P, Q = w.new_zeros(n, 0), w.new_zeros(m, 0)
-        else:
-            P, Q = protected if protected is not None else no_bases(n, m, like=w)
+        P, Q = protected if protected is not None else no_bases(n, m, like=w)
         if P.shape[0] != n or Q.shape[0] != m:
             raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a {n}×{m} weight")
         plan = module_layout(n, m, (P.shape[1], Q.shape[1]), plan, urr, max_tokens_per_micro_batch, forward_form)

@@ -89,6 +89,12 @@ class Projector:
         self.v_projection = v_projection
         self.cache_v_basis = cache_v_basis
         self._v_cache: dict[int, torch.Tensor] = {}
+        #: Modules sharded by rows (not expert banks): their U-side products are partial sums over ranks.
+        self._rows = [i for i, m in enumerate(self.modules) if not m.plan.experts]
+        #: Expert banks: each rank holds whole experts, so a bank's products are complete.
+        self._banks = [i for i, m in enumerate(self.modules) if m.plan.experts]
+        #: Whether the trainable factors are FSDP2 shards (set once the model is wrapped, before this).
+        self._sharded = any(_is_sharded(m.U_low) for m in self.modules)
 
     # -- pieces -----------------------------------------------------------------------------
     def _v_basis(self, i: int) -> torch.Tensor:
@@ -100,15 +106,10 @@ class Projector:
             self._v_cache[i] = basis
         return basis
 
-    def _row_sharded(self) -> list[int]:
-        """Indices of the modules sharded by rows (not expert banks): their U-side products are
-        partial sums over ranks."""
-        return [i for i, m in enumerate(self.modules) if not m.plan.experts]
-
     def _sum_row_parts(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """``parts`` (one per module) with those of row-sharded modules summed over ranks by one
         all-reduce; a bank's own part is already complete (its rank holds whole experts)."""
-        rows = self._row_sharded()
+        rows = self._rows
         if not rows:
             return parts
         sharded = _is_sharded(self.modules[rows[0]].U_basis)
@@ -200,7 +201,7 @@ class Projector:
                     v_frac = _max_or_zero(frozen.norm(dim=-1) / v.norm(dim=-1).clamp_min(1e-30))
             worst.append(torch.maximum(u_frac, v_frac))
         worst_t = torch.stack(worst) if worst else torch.zeros(0)
-        sharded = any(_is_sharded(m.U_low) for m in self.modules)
+        sharded = self._sharded
         if sharded and dist.get_world_size() > 1 and worst_t.numel():
             dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
         degrees = [fraction_to_degrees(float(f)) for f in worst_t]
@@ -218,13 +219,13 @@ class Projector:
         and ‖W_high‖_F² together. An expert bank reports its worst expert (each rank computes its own
         experts, then one all-reduce(MAX) for all banks).
         """
-        rows = self._row_sharded()
+        rows = self._rows
         parts, s_start = [], {i: _full(self.modules[i].S_start) for i in rows}
         for i in rows:
             m = self.modules[i]
             parts += [indicators.left_gram(_local(m.U_low), _full(m.S_low), _local(m.U_start), s_start[i]),
                       _local(m.W_high).float().square().sum().reshape(1)]
-        sharded = any(_is_sharded(m.U_low) for m in self.modules)
+        sharded = self._sharded
         flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]), sharded) if parts else torch.zeros(0)
         summed = [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
         values: dict[int, tuple[float, float | None]] = {}
@@ -234,7 +235,7 @@ class Projector:
             update_sq, sigma_max = indicators.low_part_norms(g_u, g_v, s0)
             values[i] = (indicators.relative_update(update_sq, float(w_high_sq), s0),
                          indicators.spectral_gap(sigma_max, float(_full(m.sigma_frozen_min))))
-        banks = [i for i, m in enumerate(self.modules) if m.plan.experts]
+        banks = self._banks
         if banks:
             worst = torch.stack([self._bank_indicators(self.modules[i]) for i in banks])
             if sharded and dist.get_world_size() > 1:
@@ -252,10 +253,12 @@ class Projector:
         names = ("U_low", "S_low", "U_start", "S_start", "V_low", "V_start", "W_high", "sigma_frozen_min")
         u, s, u0, s0, v, v0, w_high, sigma = (_local(getattr(m, k)) for k in names)
         dw, gap = 0.0, -1.0
+        w_high_sq = w_high.float().square().sum((-2, -1)).tolist()  # one host sync per bank, not per expert
+        sigma_min = sigma.flatten().tolist()
         for e in range(u.shape[0]):
             g_u, g_v = indicators.left_gram(u[e], s[e], u0[e], s0[e]), indicators.right_gram(v[e], v0[e])
             update_sq, sigma_max = indicators.low_part_norms(g_u, g_v, s0[e])
-            dw = max(dw, indicators.relative_update(update_sq, float(w_high[e].float().square().sum()), s0[e]))
-            g = indicators.spectral_gap(sigma_max, float(sigma[e]))
+            dw = max(dw, indicators.relative_update(update_sq, w_high_sq[e], s0[e]))
+            g = indicators.spectral_gap(sigma_max, sigma_min[e])
             gap = max(gap, -1.0 if g is None else g)
         return torch.tensor([dw, gap], dtype=torch.float64)

@@ -24,7 +24,7 @@ class RunHeader(Static):
         """Redraw from ``model`` and its ``status`` (None: no run)."""
         badge = Text.assemble((" read-only ", "bold reverse"), " ") if readonly else Text("")
         if model is None or status is None:
-            self.update(Text.assemble(badge, "no run" if readonly else "no run: press n for a new run"), layout=False)
+            self._draw(Text.assemble(badge, "no run" if readonly else "no run: press n for a new run"))
             return
         text = Text.assemble(badge, ("run ", "dim"), (str(model.root), "bold"), "  ",
                              (status.state, STATE_STYLE.get(status.state, "")))
@@ -40,4 +40,11 @@ class RunHeader(Static):
                 text.append(" (stalled?)", "bold yellow")
         if status.detail:
             text.append(f"  {status.detail}", "red" if "red" in STATE_STYLE.get(status.state, "") else "yellow")
-        self.update(text, layout=False)  # height 1 (CSS): no screen layout per poll
+        self._draw(text)
+
+    def _draw(self, text: Text) -> None:
+        """Show ``text`` unless it is already shown (the reader polls 4 times a second, the line
+        changes at most once a second); height 1 (CSS): no screen layout."""
+        if text != getattr(self, "_shown_text", None):
+            self._shown_text = text
+            self.update(text, layout=False)

@@ -137,8 +137,12 @@ class LogScreen(ModalScreen[None]):
 
     def action_search(self) -> None:
         """``/``: show only the lines holding a text."""
-        view = self.query_one(LineView)
-        self.app.push_screen(SearchPrompt(view.search), lambda text: text is None or view.set_filter(search=text))
+        ask_search(self.app, self.query_one(LineView))
+
+
+def ask_search(app, view: LineView) -> None:
+    """Ask for a text (:class:`SearchPrompt`) and show only ``view``'s lines holding it."""
+    app.push_screen(SearchPrompt(view.search), lambda text: text is None or view.set_filter(search=text))
 
 
 class SearchPrompt(ModalScreen[str | None]):

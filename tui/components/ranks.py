@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from osft.trainer.checkpoint.signals import EXIT_STOPPED, signal_name
+from osft.trainer.checkpoint.signals import signal_name
+from osft.trainer.exit_codes import EXIT_STOPPED
 from rich.markup import escape
 from textual.widgets import DataTable
 

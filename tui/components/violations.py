@@ -12,6 +12,10 @@ class ViolationCounters(Static):
     non-zero (the trainer re-projects each step, so a violation means the frozen subspace moved)."""
 
     def show(self, v: Violations) -> None:
+        """Redraw from ``v`` when it differs from what is shown (it changes only with a step record)."""
+        if v == getattr(self, "_shown_violations", None):
+            return
+        self._shown_violations = v
         worst = "-" if v.worst_dev_deg is None else f"{v.worst_dev_deg:.3f}°"
         self.update(f"orthogonality violations  this step [b]{v.this_step}[/b]  total [b]{v.total}[/b]"
                     f"  worst deviation from 90° [b]{worst}[/b]", layout=False)  # height 1 (CSS)
