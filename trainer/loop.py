@@ -723,7 +723,7 @@ class Trainer:
                     if isinstance(cut, Diverged):
                         outcome = self.monitor.on_divergence(cut, step)
                         if isinstance(outcome, RunEnd):
-                            return self._end_early(step, last_loss, outcome, last_checkpoint)
+                            return self._end_early(step, last_loss, outcome)
                         step = outcome  # rolled back: go on after the reloaded step
                         continue
                     last_checkpoint = self.checkpoint(step, cut.request)
@@ -758,7 +758,7 @@ class Trainer:
                 if request and request.action is Action.CHECKPOINT_AND_EXIT:
                     return self._stopped(step, last_loss, last_checkpoint, request)
                 if end is not None:
-                    return self._end_early(step, last_loss, end, last_checkpoint)
+                    return self._end_early(step, last_loss, end)
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
                     progress.print(f"exported {self.export(step)}")
         export_dir = self.export(step)
@@ -772,11 +772,13 @@ class Trainer:
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
 
-    def _end_early(self, step: int, last_loss: float, end: RunEnd, checkpoint: str | None) -> TrainResult:
+    def _end_early(self, step: int, last_loss: float, end: RunEnd) -> TrainResult:
         """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state
         checkpoint of that step (unless one was just written), the final export when ``end`` asks
         for it, its message and ``run_finished`` with its reason and exit code."""
-        if checkpoint is None or Path(checkpoint).name != f"step_{step}":
+        if self._saved and self._saved[0] == step:
+            checkpoint = self._saved[1]  # written (or resumed from) at this very state
+        else:
             checkpoint = self.checkpoint(step, None)
         export_dir = self.export(step) if end.export_final else end.export_dir
         self._say(end.message)

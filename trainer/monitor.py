@@ -145,6 +145,7 @@ class RunMonitor:
         self.divergence.skipped = sorted(self.divergence.skipped + [position])
         self.divergence.rollbacks += 1
         step = t.load_checkpoint(path, rollback=True)
+        t._saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
         epoch, index = divmod(position, t.sampler.steps_per_epoch)
         t.metrics.log("rollback", step=bad.step, reason=bad.reason, to_step=step, path=path,
                       skipped_batch={"position": position, "epoch": epoch, "index": index},
