@@ -112,6 +112,12 @@ def test_a_live_launcher_on_this_host_is_told_from_a_reused_pid_by_its_creation_
     assert check_output_dir(run_dir, resuming=True, overwrite=False).job_id == "jobA"
     _record(run_dir, launcher_pid=parent.pid, hostname=socket.gethostname(), start_time=parent.create_time() - 3600)
     assert check_output_dir(run_dir, resuming=True, overwrite=False).job_id == "jobA"  # state file without it
+    # a launcher that recorded its end (stopped, exit 75) while its process is still exiting holds
+    # nothing: the dashboard's resume right after a stop must not be refused
+    write_json_atomic(run_dir.run_json, {"job_id": "jobA", "state": "stopped", "exit_code": 75,
+                                         "launcher_pid": parent.pid, "hostname": socket.gethostname(),
+                                         "launcher_create_time": parent.create_time()})
+    assert check_output_dir(run_dir, resuming=True, overwrite=False).job_id == "jobA"
 
 
 def test_a_launcher_on_another_host_is_live_while_its_heartbeat_is_fresh(tmp_path, monkeypatch):

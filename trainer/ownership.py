@@ -67,9 +67,16 @@ def process_identity() -> dict:
     return {"launcher_create_time": psutil.Process().create_time(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
 
 
+#: States a launcher writes only once its worker group has ended (it may still be exiting).
+ENDED_STATES = ("stopped", "completed", "failed")
+
+
 def _is_live(record: dict, run_dir: RunDir, job_id: str | None) -> bool:
     """Whether the launcher ``record`` (a state file's content) names still runs, as far as the
-    job ``job_id`` starting now is concerned."""
+    job ``job_id`` starting now is concerned. A launcher that recorded its end (an ended state
+    with its exit code) holds nothing any more, even while its process is still exiting."""
+    if record.get("state") in ENDED_STATES and record.get("exit_code") is not None:
+        return False
     if record.get("hostname") != socket.gethostname():
         slurm_job = os.environ.get("SLURM_JOB_ID")
         if (slurm_job and record.get("slurm_job_id") == slurm_job) or (job_id and record.get("job_id") == job_id):
