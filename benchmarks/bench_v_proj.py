@@ -80,6 +80,7 @@ def proj_worker(args) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
+    from osft.trainer.distributed import shutdown_distributed
     from osft.trainer.osft.projection import Projector
 
     dist.init_process_group("gloo")
@@ -123,8 +124,7 @@ def proj_worker(args) -> None:
             print(f"{name}: {results[name]['time_s_median']}", flush=True)
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(json.dumps({"world_size": world, "backend": "gloo", "shapes": results}))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def run_proj(args) -> dict:
@@ -180,8 +180,10 @@ def main() -> None:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.proj_worker:
+        from osft.trainer.distributed import exit_rank
+
         proj_worker(args)
-        return
+        exit_rank(0)  # no interpreter finalization: it can race gloo's threads
     if args.quick:
         args.rounds, args.part = 1, "proj"
     result = {"benchmark": "bench_v_proj", "urr": args.urr, "cpu_count": os.cpu_count()}

@@ -183,3 +183,18 @@ def test_two_ranks_grad_norm_equals_a_float64_reference(tiny, two_ranks, tmp_pat
     trainer.prepare()  # the same SVD factors as the two-rank run, and its first batch
     want = float64_grad_norm(trainer, trainer.sampler.batch(0, 0))
     assert steps(two_ranks)[0]["grad_norm"] == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.subprocess
+def test_exit_rank_flushes_what_was_written_and_exits_with_the_code():
+    """exit_rank skips the interpreter's finalization (os._exit): what the process printed or logged
+    must still arrive, and the exit code is the one given."""
+    code = ("import logging, sys\n"
+            "from osft.trainer.distributed import exit_rank\n"
+            "logging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+            "print('out, no newline', end='')\n"
+            "sys.stderr.write('err, no newline')\n"
+            "logging.getLogger('x').warning(' logged')\n"
+            "exit_rank(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out, no newline", "err, no newline logged\n")

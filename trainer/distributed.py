@@ -6,10 +6,13 @@ it sets no NODE_RANK). A plain ``python`` process is rank 0 of a world of 1.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -66,6 +69,32 @@ def shutdown_distributed() -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End this rank's process with exit ``code`` after flushing stdout, stderr and ``logging``,
+    without Python's interpreter finalization (``os._exit``). Call it last, once everything the rank
+    writes is closed (metrics, checkpoints, exports).
+
+    Why: gloo's worker thread can still be destroying the last collective's work object when the
+    main thread returns from it. That work holds earlier works and their tensors, and releasing a
+    tensor that has a Python object takes the GIL; if the interpreter is finalizing by then, the
+    thread is cancelled inside a ``noexcept`` destructor and ``std::terminate`` aborts the rank
+    ("terminate called without an active exception", SIGABRT), so a worker group that completed
+    fails. Seen about once in 15-25 two-rank runs on a loaded 2-core machine, also after
+    ``barrier()`` + ``destroy_process_group()``; the core dump's aborting thread:
+    ``ProcessGroupGloo::runLoop`` > ``~AsyncBarrierWork`` > ``~AsyncAllgatherWork`` >
+    ``TensorImpl::decref_pyobject`` > ``PyEval_AcquireThread`` > ``pthread_exit``, while the main
+    thread was in ``Py_FinalizeEx``. Skipping finalization removes the race; an ``atexit`` hook
+    would run too late for it (pytorch/pytorch PR 179291 tried and dropped one).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or a broken pipe: nothing more can reach it
+            pass
+    os._exit(code)
 
 
 def barrier() -> None:

@@ -84,4 +84,7 @@ if __name__ == "__main__":
     # A rank that dies in native code (SIGABRT from a C++ std::terminate, SIGSEGV, SIGBUS) writes the
     # Python stack of every thread to its stderr first, so the rank's log under logs/ says where it was.
     faulthandler.enable(all_threads=True)
-    sys.exit(main())
+    code = main()
+    from .distributed import exit_rank  # torch is loaded by now; signals are held before it is imported
+
+    exit_rank(code)  # without interpreter finalization, which can race gloo's threads (see exit_rank)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from osft.trainer import loop
-from osft.trainer.distributed import shutdown_distributed
+from osft.trainer.distributed import exit_rank, shutdown_distributed
 from osft.trainer.worker import main
 
 
@@ -34,4 +34,4 @@ def run_all(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_all(sys.argv[1:]))
+    exit_rank(run_all(sys.argv[1:]))

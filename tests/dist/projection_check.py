@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
+from osft.trainer.distributed import exit_rank, shutdown_distributed
 from osft.trainer.osft.decomposition import OSFTLinear
 from osft.trainer.osft.projection import Projector
 
@@ -73,9 +74,9 @@ def main():
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         torch.save(gathered, sys.argv[1])
-    dist.barrier()  # leave together: a rank tearing gloo down while a peer still works can abort
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)
