@@ -195,11 +195,12 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
     """:func:`run_training` once the run directory is this job's: prepare, train, record the end in ``run.json``."""
     from .data.validate import DataValidationError
     from .launcher import finished_record, launch, preflight
-    from .loop import Trainer
 
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
     try:
         if in_process:
+            from .loop import Trainer  # the launcher of a worker group never loads the training stack
+
             trainer = Trainer(cfg, console, job_id)
             trainer.prepare()
         else:

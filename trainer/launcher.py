@@ -72,8 +72,6 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     """
     from dataclasses import replace
 
-    from .checkpoint.resume import check_resume_compatible, read_trainer_state
-    from .checkpoint.store import newest_complete, verify_checkpoint
     from .data.cache import tokenize_source
     from .data.mixture import tokenize_for_run
     from .data.positions import check_positions, position_limit
@@ -98,6 +96,9 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
         load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
     resume = cfg
+    if cfg.resume or cfg.resume_from_full_state_checkpoint:  # torch.distributed.checkpoint: only to resume
+        from .checkpoint.resume import check_resume_compatible, read_trainer_state
+        from .checkpoint.store import newest_complete, verify_checkpoint
     if cfg.resume:
         found, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
         for line in skipped:
