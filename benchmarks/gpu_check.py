@@ -5,11 +5,15 @@ the demo SmolLM2-135M-Instruct when its prepared assets are found (``$OSFT_DEMO_
 demo directory, the test suite's cache), else a random model of SmolLM2's shape with the tests'
 small tokenizer and synthetic chats. Then, with ``osft-train`` processes on the device:
 
-1. OSFT in the training dtype (bf16 on CUDA) for 10 steps, uninterrupted (the reference);
-2. the same run stopped by SIGUSR1 (``--sigusr1-action checkpoint-and-exit``) after step 4;
-3. its ``--resume`` to step 10, which must equal the reference bit for bit: losses, gradient norms
-   and ``state_sha256`` (every parameter and AdamW tensor, CUDA generator states restored);
-4. full fine-tuning (``--no-osft``) for 10 steps.
+1. OSFT in the training dtype (bf16 on CUDA) for 10 steps (the reference), sent SIGUSR1 after step 4:
+   a full-state checkpoint, and training goes on;
+2. a resume from that checkpoint (``--resume-from-full-state-checkpoint``) to step 10, which must
+   equal the reference bit for bit: losses, gradient norms and ``state_sha256`` (every parameter
+   and AdamW tensor, CUDA generator states restored);
+3. full fine-tuning (``--no-osft``) for 10 steps.
+
+(A served request leaving the trajectory unchanged, and stops with exit code 75, are checked on CPU
+by ``tests/test_resume.py``.)
 
 Reported (JSON, ``benchmarks/results/gpu_check.json``): per method the median tokens/s, MFU
 (against the GEMM peak the trainer measures at start-up) and the peak GPU memory. PEFT's OSF is
@@ -127,20 +131,22 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--model-name-or-path", str(model_dir), "--data-path", str(data), "--max-steps", str(STEPS),
                   "--batch-size", "4", "--max-seq-len", "128" if smoke else "512", "--max-tokens-per-gpu",
                   "256" if smoke else "2048", "--device", "cpu" if smoke else "cuda", "--seed", "7"]
-        code_ref, ref = train(common, root / "ref", env)
-        code_stop, stopped = train([*common, "--on-demand-checkpointing", "--sigusr1-action", "checkpoint-and-exit"],
-                                   root / "resumed", env, stop_after=STOP_AFTER)
-        code_res, resumed = train([*common, "--on-demand-checkpointing", "--resume"], root / "resumed", env)
+        code_ref, ref = train([*common, "--on-demand-checkpointing"], root / "ref", env, stop_after=STOP_AFTER)
+        saved = sorted((root / "ref" / "full_state_checkpoints").glob("step_*/manifest.json"))
+        saved_at = int(saved[0].parent.name.removeprefix("step_")) if saved else None
+        code_res, resumed = (train([*common, "--resume-from-full-state-checkpoint", str(saved[0].parent)],
+                                   root / "resumed", env) if saved else (None, []))
         code_full, full = train([*common, "--no-osft"], root / "full", env)
     by_step = {r["step"]: r for r in ref}
-    after = [r for r in resumed if r["step"] > max((s["step"] for s in stopped), default=0)]
+    after = [r for r in resumed if r["step"] > (saved_at or 0)]
     keys = ("loss", "grad_norm", "state_sha256")
     mismatches = [(r["step"], k) for r in after for k in keys if by_step.get(r["step"], {}).get(k) != r[k]]
-    exact = bool(after) and not mismatches and code_stop == 75 and code_res == code_ref == 0
+    exact = (bool(after) and not mismatches and code_res == code_ref == 0
+             and [r["step"] for r in after] == list(range(saved_at + 1, STEPS + 1)))
     result = dict(benchmark="gpu_check", created_unix=time.time(), machine=machine_info(), model=described,
                   device="cpu" if smoke else torch.cuda.get_device_name(0), smoke=smoke,
-                  exit_codes=dict(reference=code_ref, stopped=code_stop, resumed=code_res, full_ft=code_full),
-                  resume=dict(bit_exact=exact, stopped_at=max((s["step"] for s in stopped), default=None),
+                  exit_codes=dict(reference=code_ref, resumed=code_res, full_ft=code_full),
+                  resume=dict(bit_exact=exact, checkpoint_step=saved_at,
                               steps_compared=[r["step"] for r in after], mismatches=mismatches),
                   methods=dict(osft=summary(ref), full_ft=summary(full) if full else None,
                                peft_osf="measured by benchmarks/bench_step.py"))

@@ -50,6 +50,7 @@ def test_gpu_check_cpu_smoke_resumes_bit_exact(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and result["resume"]["bit_exact"] and result["resume"]["steps_compared"]
-    assert result["exit_codes"] == {"reference": 0, "stopped": 75, "resumed": 0, "full_ft": 0}
+    assert result["exit_codes"] == {"reference": 0, "resumed": 0, "full_ft": 0}
+    assert result["resume"]["checkpoint_step"] >= 4 and result["resume"]["steps_compared"][-1] == 10
     for method in ("osft", "full_ft"):
         assert result["methods"][method]["tokens_per_s"] > 0 and 0 < result["methods"][method]["mfu"]

@@ -13,9 +13,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 pytestmark = pytest.mark.demo
 
 
-#: One demo-sized run on one rank serves both tests below: the export check and the reference
-#: losses of the two-rank run (2 samples per rank per step, more than one micro-batch each).
+#: One demo-sized run on one rank serves the tests below: the export check, the evaluations and the
+#: reference losses of the two-rank run (2 samples per rank per step, more than one micro-batch
+#: each). Each evaluation reads 4 samples of each set instead of the demo's 16 (the forward passes
+#: of the four evaluations were most of the run's time); the 16 are a default checked by
+#: test_demo_defaults_evaluate_sixteen_samples_of_each_set.
 DEMO_FLAGS = ["--max-steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--max-tokens-per-gpu", "512"]
+DEMO_EVAL_SAMPLES = 4
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,8 @@ def demo_run(demo_assets, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         errors = io.StringIO()
         mp.setattr(sys, "stderr", errors)
-        code = main(["demo", "--dir", str(demo_assets.model_dir.parent), "--output-dir", str(out), *DEMO_FLAGS])
+        code = main(["demo", "--dir", str(demo_assets.model_dir.parent), "--output-dir", str(out), *DEMO_FLAGS,
+                     "--eval-max-samples", str(DEMO_EVAL_SAMPLES)])
     assert code == 0, errors.getvalue()
     return out, errors.getvalue()
 
@@ -68,12 +73,23 @@ def test_demo_evaluates_on_chitchat_eval_and_its_own_retention_set(demo_run):
     records = [json.loads(line) for line in (out / "metrics" / "node0.jsonl").read_text().splitlines()]
     evals = {(r["set"], r["step"]): r for r in records if r["event"] == "eval"}
     assert sorted(evals) == [("eval", 0), ("eval", 2), ("retention", 0), ("retention", 2)]
-    assert evals[("eval", 0)]["eval_samples"] == 16 and 0.5 < evals[("eval", 0)]["eval_loss"] < 10
+    assert evals[("eval", 0)]["eval_samples"] == evals[("retention", 0)]["eval_samples"] == DEMO_EVAL_SAMPLES
+    assert 0.5 < evals[("eval", 0)]["eval_loss"] < 10
     assert evals[("retention", 0)]["forgetting"] == 0.0
     after, before = evals[("retention", 2)], evals[("retention", 0)]
     assert after["forgetting"] == after["eval_loss"] - before["eval_loss"]
     assert "eval step 0 (start): eval loss" in console and "retention retention loss" in console
     assert "forgetting" in console
+
+
+def test_demo_defaults_evaluate_sixteen_samples_of_each_set(demo_assets, capsys):
+    """What the demo runs without flags: 30 steps, evaluations every 15 steps of 16 samples of the
+    chit-chat eval file and of the retention set it makes in the run directory."""
+    assert main(["demo", "--dir", str(demo_assets.model_dir.parent), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    for line in ("max_steps: 30", "eval_every_steps: 15", "eval_max_samples: 16",
+                 f"eval_data_path: {demo_assets.eval_path}", "- runs/demo/retention.jsonl"):
+        assert line in printed, (line, printed)
 
 
 def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, demo_run, tmp_path):
