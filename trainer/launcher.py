@@ -30,9 +30,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from .agent import FAILURES_ENV
 from .checkpoint.signals import (
-    JOB_START_ENV,
     Action,
     TriggerDir,
     action_for_signal,
@@ -41,7 +39,20 @@ from .checkpoint.signals import (
     signal_name,
 )
 from .config import TrainConfig, config_to_argv
-from .exit_codes import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, stopped_by_signal
+from .contract import (
+    AGENT_FAILURES_ENV,
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    JOB_ID_ENV,
+    JOB_START_ENV,
+    LAUNCHER_PID_ENV,
+    VERIFIED_CHECKPOINT_ENV,
+    Event,
+    RunState,
+    read_records,
+)
+from .exit_codes import stopped_by_signal
 from .failure_report import failure_paragraph
 from .rundir import RunDir
 
@@ -136,12 +147,10 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
 
 def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
     """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
-    ``exit_code``, ``reason`` and ``export_dir`` (:func:`.metrics.read_records` reads the file)."""
-    from .metrics import read_records
-
+    ``exit_code``, ``reason`` and ``export_dir`` (:func:`.contract.read_records` reads the file)."""
     path = run_dir.metrics / f"node{node_rank}.jsonl"
     records = read_records(path)[0] if path.is_file() else []
-    return next((r for r in reversed(records) if r.get("event") == "run_finished" and r.get("job_id") == job_id), {})
+    return next((r for r in reversed(records) if r.get("event") == Event.RUN_FINISHED and r.get("job_id") == job_id), {})
 
 
 def _ignore_agent_signals() -> None:
@@ -176,11 +185,9 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
     cmd = torchrun_command(cfg, run_dir, job_id)
     failures = run_dir.root / "logs" / f"node{cfg.node_rank}" / f"failures-{job_id}.json"
     failures.unlink(missing_ok=True)
-    env = dict(os.environ, OSFT_JOB_ID=job_id, OSFT_LAUNCHER_PID=str(os.getpid()), **{FAILURES_ENV: str(failures)})
+    env = dict(os.environ, **{JOB_ID_ENV: job_id, LAUNCHER_PID_ENV: str(os.getpid()), AGENT_FAILURES_ENV: str(failures)})
     env.setdefault(JOB_START_ENV, repr(time.time()))
     if cfg.resume_from_full_state_checkpoint:  # verified by preflight: rank 0 need not hash it again
-        from .checkpoint.store import VERIFIED_CHECKPOINT_ENV
-
         env[VERIFIED_CHECKPOINT_ENV] = cfg.resume_from_full_state_checkpoint
     deadline: list[float] = []
     stopped_by: list[int] = []
@@ -205,13 +212,13 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
                       markup=False, highlight=False, soft_wrap=True)
         if action is Action.CHECKPOINT_AND_EXIT and not deadline:
             deadline.append(time.monotonic() + cfg.checkpoint_grace_seconds)
-            run_dir.update_run_json(state="checkpointing")
+            run_dir.update_run_json(state=RunState.CHECKPOINTING)
 
     previous = install_handlers(on_signal)  # before torchrun starts: a request during start-up is kept
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_ignore_agent_signals)
     started.append(proc)
     agent = psutil.Process(proc.pid)
-    run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
+    run_dir.update_run_json(state=RunState.RUNNING, torchrun_pids=[proc.pid], torchrun_cmd=cmd)
     if stopped_by:  # stopped while torchrun was being started
         proc.send_signal(signal.SIGTERM)
     family: dict[int, psutil.Process] = {}

@@ -48,7 +48,6 @@ from .checkpoint.signals import (
 )
 from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
 from .checkpoint.store import (
-    VERIFIED_CHECKPOINT_ENV,
     apply_retention,
     check_shared,
     newest_complete,
@@ -56,9 +55,9 @@ from .checkpoint.store import (
 )
 from .compile import compile_blocks
 from .config import TrainConfig
+from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, VERIFIED_CHECKPOINT_ENV, Event
 from .data.cache import tokenize_source
 from .data.mixture import tokenize_for_run
-from .exit_codes import EXIT_STOPPED
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.positions import check_positions, position_limit
@@ -184,7 +183,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.run_dir = RunDir(cfg.output_dir)
         self.run_dir.create()
-        self.job_id = job_id or os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
+        self.job_id = job_id or os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex[:12]
         trackers = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_json(), self.job_id) if self.dist.rank == 0 else []
         self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id, sinks=trackers)
         self.device, self.dtype = resolve_device_dtype(cfg)
@@ -208,7 +207,7 @@ class Trainer:
             self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def _warn(self, message: str) -> None:
-        self.metrics.log("warning", message=message)
+        self.metrics.log(Event.WARNING, message=message)
         self.console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
 
     def prepare(self) -> None:
@@ -217,7 +216,7 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.flop_model = flop_model(load_config(cfg.model_name_or_path))
-        self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
+        self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
         self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
         # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
@@ -313,7 +312,7 @@ class Trainer:
         if resume_dir is not None:
             self.start_step = self.load_checkpoint(resume_dir)
             self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
-            self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir),
+            self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume_dir),
                              changed={k: list(v) for k, v in changed_settings(saved, cfg).items()})
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
 
@@ -366,7 +365,7 @@ class Trainer:
         k_high each target got."""
         plan = self.rank_plan
         k_high = {name: m.plan.k_high for name, m in self.osft.modules}
-        self.metrics.log("osft_rank_plan", **plan.to_json(), k_high_by_module=k_high)
+        self.metrics.log(Event.OSFT_RANK_PLAN, **plan.to_json(), k_high_by_module=k_high)
         table = Table(title=f"OSFT rank plan: block importance on {plan.tokens} calibration tokens")
         for column in ("block", "cos(input, output)", "frozen", "URR", "k_high"):
             table.add_column(column, justify="left" if column == "block" else "right")
@@ -447,7 +446,7 @@ class Trainer:
         (it arrived while that checkpoint was written) or resumed from is served by that
         checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`)."""
         if request is not None:
-            self.metrics.log("checkpoint_requested", signal=request.signal, step=step, point=request.point)
+            self.metrics.log(Event.CHECKPOINT_REQUESTED, signal=request.signal, step=step, point=request.point)
             if self._saved and self._saved[0] == step and Path(self._saved[1]).is_dir():
                 self.poller.served()
                 self._say(f"{request.signal}: served by the complete checkpoint of step {step}: {self._saved[1]}")
@@ -457,7 +456,7 @@ class Trainer:
         self._saved = (step, str(saved.path))
         if request is not None:
             self.poller.served()
-        self.metrics.log("checkpoint_saved", step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
+        self.metrics.log(Event.CHECKPOINT_SAVED, step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
                          frozen_bytes=saved.frozen_bytes)
         if self.dist.rank == 0:
             for path in apply_retention(self.checkpointer.root, self.cfg.checkpoint_keep_last, self.checkpointer.frozen_dir):
@@ -644,7 +643,7 @@ class Trainer:
                                    None if grams is None else grams[name], cfg.osft_protect_input_energy)
                  for name, module in self.osft.modules if not module.plan.experts}  # banks: not folded (issue 18)
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
-        self.metrics.log("subspaces_folded", step=step, modules=len(folds),
+        self.metrics.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
                          added_left=sum(f.added_left for f in folds.values()),
                          added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped)
         if capped:
@@ -690,10 +689,10 @@ class Trainer:
         return grams
 
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
-        self.metrics.log("run_finished", reason=reason, exit_code=exit_code, step=step, **fields)
+        self.metrics.log(Event.RUN_FINISHED, reason=reason, exit_code=exit_code, step=step, **fields)
         self.metrics.close()
         restore_handlers(self._handlers)
-        if self.dist.is_local_main and not os.environ.get("OSFT_LAUNCHER_PID"):
+        if self.dist.is_local_main and not os.environ.get(LAUNCHER_PID_ENV):
             self.trigger.remove()  # under the launcher, the launcher removes it
         shutdown_distributed()
 
@@ -742,7 +741,7 @@ class Trainer:
                 if os.environ.get(TEST_STATE_HASH_ENV) == "1":
                     record["state_sha256"] = self.state_sha256()
                 self.metrics.log(
-                    "step", step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
+                    Event.STEP, step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
                     rss_bytes=process.memory_info().rss,
                     gpu_mem_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
                     **record,
@@ -766,9 +765,9 @@ class Trainer:
         late = self.poller.poll("after_export", step) if self.poller else None
         if late:  # after the last step's safe point: the completed run answers it (.checkpoint.requests)
             self.poller.served()
-            self.metrics.log("request_after_completion", signal=late.signal, step=step)
+            self.metrics.log(Event.REQUEST_AFTER_COMPLETION, signal=late.signal, step=step)
             self._say(f"{late.signal} arrived after the last step: the run completed (exit code 0), nothing to resume")
-        self._finish("completed", 0, step, export_dir=export_dir)
+        self._finish("completed", EXIT_COMPLETED, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
 

@@ -23,7 +23,7 @@ from .data.mixture import TrainingData
 from .distributed import agree, backend_device, is_distributed
 from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
 from .eval_sets import EVAL, RETENTION, EvalSet, load_eval_sets, split_training_data
-from .exit_codes import EXIT_FAILED
+from .contract import EXIT_FAILED, Event
 from .evaluation import EvalResult, evaluate_set, evaluation_mode
 from .forgetting import EvalRules, EvalState, Verdict
 from .rundir import write_json_atomic
@@ -123,7 +123,7 @@ class RunMonitor:
             the step the rolled-back run continues after, or how the run ends (stop).
         """
         t, cfg = self.trainer, self.cfg
-        t.metrics.log("divergence", step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
+        t.metrics.log(Event.DIVERGENCE, step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
                       lines=bad.lines, policy=cfg.on_divergence)
         t._warn(f"step {bad.step} diverged: {bad.reason} (data lines {bad.lines})")
         why = ""
@@ -147,7 +147,7 @@ class RunMonitor:
         step = t.load_checkpoint(path, rollback=True)
         t._saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
         epoch, index = divmod(position, t.sampler.steps_per_epoch)
-        t.metrics.log("rollback", step=bad.step, reason=bad.reason, to_step=step, path=path,
+        t.metrics.log(Event.ROLLBACK, step=bad.step, reason=bad.reason, to_step=step, path=path,
                       skipped_batch={"position": position, "epoch": epoch, "index": index},
                       rollbacks=self.divergence.rollbacks)
         t._say(f"rollback: reloaded {path} (step {step}); batch {index} of epoch {epoch} is skipped "
@@ -244,7 +244,7 @@ class RunMonitor:
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]
-            t.metrics.log("eval", step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
+            t.metrics.log(Event.EVAL, step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
                           eval_samples=r.samples, eval_time_s=r.seconds, trigger=trigger,
                           forgetting=verdict.forgetting.get(r.name), baseline_loss=baseline[0],
                           baseline_step=baseline[1])
@@ -262,7 +262,7 @@ class RunMonitor:
                 "forgetting_max": verdict.forgetting_max, "max_forgetting": self.cfg.max_forgetting}
         if t.dist.rank == 0:
             write_json_atomic(t.run_dir.hf_best / BEST_INFO, info)
-        t.metrics.log("best_eval", path=out, **info)
+        t.metrics.log(Event.BEST_EVAL, path=out, **info)
         t._say(f"best evaluation so far: step {step}, exported to {out}")
 
 
