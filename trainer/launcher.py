@@ -83,8 +83,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     """
     from dataclasses import replace
 
-    from .checkpoint.resume import check_resume_compatible, read_trainer_state
     from .checkpoint.store import newest_complete, verify_checkpoint
+    from .checkpoint.trainer_state import TrainerState
     from .data.cache import tokenize_source
     from .data.mixture import tokenize_for_run
     from .data.positions import check_positions, position_limit
@@ -122,10 +122,10 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     saved, sampler = None, make_sampler(data.sizes, data.weights, cfg.batch_size, cfg.seed)
     if resume.resume_from_full_state_checkpoint:  # its warnings are logged by the ranks
         path = Path(resume.resume_from_full_state_checkpoint)
-        saved = read_trainer_state(path)
-        check_resume_compatible(saved, cfg, cfg.nproc_per_node * cfg.nnodes, sampler, path)
+        saved = TrainerState.read(path)
+        saved.check_compatible(cfg, cfg.nproc_per_node * cfg.nnodes, sampler.layout(), path)
     steps = sampler.run_steps(cfg.max_steps, cfg.num_epochs)
-    check_warmup(cfg.warmup_steps, steps, saved["step"] if saved else 0)  # its warning too
+    check_warmup(cfg.warmup_steps, steps, saved.step if saved else 0)  # its warning too
     return resume
 
 

@@ -32,13 +32,6 @@ from .checkpoint.full_state import (
 )
 from .checkpoint.hf_export import save_hf_model, source_generation_config
 from .checkpoint.requests import Request, RequestPoller
-from .checkpoint.resume import (
-    RESUME_SETTINGS,
-    RESUME_WARN_SETTINGS,
-    changed_settings,
-    check_resume_compatible,
-    read_trainer_state,
-)
 from .checkpoint.signals import (
     Action,
     TriggerDir,
@@ -48,11 +41,11 @@ from .checkpoint.signals import (
 )
 from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
 from .checkpoint.store import (
-    apply_retention,
     check_shared,
     newest_complete,
     verify_checkpoint,
 )
+from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .compile import compile_blocks
 from .config import TrainConfig
 from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, VERIFIED_CHECKPOINT_ENV, Event
@@ -248,13 +241,13 @@ class Trainer:
         resume_dir = self._resolve_resume()
         saved, bases, plans = None, None, None
         if resume_dir is not None:
-            saved = read_trainer_state(resume_dir)
-            for message in check_resume_compatible(saved, cfg, self.dist.world_size, self.sampler, resume_dir):
+            saved = TrainerState.read(resume_dir)
+            for message in saved.check_compatible(cfg, self.dist.world_size, self.sampler.layout(), resume_dir):
                 if self.dist.rank == 0:
                     self._warn(message)
-            vocab = saved["model"]["vocab_size"]
-            if saved.get("osft_plan"):  # None for a --no-osft run
-                plans = {name: ModulePlan.from_dict(d) for name, d in saved["osft_plan"].items()}
+            vocab = saved.model.vocab_size
+            if saved.osft_plan:  # None for a --no-osft run
+                plans = {name: ModulePlan.from_dict(d) for name, d in saved.osft_plan.items()}
         else:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
             bases = self._protected_bases()
@@ -300,20 +293,21 @@ class Trainer:
         self._say(f"matmul peak measured: {sum(peaks) / 1e9:,.1f} GFLOP/s ({self.dtype}, {len(peaks)} rank(s)); "
                   f"model FLOPs per token {self.flop_model.dense_flops_per_token / 1e9:.3f} G + attention")
         self.total_steps = self.sampler.run_steps(cfg.max_steps, cfg.num_epochs)
-        warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved["step"] if saved else 0)
+        warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved.step if saved else 0)
         if warmup_warning and self.dist.rank == 0:
             self._warn(warmup_warning)
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
         # Always: a divergence or an evaluation rule that ends the run checkpoints it.
-        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
+        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft,
+                                         keep_last=cfg.checkpoint_keep_last)
         if cfg.checkpointing:
             check_shared(root, self.dist.rank, self.dist.hostname)
         if resume_dir is not None:
             self.start_step = self.load_checkpoint(resume_dir)
             self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
             self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume_dir),
-                             changed={k: list(v) for k, v in changed_settings(saved, cfg).items()})
+                             changed={k: list(v) for k, v in saved.changed_settings(cfg).items()})
             self._say(f"resumed from {resume_dir} at step {self.start_step}")
 
     def _tokenize(self, path: str):
@@ -333,12 +327,12 @@ class Trainer:
         scheduler, counters, the evaluation and divergence state (a ``rollback`` keeps this run's
         skipped batches), and last the generators. Returns the checkpoint's step."""
         state, rng = self.checkpointer.load(Path(step_dir))
-        self.counters = dict(state["counters"])
-        self.monitor.load_state_dict(state.get("monitor"), keep_divergence=rollback)
-        saved = state["sampler"]  # the data position it was saved at (skipped batches counted)
+        self.counters = dict(state.counters)
+        self.monitor.load_state_dict(state.monitor, keep_divergence=rollback)
+        saved = state.sampler  # the data position it was saved at (skipped batches counted)
         self.sampler.restore(saved, saved["next_epoch"] * self.sampler.steps_per_epoch + saved["next_index"])
         restore_rng(rng)  # last: nothing after this draws random numbers before training
-        return state["step"]
+        return state.step
 
     def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
         """The URR of each OSFT target under ``--osft-rank-schedule importance`` (None: uniform).
@@ -421,28 +415,27 @@ class Trainer:
             return None
         return Path(found)
 
-    def _trainer_state(self, step: int) -> dict:
-        """Plain data of ``trainer_state.json`` after ``step`` optimizer steps."""
+    def _trainer_state(self, step: int) -> TrainerState:
+        """The trainer state (``trainer_state.json``) after ``step`` optimizer steps."""
         position = self.monitor.position(step + 1)  # the data position of the next step (after skipped batches)
-        settings = {k: getattr(self.cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
-        return {
-            "step": step,
-            "epoch": position // self.sampler.steps_per_epoch,
-            "sampler": self.sampler.state(position),
-            "counters": dict(self.counters),
-            "scheduler": self.scheduler.state_dict(),
-            "world_size": self.dist.world_size,
-            "total_steps": self.total_steps,
-            "settings": settings,
-            "model": {"vocab_size": self.model.get_input_embeddings().weight.shape[0],
-                      "model_type": self.model.config.model_type},
-            "osft_plan": {name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
-            "monitor": self.monitor.state_dict(),
-        }
+        return TrainerState(
+            step=step,
+            epoch=position // self.sampler.steps_per_epoch,
+            sampler=self.sampler.state(position),
+            counters=dict(self.counters),
+            scheduler=self.scheduler.state_dict(),
+            world_size=self.dist.world_size,
+            total_steps=self.total_steps,
+            settings=run_settings(self.cfg),
+            model=ModelFacts(vocab_size=self.model.get_input_embeddings().weight.shape[0],
+                             model_type=self.model.config.model_type),
+            osft_plan={name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
+            monitor=self.monitor.state_dict(),
+        )
 
     def checkpoint(self, step: int, request: Request | None) -> str:
-        """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective),
-        log it, apply retention, and return its path. A request for the step this run last saved
+        """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective;
+        the checkpointer applies retention), log it, and return its path. A request for the step this run last saved
         (it arrived while that checkpoint was written) or resumed from is served by that
         checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`)."""
         if request is not None:
@@ -458,9 +451,8 @@ class Trainer:
             self.poller.served()
         self.metrics.log(Event.CHECKPOINT_SAVED, step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
                          frozen_bytes=saved.frozen_bytes)
-        if self.dist.rank == 0:
-            for path in apply_retention(self.checkpointer.root, self.cfg.checkpoint_keep_last, self.checkpointer.frozen_dir):
-                self._say(f"checkpoint retention: removed {path}")
+        for path in saved.removed:  # rank 0's list; empty on the other ranks
+            self._say(f"checkpoint retention: removed {path}")
         self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s)")
         return str(saved.path)
 
