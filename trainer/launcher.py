@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 from rich.console import Console
@@ -83,50 +82,34 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     """
     from dataclasses import replace
 
-    from .checkpoint.store import newest_complete, verify_checkpoint
-    from .checkpoint.trainer_state import TrainerState
     from .data.cache import tokenize_source
-    from .data.mixture import tokenize_for_run
-    from .data.positions import check_positions, position_limit
-    from .data.sampler import check_enough_samples, make_sampler
-    from .eval_sets import load_eval_sets, split_training_data
     from .model_build import load_protected_bases
     from .model_loading import load_tokenizer
-    from .schedule import check_warmup
+    from .startup import check_data, check_start, choose_checkpoint, load_data, resume_requested
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
 
     def warn(message: str) -> None:
         console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
 
-    data, _ = tokenize_for_run(cfg, tokenizer, warn)
-    data, _held_out = split_training_data(data, cfg.eval_split)
-    load_eval_sets(cfg.eval_data_path, cfg.retention_data_path, None, None,  # validated once, cached
-                   lambda path: tokenize_source(cfg, path, tokenizer, warn)[0])
-    check_positions(data, position_limit(cfg.model_name_or_path))  # absolute positions: error; rotary: ranks warn
-    check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
-    console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
-    if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
+    def say(message: str) -> None:
+        console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    data = load_data(cfg, tokenizer, warn, lambda path: tokenize_source(cfg, path, tokenizer, warn)[0])
+    world_size = cfg.nproc_per_node * cfg.nnodes
+    plan = check_data(cfg, data.train, world_size)  # absolute positions: error; rotary: the ranks warn
+    say(f"data: {len(data.train)} samples validated")
+    if not resume_requested(cfg):
         load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
-    resume = cfg
-    if cfg.resume:
-        found, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
-        for line in skipped:
-            console.print(f"resume: {line}", markup=False, highlight=False, soft_wrap=True)
-        if found is None:
-            console.print(f"resume: no complete checkpoint under {RunDir(cfg.output_dir).checkpoints}; starting fresh",
-                          markup=False, highlight=False, soft_wrap=True)
-        resume = replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
-    elif cfg.resume_from_full_state_checkpoint:
-        verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
-    saved, sampler = None, make_sampler(data.sizes, data.weights, cfg.batch_size, cfg.seed)
-    if resume.resume_from_full_state_checkpoint:  # its warnings are logged by the ranks
-        path = Path(resume.resume_from_full_state_checkpoint)
-        saved = TrainerState.read(path)
-        saved.check_compatible(cfg, cfg.nproc_per_node * cfg.nnodes, sampler.layout(), path)
-    steps = sampler.run_steps(cfg.max_steps, cfg.num_epochs)
-    check_warmup(cfg.warmup_steps, steps, saved.step if saved else 0)  # its warning too
-    return resume
+    choice = choose_checkpoint(cfg)
+    for line in choice.skipped:
+        say(f"resume: {line}")
+    if choice.note:
+        say(choice.note)
+    check_start(cfg, choice.path, world_size, plan)  # its warnings are logged by the ranks
+    if not cfg.resume:
+        return cfg
+    return replace(cfg, resume=False, resume_from_full_state_checkpoint=str(choice.path) if choice.path else None)
 
 
 def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str]:

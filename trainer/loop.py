@@ -40,21 +40,14 @@ from .checkpoint.signals import (
     restore_handlers,
 )
 from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
-from .checkpoint.store import (
-    check_shared,
-    newest_complete,
-    verify_checkpoint,
-)
+from .checkpoint.store import check_shared
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .compile import compile_blocks
 from .config import TrainConfig
-from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, VERIFIED_CHECKPOINT_ENV, Event
+from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, Event
 from .data.cache import tokenize_source
-from .data.mixture import tokenize_for_run
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
-from .data.positions import check_positions, position_limit
-from .data.sampler import check_enough_samples, make_sampler
 from .data.tokenize import IGNORE_INDEX
 from .divergence import Diverged
 from .distributed import (
@@ -84,7 +77,17 @@ from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
-from .schedule import build_scheduler, check_warmup
+from .schedule import build_scheduler
+from .startup import (
+    DataPlan,
+    Resume,
+    ResumeChoice,
+    check_data,
+    check_start,
+    choose_checkpoint,
+    load_data,
+    resume_requested,
+)
 from .trackers import open_trackers
 
 
@@ -204,24 +207,49 @@ class Trainer:
         self.console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
 
     def prepare(self) -> None:
-        """Tokenize the data (all validation problems raised before the model loads), load the
-        model and decompose its targets, build AdamW and the LR schedule."""
+        """Prepare the run with the start-up plan the launcher also checks (:mod:`.startup`): the
+        data (all validation problems raised before the model loads), the checkpoint to resume from,
+        the model with its OSFT decomposition and AdamW, then the LR schedule and the restore."""
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.flop_model = flop_model(load_config(cfg.model_name_or_path))
         self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
+        plan = self._prepare_data()
+        if self.poller and self.dist.is_local_main:
+            for stale in self.poller.remove_stale(job_start_time()):
+                self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
+        # rank 0 reads the disk, every rank gets its answer
+        choice = agree(lambda: choose_checkpoint(cfg), self.dist.rank) if resume_requested(cfg) else ResumeChoice(None)
+        if self.dist.rank == 0:
+            for message in choice.skipped:
+                self._warn(message)
+        if choice.note:
+            self._say(choice.note)
+        start = check_start(cfg, choice.path, self.dist.world_size, plan)
+        if self.dist.rank == 0:
+            for message in (start.resume.warnings if start.resume else []) + [start.warmup_warning]:
+                if message:
+                    self._warn(message)
+        self.sampler, self.total_steps = plan.sampler, plan.total_steps
+        self._build_model_and_optimizer(start.resume)
+        self._restore(start.resume)
+
+    def _prepare_data(self) -> DataPlan:
+        """Tokenize the training data and the evaluation and retention sets (each node's local
+        rank 0 first, its peers then hit the cache), check them (:func:`.startup.check_data`),
+        write ``data_report.json`` and say what was read."""
+        cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
-        # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()
-        data, hit = tokenize_for_run(cfg, self.tokenizer, self._warn)
-        if hit:
-            self._say("data: tokenized data loaded from the cache")
-        self.data = self.monitor.prepare_data(data, self._tokenize)
+        data = load_data(cfg, self.tokenizer, self._warn, self._tokenize)
         if self.dist.is_local_main:
             barrier()
-        beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))
-        check_enough_samples(len(self.data), self.dist.world_size)
+        if data.cache_hit:
+            self._say("data: tokenized data loaded from the cache")
+        self.monitor.use_sets(data.sets)
+        self.data = data.train
+        plan = check_data(cfg, self.data, self.dist.world_size)
         if self.dist.rank == 0:
             write_json_atomic(self.run_dir.data_report, self.data.report_dict())
         for line in self.data.summary_lines():
@@ -229,34 +257,30 @@ class Trainer:
         if self.data.dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
             self._warn(f"{self.data.dropped} sample(s) of {', '.join(self.data.names)} dropped; "
                        f"see {self.run_dir.data_report}")
-        if beyond and self.dist.rank == 0:
-            self._warn(beyond)
+        if plan.positions_warning and self.dist.rank == 0:
+            self._warn(plan.positions_warning)
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
-        self.sampler = make_sampler(self.data.sizes, self.data.weights, cfg.batch_size, cfg.seed)
+        return plan
 
-        if self.poller and self.dist.is_local_main:
-            for stale in self.poller.remove_stale(job_start_time()):
-                self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
-        resume_dir = self._resolve_resume()
-        saved, bases, plans = None, None, None
-        if resume_dir is not None:
-            saved = TrainerState.read(resume_dir)
-            for message in saved.check_compatible(cfg, self.dist.world_size, self.sampler.layout(), resume_dir):
-                if self.dist.rank == 0:
-                    self._warn(message)
-            vocab = saved.model.vocab_size
-            if saved.osft_plan:  # None for a --no-osft run
-                plans = {name: ModulePlan.from_dict(d) for name, d in saved.osft_plan.items()}
+    def _build_model_and_optimizer(self, resume: Resume | None) -> None:
+        """Build the model (from the checkpoint's vocabulary size and OSFT plans when resuming: no
+        SVD), report the OSFT decomposition, and make the projector and AdamW."""
+        cfg = self.cfg
+        bases, plans = None, None
+        if resume is not None:
+            vocab = resume.state.model.vocab_size
+            if resume.state.osft_plan:  # None for a --no-osft run
+                plans = {name: ModulePlan.from_dict(d) for name, d in resume.state.osft_plan.items()}
         else:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
             bases = self._protected_bases()
         osft_settings = OSFTSettings.from_config(cfg) if cfg.osft else None
         self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, osft=osft_settings, vocab_size=vocab,
-                                            from_checkpoint=resume_dir is not None, bases=bases, plans=plans,
+                                            from_checkpoint=resume is not None, bases=bases, plans=plans,
                                             plan_ranks=self._plan_ranks)
-        if self.osft and resume_dir is not None:
-            self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume_dir} (no SVD)")
+        if self.osft and resume is not None:
+            self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume.path} (no SVD)")
         elif self.osft:
             forms = [m.forward_form for m in self.osft.osft_modules]
             urrs = [m.plan.urr for m in self.osft.osft_modules]
@@ -292,10 +316,11 @@ class Trainer:
         self.utilization = Utilization(self.flop_model, tuple(peaks), tuple(self.node_of_rank), self.dist.node_rank)
         self._say(f"matmul peak measured: {sum(peaks) / 1e9:,.1f} GFLOP/s ({self.dtype}, {len(peaks)} rank(s)); "
                   f"model FLOPs per token {self.flop_model.dense_flops_per_token / 1e9:.3f} G + attention")
-        self.total_steps = self.sampler.run_steps(cfg.max_steps, cfg.num_epochs)
-        warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved.step if saved else 0)
-        if warmup_warning and self.dist.rank == 0:
-            self._warn(warmup_warning)
+
+    def _restore(self, resume: Resume | None) -> None:
+        """Build the LR schedule and the checkpointer (checking the checkpoint root is shared), and
+        load the checkpoint to resume from."""
+        cfg = self.cfg
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
         # Always: a divergence or an evaluation rule that ends the run checkpoints it.
@@ -303,12 +328,12 @@ class Trainer:
                                          keep_last=cfg.checkpoint_keep_last)
         if cfg.checkpointing:
             check_shared(root, self.dist.rank, self.dist.hostname)
-        if resume_dir is not None:
-            self.start_step = self.load_checkpoint(resume_dir)
-            self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
-            self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume_dir),
-                             changed={k: list(v) for k, v in saved.changed_settings(cfg).items()})
-            self._say(f"resumed from {resume_dir} at step {self.start_step}")
+        if resume is not None:
+            self.start_step = self.load_checkpoint(resume.path)
+            self._saved = (self.start_step, str(resume.path))  # a request before the first step is served by it
+            self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume.path),
+                             changed={k: list(v) for k, v in resume.state.changed_settings(cfg).items()})
+            self._say(f"resumed from {resume.path} at step {self.start_step}")
 
     def _tokenize(self, path: str):
         """Validate and tokenize one chat file (an evaluation or retention set) as the training
@@ -387,33 +412,6 @@ class Trainer:
                   f"p_R {min(p_right, default=0)}-{max(p_right, default=0)} (total {sum(p_right)}); "
                   "--no-osft-protect-subspaces turns this off")
         return bases
-
-    def _resolve_resume(self) -> Path | None:
-        """The checkpoint to resume from, verified (agreed by all ranks; rank 0 reads the disk).
-
-        Raises:
-            CheckpointError: an explicit checkpoint that is incomplete, corrupt or unreadable.
-        """
-        cfg = self.cfg
-        if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
-            return None
-
-        def resolve() -> tuple[str | None, list[str]]:
-            if cfg.resume_from_full_state_checkpoint:
-                path = Path(cfg.resume_from_full_state_checkpoint)
-                verify_checkpoint(path, checksums=os.environ.get(VERIFIED_CHECKPOINT_ENV) != str(path))
-                return str(path), []
-            path, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
-            return (str(path) if path else None), skipped
-
-        found, skipped = agree(resolve, self.dist.rank)
-        for message in skipped:
-            if self.dist.rank == 0:
-                self._warn(message)
-        if found is None:
-            self._say(f"resume: no complete checkpoint under {RunDir(cfg.output_dir).checkpoints}; starting fresh")
-            return None
-        return Path(found)
 
     def _trainer_state(self, step: int) -> TrainerState:
         """The trainer state (``trainer_state.json``) after ``step`` optimizer steps."""

@@ -2,7 +2,7 @@
 ``--eval-every-steps``, on a ``control/evaluate`` request, at the end), what to record, export and
 print, and how the run ends early (forgetting budget, early stopping, divergence).
 
-The loop only calls in: :meth:`RunMonitor.prepare_data` while preparing, :meth:`start` before the
+The loop only calls in: :meth:`RunMonitor.use_sets` while preparing, :meth:`start` before the
 first step, :meth:`check_step` before each optimizer step, :meth:`after_step` after it, and
 :meth:`on_divergence` when a step diverged. Its state (:class:`.forgetting.EvalState`,
 :class:`.divergence.DivergenceState`) is saved in every full-state checkpoint.
@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint.store import newest_complete
-from .data.mixture import TrainingData
 from .distributed import agree, backend_device, is_distributed
 from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
-from .eval_sets import EVAL, RETENTION, EvalSet, load_eval_sets, split_training_data
+from .eval_sets import EVAL, RETENTION, EvalSet
 from .contract import EXIT_FAILED, Event
 from .evaluation import EvalResult, evaluate_set, evaluation_mode
 from .forgetting import EvalRules, EvalState, Verdict
@@ -65,21 +64,13 @@ class RunMonitor:
         self._fired: set[int] = set()
 
     # -- data and state ----------------------------------------------------------------------------
-    def prepare_data(self, train: TrainingData, tokenize) -> TrainingData:
-        """Read the evaluation and retention sets (``tokenize``: path -> tokenized chat, validated)
-        and return the training samples (without the ``--eval-split`` hold-out).
-
-        Raises:
-            DataValidationError: problems in any evaluation or retention file, all at once.
-            ValueError: a split that leaves nothing to train on, or a set without usable samples.
-        """
-        train, split = split_training_data(train, self.cfg.eval_split)
-        self.sets = load_eval_sets(self.cfg.eval_data_path, self.cfg.retention_data_path, split,
-                                   self.cfg.eval_max_samples, tokenize)
+    def use_sets(self, sets: list[EvalSet]) -> None:
+        """Evaluate ``sets`` (:attr:`.startup.RunData.sets`: evaluation set first, then retention
+        sets) and say each on the console."""
+        self.sets = sets
         for s in self.sets:
             self.trainer._say(f"{s.kind} set {s.name}: {len(s)} samples of {s.path}"
-                              + (" (held out from training)" if s.kind == EVAL and split is not None else ""))
-        return train
+                              + (" (held out from training)" if s.kind == EVAL and self.cfg.eval_split else ""))
 
     def state_dict(self) -> dict:
         """Plain data for ``trainer_state.json`` (key ``monitor``)."""
