@@ -37,7 +37,7 @@ from rich.markup import escape
 from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
-from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED, JOB_ID_ENV, RunState
+from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED, JOB_ID_ENV, FinishReason, RunState
 
 #: Subcommands that do not train: signals keep their default handling there.
 NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest")
@@ -221,8 +221,8 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
                               "(--on-demand-checkpointing is off)", markup=False, highlight=False)
                 return code, None
             finished = finished_record(run_dir, cfg.node_rank, job_id)
-            reason, export_dir = finished.get("reason") or "completed", finished.get("export_dir")
-            if code == EXIT_FAILED and reason != "diverged":  # the launcher printed what happened
+            reason, export_dir = finished.get("reason") or FinishReason.COMPLETED, finished.get("export_dir")
+            if code == EXIT_FAILED and reason != FinishReason.DIVERGED:  # the launcher printed what happened
                 run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED)
                 return code, None
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
@@ -234,13 +234,13 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
                       "continue with --resume", soft_wrap=True)
         return code, None
-    if reason == "diverged":
+    if reason == FinishReason.DIVERGED:
         run_dir.update_run_json(state=RunState.FAILED, exit_code=code, reason=reason)
         console.print(f"[bold red]diverged[/bold red]: training stopped with a checkpoint of the last good step "
                       f"(exit code {code}); see the divergence record in {run_dir.metrics}", soft_wrap=True)
         return code, None
     run_dir.update_run_json(state=RunState.COMPLETED, exit_code=EXIT_COMPLETED, export_dir=export_dir, reason=reason)
-    ended = "" if reason == "completed" else f" ({reason.replace('_', ' ')})"
+    ended = "" if reason == FinishReason.COMPLETED else f" ({reason.replace('_', ' ')})"
     console.print(f"[green]done[/green]{ended}: {escape(summary)}, export {escape(str(export_dir))}", soft_wrap=True)
     return code, export_dir
 

@@ -20,7 +20,7 @@ from .exit_codes import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL
 __all__ = [
     "ALWAYS_RECORDED", "AGENT_FAILURES_ENV", "CONTROL_CHECKPOINT", "CONTROL_CHECKPOINT_AND_EXIT", "CONTROL_EVALUATE",
     "CONTROL_FILES", "ENDED_STATES", "EXIT_BAD_INPUT", "EXIT_COMPLETED", "EXIT_FAILED", "EXIT_SIGNAL_BASE",
-    "EXIT_STOPPED", "Event", "JOB_ID_ENV", "JOB_START_ENV", "JsonlBatch", "LAUNCHER_PID_ENV", "LIVE_STATES",
+    "EXIT_STOPPED", "Event", "FinishReason", "JOB_ID_ENV", "JOB_START_ENV", "JsonlBatch", "LAUNCHER_PID_ENV", "LIVE_STATES",
     "RECORD_FIELDS", "RunState", "VERIFIED_CHECKPOINT_ENV", "ended_well", "parse_lines", "read_records",
 ]
 
@@ -43,6 +43,16 @@ class Event(enum.StrEnum):
     RUN_FINISHED = "run_finished"
     WARNING = "warning"
     ERROR = "error"
+
+
+class FinishReason(enum.StrEnum):
+    """The ``reason`` of a ``run_finished`` record: how the run ended (exit code 0, 75, 1, 0, 0)."""
+
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    DIVERGED = "diverged"
+    FORGETTING_BUDGET = "forgetting_budget"
+    EARLY_STOPPING = "early_stopping"
 
 
 #: Fields every metrics record carries, in the order written: unix time (s), event, the writer's

@@ -48,6 +48,7 @@ from .contract import (
     LAUNCHER_PID_ENV,
     VERIFIED_CHECKPOINT_ENV,
     Event,
+    FinishReason,
     RunState,
     read_records,
 )
@@ -231,7 +232,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
         return stopped_by_signal(stopped_by[0])
     finished = finished_record(run_dir, cfg.node_rank, job_id)
     stopped = finished.get("exit_code") == EXIT_STOPPED
-    if finished.get("reason") == "diverged" and not killed:
+    if finished.get("reason") == FinishReason.DIVERGED and not killed:
         return EXIT_FAILED  # the run ended itself after a divergence, with a checkpoint: the caller says so
     # A scheduler that signals every process of the job (SLURM's scancel and time limit send SIGTERM)
     # also stops torchrun's agent, which then fails even though the ranks saved and stopped.

@@ -44,7 +44,7 @@ from .checkpoint.store import check_shared
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .compile import compile_blocks
 from .config import TrainConfig
-from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, Event
+from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
@@ -107,7 +107,7 @@ class TrainResult:
     checkpoint: str | None = None
     exit_code: int = 0
     steps_run: int = 0
-    reason: str = "completed"
+    reason: str = FinishReason.COMPLETED
 
     def summary(self) -> str:
         """One line for the console: steps, last loss and violations; after a resume with no
@@ -757,7 +757,7 @@ class Trainer:
             self.poller.served()
             self.metrics.log(Event.REQUEST_AFTER_COMPLETION, signal=late.signal, step=step)
             self._say(f"{late.signal} arrived after the last step: the run completed (exit code 0), nothing to resume")
-        self._finish("completed", EXIT_COMPLETED, step, export_dir=export_dir)
+        self._finish(FinishReason.COMPLETED, EXIT_COMPLETED, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
 
@@ -779,7 +779,7 @@ class Trainer:
     def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
         self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "
                   f"--resume-from-full-state-checkpoint {checkpoint}")
-        self._finish("stopped", EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
+        self._finish(FinishReason.STOPPED, EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=None, checkpoint=checkpoint, exit_code=EXIT_STOPPED,
                            steps_run=step - self.start_step)

@@ -22,7 +22,7 @@ from .checkpoint.store import newest_complete
 from .distributed import agree, backend_device, is_distributed
 from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
 from .eval_sets import EVAL, RETENTION, EvalSet
-from .contract import EXIT_FAILED, Event
+from .contract import EXIT_COMPLETED, EXIT_FAILED, Event, FinishReason
 from .evaluation import EvalResult, evaluate_set, evaluation_mode
 from .forgetting import EvalRules, EvalState, Verdict
 from .rundir import write_json_atomic
@@ -126,7 +126,7 @@ class RunMonitor:
                 if found:
                     return self._rollback(bad, found)
                 why = f"; no complete checkpoint at or before step {step} to roll back to"
-        return RunEnd("diverged", EXIT_FAILED, f"step {bad.step} diverged ({bad.reason}){why}: stopped with a "
+        return RunEnd(FinishReason.DIVERGED, EXIT_FAILED, f"step {bad.step} diverged ({bad.reason}){why}: stopped with a "
                       f"checkpoint of step {step}, the last good one", fields={"divergence": bad.reason})
 
     def _rollback(self, bad: Diverged, path: str) -> int:
@@ -186,11 +186,11 @@ class RunMonitor:
             exported = str(self.trainer.run_dir.hf_best) if best is not None else None
             what = (f"the best evaluation within budget, step {best}, is exported to {exported}" if best is not None
                     else "no evaluation after step 0 was within budget: nothing exported")
-            return RunEnd("forgetting_budget", 0, f"forgetting {verdict.forgetting_max:.4f} nats/token at step {step} "
+            return RunEnd(FinishReason.FORGETTING_BUDGET, EXIT_COMPLETED, f"forgetting {verdict.forgetting_max:.4f} nats/token at step {step} "
                           f"exceeds --max-forgetting {cfg.max_forgetting}: run ended; {what}",
                           export_dir=exported, fields={"forgetting_max": verdict.forgetting_max, "best_step": best})
         if verdict.early_stop and not final:
-            return RunEnd("early_stopping", 0, f"early stopping at step {step}: no improvement of the evaluation loss "
+            return RunEnd(FinishReason.EARLY_STOPPING, EXIT_COMPLETED, f"early stopping at step {step}: no improvement of the evaluation loss "
                           f"by {cfg.early_stopping_threshold} in {self.state.since_improvement} evaluations "
                           f"(best {self.state.best_loss:.4f} at step {self.state.best_step})", export_final=True,
                           fields={"best_step": self.state.best_step, "best_eval_loss": self.state.best_loss})

@@ -132,7 +132,7 @@ class TensorBoardTracker(Tracker):
         self.writer.flush()
 
     def event(self, step: int, event: str, fields: dict[str, Any], ts: float) -> None:
-        if event == "resumed":
+        if event == Event.RESUMED:
             self.writer.close()
             self.writer = self._open(purge_step=step + 1)
         self.writer.add_text(f"events/{event}", f"`{json.dumps(fields, sort_keys=True)}`", global_step=step, walltime=ts)
