@@ -90,7 +90,7 @@ def find_model(root: Path, smoke: bool) -> tuple[Path, Path, str]:
 def train(args: list[str], out: Path, env: dict, stop_after: int | None = None) -> tuple[int, list[dict]]:
     """Run ``osft-train`` with ``args`` into ``out``; with ``stop_after``, send SIGUSR1 once that
     step's record is written. Returns (exit code, step records)."""
-    from osft.trainer.metrics import read_records
+    from osft.trainer.contract import read_records
 
     cmd = [sys.executable, "-m", "osft.trainer.cli", *args, "--output-dir", str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)

@@ -75,7 +75,7 @@ from osft.trainer.checkpoint.manifest import (
     write_manifest,
 )
 from osft.trainer.checkpoint.signals import (
-    JOB_START_ENV,
+    CONTROL_ACTIONS,
     Action,
     TriggerDir,
     action_for_signal,
@@ -83,17 +83,19 @@ from osft.trainer.checkpoint.signals import (
     request_files,
     signal_name,
 )
-from osft.trainer.exit_codes import EXIT_STOPPED
+from osft.trainer.contract import (
+    ALWAYS_RECORDED,
+    EXIT_BAD_INPUT,
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    JOB_START_ENV,
+)
 from osft.trainer.rundir import STEP_DIR, RunDir, write_json_atomic
 
-EXIT_COMPLETED = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 #: Exit code of the rank that ``--fake-crash-rank`` makes fail.
 EXIT_CRASH = 3
 
-#: Control-file names and what they ask for (as ``osft.trainer.checkpoint.requests``, which imports torch).
-CONTROL_ACTIONS = {"checkpoint": Action.CHECKPOINT, "checkpoint-and-exit": Action.CHECKPOINT_AND_EXIT}
 #: Signals that stop the job at once when on-demand checkpointing is off (as the real launcher).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Plain trainer state inside a checkpoint (the real file name).
@@ -418,8 +420,6 @@ class Launcher:
 class Metrics:
     """Appends records as ``osft.trainer.metrics.MetricsLogger`` does (same file choice and gate)."""
 
-    ALWAYS_RECORDED = frozenset({"warning", "error", "run_started"})
-
     def __init__(self, output_dir: Path, node: int, rank: int, local: int, world: int, job_id: str) -> None:
         self.base = dict(node_rank=node, rank=rank, local_rank=local, world_size=world,
                          hostname=socket.gethostname(), job_id=job_id)
@@ -430,7 +430,7 @@ class Metrics:
         self.file = None
 
     def log(self, event: str, **fields) -> None:
-        if not self.local_main and event not in self.ALWAYS_RECORDED:
+        if not self.local_main and event not in ALWAYS_RECORDED:
             return
         record = {"ts": time.time(), "event": event, **self.base}
         record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()})

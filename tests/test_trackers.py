@@ -9,7 +9,7 @@ from helpers import QA, chat, write_jsonl
 from osft.trainer import trackers
 from osft.trainer.cli import main
 from osft.trainer.config import TrainConfig, build_parser, config_from_args, config_to_argv
-from osft.trainer.metrics import read_records
+from osft.trainer.contract import read_records
 from osft.trainer.plot import run_series
 
 

@@ -15,8 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-#: Environment variable naming the JSON file the agent writes its ranks' failures to.
-FAILURES_ENV = "OSFT_AGENT_FAILURES"
+from .contract import AGENT_FAILURES_ENV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "signal": f.signal_name() if f.exitcode < 0 else None,
                                 "message": f.message if os.path.isfile(f.error_file) else None}
                     for rank, f in sorted(exc.failures.items(), key=lambda item: item[0] != first)}
-        if os.environ.get(FAILURES_ENV):
-            write_json_atomic(Path(os.environ[FAILURES_ENV]), failures)
+        if os.environ.get(AGENT_FAILURES_ENV):
+            write_json_atomic(Path(os.environ[AGENT_FAILURES_ENV]), failures)
         print(exc.format_msg(), file=sys.stderr)  # torchrun's table of failed ranks, without its traceback
         return 1
     return 0

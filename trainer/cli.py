@@ -37,7 +37,7 @@ from rich.markup import escape
 from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
-from .exit_codes import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
+from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED, JOB_ID_ENV, FinishReason, RunState
 
 #: Subcommands that do not train: signals keep their default handling there.
 NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest")
@@ -170,7 +170,7 @@ def run_training(cfg, console: Console, argv: list[str], command: list[str]) -> 
         raise InputError(str(exc)) from exc
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
     resuming = bool(cfg.resume or cfg.resume_from_full_state_checkpoint)
-    job_id = os.environ.get("OSFT_JOB_ID") or _job_id(cfg)
+    job_id = os.environ.get(JOB_ID_ENV) or _job_id(cfg)
     try:  # before anything is written: another job's directory stays as it is
         previous = check_output_dir(run_dir, resuming, cfg.overwrite_output_dir, job_id)
     except OutputDirInUse as exc:
@@ -184,7 +184,7 @@ def run_training(cfg, console: Console, argv: list[str], command: list[str]) -> 
         write_text_atomic(run_dir.config_yaml, config_to_yaml(cfg))
     run_dir.update_run_json(
         argv=command, config=cfg.to_json(), job_id=job_id, launcher_pid=os.getpid(), hostname=socket.gethostname(), torchrun_pids=[],
-        nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state="starting", exit_code=None,
+        nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node, start_time=time.time(), state=RunState.STARTING, exit_code=None,
         **process_identity(),
     )
     with Heartbeat(run_dir, job_id):
@@ -206,42 +206,42 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         else:
             cfg = preflight(cfg, console)
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
-        run_dir.update_run_json(state="failed", exit_code=EXIT_BAD_INPUT)
+        run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_BAD_INPUT)
         raise InputError(str(exc)) from exc
     try:
         if in_process:
-            run_dir.update_run_json(state="running")
+            run_dir.update_run_json(state=RunState.RUNNING)
             result = trainer.run()
             code, reason, export_dir = result.exit_code, result.reason, result.export_dir
             summary = result.summary()
         else:
             code = launch(cfg, console, job_id, argv)
             if code > EXIT_SIGNAL_BASE:
-                run_dir.update_run_json(state="stopped", exit_code=code)
+                run_dir.update_run_json(state=RunState.STOPPED, exit_code=code)
                 console.print(f"stopped by {signal.Signals(code - EXIT_SIGNAL_BASE).name} without a checkpoint "
                               "(--on-demand-checkpointing is off)", markup=False, highlight=False)
                 return code, None
             finished = finished_record(run_dir, cfg.node_rank, job_id)
-            reason, export_dir = finished.get("reason") or "completed", finished.get("export_dir")
-            if code == EXIT_FAILED and reason != "diverged":  # the launcher printed what happened
-                run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
+            reason, export_dir = finished.get("reason") or FinishReason.COMPLETED, finished.get("export_dir")
+            if code == EXIT_FAILED and reason != FinishReason.DIVERGED:  # the launcher printed what happened
+                run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED)
                 return code, None
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
     except BaseException:
-        run_dir.update_run_json(state="failed", exit_code=EXIT_FAILED)
+        run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED)
         raise
     if code == EXIT_STOPPED:
-        run_dir.update_run_json(state="stopped", exit_code=EXIT_STOPPED)
+        run_dir.update_run_json(state=RunState.STOPPED, exit_code=EXIT_STOPPED)
         console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
                       "continue with --resume", soft_wrap=True)
         return code, None
-    if reason == "diverged":
-        run_dir.update_run_json(state="failed", exit_code=code, reason=reason)
+    if reason == FinishReason.DIVERGED:
+        run_dir.update_run_json(state=RunState.FAILED, exit_code=code, reason=reason)
         console.print(f"[bold red]diverged[/bold red]: training stopped with a checkpoint of the last good step "
                       f"(exit code {code}); see the divergence record in {run_dir.metrics}", soft_wrap=True)
         return code, None
-    run_dir.update_run_json(state="completed", exit_code=EXIT_COMPLETED, export_dir=export_dir, reason=reason)
-    ended = "" if reason == "completed" else f" ({reason.replace('_', ' ')})"
+    run_dir.update_run_json(state=RunState.COMPLETED, exit_code=EXIT_COMPLETED, export_dir=export_dir, reason=reason)
+    ended = "" if reason == FinishReason.COMPLETED else f" ({reason.replace('_', ' ')})"
     console.print(f"[green]done[/green]{ended}: {escape(summary)}, export {escape(str(export_dir))}", soft_wrap=True)
     return code, export_dir
 

@@ -9,14 +9,13 @@ import json
 import shlex
 from pathlib import Path
 
+from .contract import Event, read_records
 from .exit_codes import describe
 from .rundir import RunDir
 
 
 def _job_records(run_dir: RunDir, job_id: str) -> list[dict]:
     """This job's records from every metrics file of the run directory, in file order."""
-    from .metrics import read_records  # imports torch: only when a report is written
-
     found = []
     for path in sorted(run_dir.metrics.glob("*.jsonl")):
         records, _problems = read_records(path)
@@ -56,8 +55,8 @@ def failure_paragraph(run_dir: RunDir, job_id: str, agent_code: int, failures_fi
         cause: what the launcher did, if it ended the group itself (grace period over).
     """
     records = _job_records(run_dir, job_id)
-    steps = [r["step"] for r in records if r.get("event") == "step"]
-    errors = {r.get("rank"): r.get("message") for r in records if r.get("event") == "error"}
+    steps = [r["step"] for r in records if r.get("event") == Event.STEP]
+    errors = {r.get("rank"): r.get("message") for r in records if r.get("event") == Event.ERROR}
     parts = ["training failed."]
     if cause:
         parts.append(cause)
@@ -70,7 +69,7 @@ def failure_paragraph(run_dir: RunDir, job_id: str, agent_code: int, failures_fi
         message = errors.get(int(rank)) or failure.get("message")
         parts.append(f"{line}: {message}." if message else f"{line}.")
     if not failures and not cause:
-        started = any(r.get("event") == "run_started" for r in records)
+        started = any(r.get("event") == Event.RUN_STARTED for r in records)
         parts.append(f"torchrun's agent ended with {describe(agent_code)}"
                      f"{'' if started else ' before any rank started'}, and no rank reported a failure.")
     in_progress = sorted(p.name.split(".tmp-")[0] for p in run_dir.checkpoints.glob(f"step_*.tmp-{job_id}"))

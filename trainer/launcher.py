@@ -25,14 +25,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 from rich.console import Console
 
-from .agent import FAILURES_ENV
 from .checkpoint.signals import (
-    JOB_START_ENV,
     Action,
     TriggerDir,
     action_for_signal,
@@ -41,7 +38,21 @@ from .checkpoint.signals import (
     signal_name,
 )
 from .config import TrainConfig, config_to_argv
-from .exit_codes import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, stopped_by_signal
+from .contract import (
+    AGENT_FAILURES_ENV,
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    JOB_ID_ENV,
+    JOB_START_ENV,
+    LAUNCHER_PID_ENV,
+    VERIFIED_CHECKPOINT_ENV,
+    Event,
+    FinishReason,
+    RunState,
+    read_records,
+)
+from .exit_codes import stopped_by_signal
 from .failure_report import failure_paragraph
 from .rundir import RunDir
 
@@ -73,50 +84,33 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from dataclasses import replace
 
     from .data.cache import tokenize_source
-    from .data.mixture import tokenize_for_run
-    from .data.positions import check_positions, position_limit
-    from .data.sampler import check_enough_samples, make_sampler
-    from .eval_sets import load_eval_sets, split_training_data
     from .model_build import load_protected_bases
     from .model_loading import load_tokenizer
-    from .schedule import check_warmup
+    from .startup import check_data, check_start, choose_checkpoint, load_data, resume_requested
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
 
     def warn(message: str) -> None:
         console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
 
-    data, _ = tokenize_for_run(cfg, tokenizer, warn)
-    data, _held_out = split_training_data(data, cfg.eval_split)
-    load_eval_sets(cfg.eval_data_path, cfg.retention_data_path, None, None,  # validated once, cached
-                   lambda path: tokenize_source(cfg, path, tokenizer, warn)[0])
-    check_positions(data, position_limit(cfg.model_name_or_path))  # absolute positions: error; rotary: ranks warn
-    check_enough_samples(len(data), cfg.nproc_per_node * cfg.nnodes)
-    console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
-    if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
+    def say(message: str) -> None:
+        console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    data = load_data(cfg, tokenizer, warn, lambda path: tokenize_source(cfg, path, tokenizer, warn)[0])
+    world_size = cfg.nproc_per_node * cfg.nnodes
+    plan = check_data(cfg, data.train, world_size)  # absolute positions: error; rotary: the ranks warn
+    say(f"data: {len(data.train)} samples validated")
+    if not resume_requested(cfg):
         load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
-    resume = cfg
-    if cfg.resume or cfg.resume_from_full_state_checkpoint:  # torch.distributed.checkpoint: only to resume
-        from .checkpoint.resume import check_resume_compatible, read_trainer_state
-        from .checkpoint.store import newest_complete, verify_checkpoint
-    if cfg.resume:
-        found, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
-        for line in skipped:
-            console.print(f"resume: {line}", markup=False, highlight=False, soft_wrap=True)
-        if found is None:
-            console.print(f"resume: no complete checkpoint under {RunDir(cfg.output_dir).checkpoints}; starting fresh",
-                          markup=False, highlight=False, soft_wrap=True)
-        resume = replace(cfg, resume=False, resume_from_full_state_checkpoint=str(found) if found else None)
-    elif cfg.resume_from_full_state_checkpoint:
-        verify_checkpoint(Path(cfg.resume_from_full_state_checkpoint))
-    saved, sampler = None, make_sampler(data.sizes, data.weights, cfg.batch_size, cfg.seed)
-    if resume.resume_from_full_state_checkpoint:  # its warnings are logged by the ranks
-        path = Path(resume.resume_from_full_state_checkpoint)
-        saved = read_trainer_state(path)
-        check_resume_compatible(saved, cfg, cfg.nproc_per_node * cfg.nnodes, sampler, path)
-    steps = sampler.run_steps(cfg.max_steps, cfg.num_epochs)
-    check_warmup(cfg.warmup_steps, steps, saved["step"] if saved else 0)  # its warning too
-    return resume
+    choice = choose_checkpoint(cfg)
+    for line in choice.skipped:
+        say(f"resume: {line}")
+    if choice.note:
+        say(choice.note)
+    check_start(cfg, choice.path, world_size, plan)  # its warnings are logged by the ranks
+    if not cfg.resume:
+        return cfg
+    return replace(cfg, resume=False, resume_from_full_state_checkpoint=str(choice.path) if choice.path else None)
 
 
 def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str]:
@@ -137,12 +131,10 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
 
 def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
     """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
-    ``exit_code``, ``reason`` and ``export_dir`` (:func:`.metrics.read_records` reads the file)."""
-    from .metrics import read_records
-
+    ``exit_code``, ``reason`` and ``export_dir`` (:func:`.contract.read_records` reads the file)."""
     path = run_dir.metrics / f"node{node_rank}.jsonl"
     records = read_records(path)[0] if path.is_file() else []
-    return next((r for r in reversed(records) if r.get("event") == "run_finished" and r.get("job_id") == job_id), {})
+    return next((r for r in reversed(records) if r.get("event") == Event.RUN_FINISHED and r.get("job_id") == job_id), {})
 
 
 def _ignore_agent_signals() -> None:
@@ -177,11 +169,9 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
     cmd = torchrun_command(cfg, run_dir, job_id)
     failures = run_dir.root / "logs" / f"node{cfg.node_rank}" / f"failures-{job_id}.json"
     failures.unlink(missing_ok=True)
-    env = dict(os.environ, OSFT_JOB_ID=job_id, OSFT_LAUNCHER_PID=str(os.getpid()), **{FAILURES_ENV: str(failures)})
+    env = dict(os.environ, **{JOB_ID_ENV: job_id, LAUNCHER_PID_ENV: str(os.getpid()), AGENT_FAILURES_ENV: str(failures)})
     env.setdefault(JOB_START_ENV, repr(time.time()))
     if cfg.resume_from_full_state_checkpoint:  # verified by preflight: rank 0 need not hash it again
-        from .checkpoint.store import VERIFIED_CHECKPOINT_ENV
-
         env[VERIFIED_CHECKPOINT_ENV] = cfg.resume_from_full_state_checkpoint
     deadline: list[float] = []
     stopped_by: list[int] = []
@@ -206,13 +196,13 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
                       markup=False, highlight=False, soft_wrap=True)
         if action is Action.CHECKPOINT_AND_EXIT and not deadline:
             deadline.append(time.monotonic() + cfg.checkpoint_grace_seconds)
-            run_dir.update_run_json(state="checkpointing")
+            run_dir.update_run_json(state=RunState.CHECKPOINTING)
 
     previous = install_handlers(on_signal)  # before torchrun starts: a request during start-up is kept
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_ignore_agent_signals)
     started.append(proc)
     agent = psutil.Process(proc.pid)
-    run_dir.update_run_json(state="running", torchrun_pids=[proc.pid], torchrun_cmd=cmd)
+    run_dir.update_run_json(state=RunState.RUNNING, torchrun_pids=[proc.pid], torchrun_cmd=cmd)
     if stopped_by:  # stopped while torchrun was being started
         proc.send_signal(signal.SIGTERM)
     family: dict[int, psutil.Process] = {}
@@ -242,7 +232,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
         return stopped_by_signal(stopped_by[0])
     finished = finished_record(run_dir, cfg.node_rank, job_id)
     stopped = finished.get("exit_code") == EXIT_STOPPED
-    if finished.get("reason") == "diverged" and not killed:
+    if finished.get("reason") == FinishReason.DIVERGED and not killed:
         return EXIT_FAILED  # the run ended itself after a divergence, with a checkpoint: the caller says so
     # A scheduler that signals every process of the job (SLURM's scancel and time limit send SIGTERM)
     # also stops torchrun's agent, which then fails even though the ranks saved and stopped.

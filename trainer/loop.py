@@ -32,13 +32,6 @@ from .checkpoint.full_state import (
 )
 from .checkpoint.hf_export import save_hf_model, source_generation_config
 from .checkpoint.requests import Request, RequestPoller
-from .checkpoint.resume import (
-    RESUME_SETTINGS,
-    RESUME_WARN_SETTINGS,
-    changed_settings,
-    check_resume_compatible,
-    read_trainer_state,
-)
 from .checkpoint.signals import (
     Action,
     TriggerDir,
@@ -47,22 +40,14 @@ from .checkpoint.signals import (
     restore_handlers,
 )
 from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
-from .checkpoint.store import (
-    VERIFIED_CHECKPOINT_ENV,
-    apply_retention,
-    check_shared,
-    newest_complete,
-    verify_checkpoint,
-)
+from .checkpoint.store import check_shared
+from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .compile import compile_blocks
 from .config import TrainConfig
+from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
-from .data.mixture import tokenize_for_run
-from .exit_codes import EXIT_STOPPED
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
-from .data.positions import check_positions, position_limit
-from .data.sampler import check_enough_samples, make_sampler
 from .data.tokenize import IGNORE_INDEX
 from .divergence import Diverged
 from .distributed import (
@@ -92,7 +77,17 @@ from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
-from .schedule import build_scheduler, check_warmup
+from .schedule import build_scheduler
+from .startup import (
+    DataPlan,
+    Resume,
+    ResumeChoice,
+    check_data,
+    check_start,
+    choose_checkpoint,
+    load_data,
+    resume_requested,
+)
 from .trackers import open_trackers
 
 
@@ -112,7 +107,7 @@ class TrainResult:
     checkpoint: str | None = None
     exit_code: int = 0
     steps_run: int = 0
-    reason: str = "completed"
+    reason: str = FinishReason.COMPLETED
 
     def summary(self) -> str:
         """One line for the console: steps, last loss and violations; after a resume with no
@@ -184,7 +179,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.run_dir = RunDir(cfg.output_dir)
         self.run_dir.create()
-        self.job_id = job_id or os.environ.get("OSFT_JOB_ID") or uuid.uuid4().hex[:12]
+        self.job_id = job_id or os.environ.get(JOB_ID_ENV) or uuid.uuid4().hex[:12]
         trackers = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_json(), self.job_id) if self.dist.rank == 0 else []
         self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id, sinks=trackers)
         self.device, self.dtype = resolve_device_dtype(cfg)
@@ -208,28 +203,53 @@ class Trainer:
             self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def _warn(self, message: str) -> None:
-        self.metrics.log("warning", message=message)
+        self.metrics.log(Event.WARNING, message=message)
         self.console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
 
     def prepare(self) -> None:
-        """Tokenize the data (all validation problems raised before the model loads), load the
-        model and decompose its targets, build AdamW and the LR schedule."""
+        """Prepare the run with the start-up plan the launcher also checks (:mod:`.startup`): the
+        data (all validation problems raised before the model loads), the checkpoint to resume from,
+        the model with its OSFT decomposition and AdamW, then the LR schedule and the restore."""
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.flop_model = flop_model(load_config(cfg.model_name_or_path))
-        self.metrics.log("run_started", pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
+        self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
+        plan = self._prepare_data()
+        if self.poller and self.dist.is_local_main:
+            for stale in self.poller.remove_stale(job_start_time()):
+                self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
+        # rank 0 reads the disk, every rank gets its answer
+        choice = agree(lambda: choose_checkpoint(cfg), self.dist.rank) if resume_requested(cfg) else ResumeChoice(None)
+        if self.dist.rank == 0:
+            for message in choice.skipped:
+                self._warn(message)
+        if choice.note:
+            self._say(choice.note)
+        start = check_start(cfg, choice.path, self.dist.world_size, plan)
+        if self.dist.rank == 0:
+            for message in (start.resume.warnings if start.resume else []) + [start.warmup_warning]:
+                if message:
+                    self._warn(message)
+        self.sampler, self.total_steps = plan.sampler, plan.total_steps
+        self._build_model_and_optimizer(start.resume)
+        self._restore(start.resume)
+
+    def _prepare_data(self) -> DataPlan:
+        """Tokenize the training data and the evaluation and retention sets (each node's local
+        rank 0 first, its peers then hit the cache), check them (:func:`.startup.check_data`),
+        write ``data_report.json`` and say what was read."""
+        cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
-        # Each node's local rank 0 tokenizes (or reads the cache) first; its peers then hit the cache.
         if not self.dist.is_local_main:
             barrier()
-        data, hit = tokenize_for_run(cfg, self.tokenizer, self._warn)
-        if hit:
-            self._say("data: tokenized data loaded from the cache")
-        self.data = self.monitor.prepare_data(data, self._tokenize)
+        data = load_data(cfg, self.tokenizer, self._warn, self._tokenize)
         if self.dist.is_local_main:
             barrier()
-        beyond = check_positions(self.data, position_limit(cfg.model_name_or_path))
-        check_enough_samples(len(self.data), self.dist.world_size)
+        if data.cache_hit:
+            self._say("data: tokenized data loaded from the cache")
+        self.monitor.use_sets(data.sets)
+        self.data = data.train
+        plan = check_data(cfg, self.data, self.dist.world_size)
         if self.dist.rank == 0:
             write_json_atomic(self.run_dir.data_report, self.data.report_dict())
         for line in self.data.summary_lines():
@@ -237,34 +257,30 @@ class Trainer:
         if self.data.dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
             self._warn(f"{self.data.dropped} sample(s) of {', '.join(self.data.names)} dropped; "
                        f"see {self.run_dir.data_report}")
-        if beyond and self.dist.rank == 0:
-            self._warn(beyond)
+        if plan.positions_warning and self.dist.rank == 0:
+            self._warn(plan.positions_warning)
         self.lengths = self.data.lengths
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
-        self.sampler = make_sampler(self.data.sizes, self.data.weights, cfg.batch_size, cfg.seed)
+        return plan
 
-        if self.poller and self.dist.is_local_main:
-            for stale in self.poller.remove_stale(job_start_time()):
-                self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
-        resume_dir = self._resolve_resume()
-        saved, bases, plans = None, None, None
-        if resume_dir is not None:
-            saved = read_trainer_state(resume_dir)
-            for message in check_resume_compatible(saved, cfg, self.dist.world_size, self.sampler, resume_dir):
-                if self.dist.rank == 0:
-                    self._warn(message)
-            vocab = saved["model"]["vocab_size"]
-            if saved.get("osft_plan"):  # None for a --no-osft run
-                plans = {name: ModulePlan.from_dict(d) for name, d in saved["osft_plan"].items()}
+    def _build_model_and_optimizer(self, resume: Resume | None) -> None:
+        """Build the model (from the checkpoint's vocabulary size and OSFT plans when resuming: no
+        SVD), report the OSFT decomposition, and make the projector and AdamW."""
+        cfg = self.cfg
+        bases, plans = None, None
+        if resume is not None:
+            vocab = resume.state.model.vocab_size
+            if resume.state.osft_plan:  # None for a --no-osft run
+                plans = {name: ModulePlan.from_dict(d) for name, d in resume.state.osft_plan.items()}
         else:
             vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
             bases = self._protected_bases()
         osft_settings = OSFTSettings.from_config(cfg) if cfg.osft else None
         self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, osft=osft_settings, vocab_size=vocab,
-                                            from_checkpoint=resume_dir is not None, bases=bases, plans=plans,
+                                            from_checkpoint=resume is not None, bases=bases, plans=plans,
                                             plan_ranks=self._plan_ranks)
-        if self.osft and resume_dir is not None:
-            self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume_dir} (no SVD)")
+        if self.osft and resume is not None:
+            self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume.path} (no SVD)")
         elif self.osft:
             forms = [m.forward_form for m in self.osft.osft_modules]
             urrs = [m.plan.urr for m in self.osft.osft_modules]
@@ -300,22 +316,24 @@ class Trainer:
         self.utilization = Utilization(self.flop_model, tuple(peaks), tuple(self.node_of_rank), self.dist.node_rank)
         self._say(f"matmul peak measured: {sum(peaks) / 1e9:,.1f} GFLOP/s ({self.dtype}, {len(peaks)} rank(s)); "
                   f"model FLOPs per token {self.flop_model.dense_flops_per_token / 1e9:.3f} G + attention")
-        self.total_steps = self.sampler.run_steps(cfg.max_steps, cfg.num_epochs)
-        warmup_warning = check_warmup(cfg.warmup_steps, self.total_steps, saved["step"] if saved else 0)
-        if warmup_warning and self.dist.rank == 0:
-            self._warn(warmup_warning)
+
+    def _restore(self, resume: Resume | None) -> None:
+        """Build the LR schedule and the checkpointer (checking the checkpoint root is shared), and
+        load the checkpoint to resume from."""
+        cfg = self.cfg
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
         root = RunDir(cfg.output_dir).checkpoints
         # Always: a divergence or an evaluation rule that ends the run checkpoints it.
-        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft)
+        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft,
+                                         keep_last=cfg.checkpoint_keep_last)
         if cfg.checkpointing:
             check_shared(root, self.dist.rank, self.dist.hostname)
-        if resume_dir is not None:
-            self.start_step = self.load_checkpoint(resume_dir)
-            self._saved = (self.start_step, str(resume_dir))  # a request before the first step is served by it
-            self.metrics.log("resumed", from_step=self.start_step, path=str(resume_dir),
-                             changed={k: list(v) for k, v in changed_settings(saved, cfg).items()})
-            self._say(f"resumed from {resume_dir} at step {self.start_step}")
+        if resume is not None:
+            self.start_step = self.load_checkpoint(resume.path)
+            self._saved = (self.start_step, str(resume.path))  # a request before the first step is served by it
+            self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume.path),
+                             changed={k: list(v) for k, v in resume.state.changed_settings(cfg).items()})
+            self._say(f"resumed from {resume.path} at step {self.start_step}")
 
     def _tokenize(self, path: str):
         """Validate and tokenize one chat file (an evaluation or retention set) as the training
@@ -334,12 +352,12 @@ class Trainer:
         scheduler, counters, the evaluation and divergence state (a ``rollback`` keeps this run's
         skipped batches), and last the generators. Returns the checkpoint's step."""
         state, rng = self.checkpointer.load(Path(step_dir))
-        self.counters = dict(state["counters"])
-        self.monitor.load_state_dict(state.get("monitor"), keep_divergence=rollback)
-        saved = state["sampler"]  # the data position it was saved at (skipped batches counted)
+        self.counters = dict(state.counters)
+        self.monitor.load_state_dict(state.monitor, keep_divergence=rollback)
+        saved = state.sampler  # the data position it was saved at (skipped batches counted)
         self.sampler.restore(saved, saved["next_epoch"] * self.sampler.steps_per_epoch + saved["next_index"])
         restore_rng(rng)  # last: nothing after this draws random numbers before training
-        return state["step"]
+        return state.step
 
     def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
         """The URR of each OSFT target under ``--osft-rank-schedule importance`` (None: uniform).
@@ -366,7 +384,7 @@ class Trainer:
         k_high each target got."""
         plan = self.rank_plan
         k_high = {name: m.plan.k_high for name, m in self.osft.modules}
-        self.metrics.log("osft_rank_plan", **plan.to_json(), k_high_by_module=k_high)
+        self.metrics.log(Event.OSFT_RANK_PLAN, **plan.to_json(), k_high_by_module=k_high)
         table = Table(title=f"OSFT rank plan: block importance on {plan.tokens} calibration tokens")
         for column in ("block", "cos(input, output)", "frozen", "URR", "k_high"):
             table.add_column(column, justify="left" if column == "block" else "right")
@@ -395,59 +413,31 @@ class Trainer:
                   "--no-osft-protect-subspaces turns this off")
         return bases
 
-    def _resolve_resume(self) -> Path | None:
-        """The checkpoint to resume from, verified (agreed by all ranks; rank 0 reads the disk).
-
-        Raises:
-            CheckpointError: an explicit checkpoint that is incomplete, corrupt or unreadable.
-        """
-        cfg = self.cfg
-        if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
-            return None
-
-        def resolve() -> tuple[str | None, list[str]]:
-            if cfg.resume_from_full_state_checkpoint:
-                path = Path(cfg.resume_from_full_state_checkpoint)
-                verify_checkpoint(path, checksums=os.environ.get(VERIFIED_CHECKPOINT_ENV) != str(path))
-                return str(path), []
-            path, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
-            return (str(path) if path else None), skipped
-
-        found, skipped = agree(resolve, self.dist.rank)
-        for message in skipped:
-            if self.dist.rank == 0:
-                self._warn(message)
-        if found is None:
-            self._say(f"resume: no complete checkpoint under {RunDir(cfg.output_dir).checkpoints}; starting fresh")
-            return None
-        return Path(found)
-
-    def _trainer_state(self, step: int) -> dict:
-        """Plain data of ``trainer_state.json`` after ``step`` optimizer steps."""
+    def _trainer_state(self, step: int) -> TrainerState:
+        """The trainer state (``trainer_state.json``) after ``step`` optimizer steps."""
         position = self.monitor.position(step + 1)  # the data position of the next step (after skipped batches)
-        settings = {k: getattr(self.cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
-        return {
-            "step": step,
-            "epoch": position // self.sampler.steps_per_epoch,
-            "sampler": self.sampler.state(position),
-            "counters": dict(self.counters),
-            "scheduler": self.scheduler.state_dict(),
-            "world_size": self.dist.world_size,
-            "total_steps": self.total_steps,
-            "settings": settings,
-            "model": {"vocab_size": self.model.get_input_embeddings().weight.shape[0],
-                      "model_type": self.model.config.model_type},
-            "osft_plan": {name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
-            "monitor": self.monitor.state_dict(),
-        }
+        return TrainerState(
+            step=step,
+            epoch=position // self.sampler.steps_per_epoch,
+            sampler=self.sampler.state(position),
+            counters=dict(self.counters),
+            scheduler=self.scheduler.state_dict(),
+            world_size=self.dist.world_size,
+            total_steps=self.total_steps,
+            settings=run_settings(self.cfg),
+            model=ModelFacts(vocab_size=self.model.get_input_embeddings().weight.shape[0],
+                             model_type=self.model.config.model_type),
+            osft_plan={name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
+            monitor=self.monitor.state_dict(),
+        )
 
     def checkpoint(self, step: int, request: Request | None) -> str:
-        """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective),
-        log it, apply retention, and return its path. A request for the step this run last saved
+        """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective;
+        the checkpointer applies retention), log it, and return its path. A request for the step this run last saved
         (it arrived while that checkpoint was written) or resumed from is served by that
         checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`)."""
         if request is not None:
-            self.metrics.log("checkpoint_requested", signal=request.signal, step=step, point=request.point)
+            self.metrics.log(Event.CHECKPOINT_REQUESTED, signal=request.signal, step=step, point=request.point)
             if self._saved and self._saved[0] == step and Path(self._saved[1]).is_dir():
                 self.poller.served()
                 self._say(f"{request.signal}: served by the complete checkpoint of step {step}: {self._saved[1]}")
@@ -457,11 +447,10 @@ class Trainer:
         self._saved = (step, str(saved.path))
         if request is not None:
             self.poller.served()
-        self.metrics.log("checkpoint_saved", step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
+        self.metrics.log(Event.CHECKPOINT_SAVED, step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
                          frozen_bytes=saved.frozen_bytes)
-        if self.dist.rank == 0:
-            for path in apply_retention(self.checkpointer.root, self.cfg.checkpoint_keep_last, self.checkpointer.frozen_dir):
-                self._say(f"checkpoint retention: removed {path}")
+        for path in saved.removed:  # rank 0's list; empty on the other ranks
+            self._say(f"checkpoint retention: removed {path}")
         self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s)")
         return str(saved.path)
 
@@ -644,7 +633,7 @@ class Trainer:
                                    None if grams is None else grams[name], cfg.osft_protect_input_energy)
                  for name, module in self.osft.modules if not module.plan.experts}  # banks: not folded (issue 18)
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
-        self.metrics.log("subspaces_folded", step=step, modules=len(folds),
+        self.metrics.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
                          added_left=sum(f.added_left for f in folds.values()),
                          added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped)
         if capped:
@@ -690,10 +679,10 @@ class Trainer:
         return grams
 
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
-        self.metrics.log("run_finished", reason=reason, exit_code=exit_code, step=step, **fields)
+        self.metrics.log(Event.RUN_FINISHED, reason=reason, exit_code=exit_code, step=step, **fields)
         self.metrics.close()
         restore_handlers(self._handlers)
-        if self.dist.is_local_main and not os.environ.get("OSFT_LAUNCHER_PID"):
+        if self.dist.is_local_main and not os.environ.get(LAUNCHER_PID_ENV):
             self.trigger.remove()  # under the launcher, the launcher removes it
         shutdown_distributed()
 
@@ -742,7 +731,7 @@ class Trainer:
                 if os.environ.get(TEST_STATE_HASH_ENV) == "1":
                     record["state_sha256"] = self.state_sha256()
                 self.metrics.log(
-                    "step", step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
+                    Event.STEP, step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
                     rss_bytes=process.memory_info().rss,
                     gpu_mem_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
                     **record,
@@ -766,9 +755,9 @@ class Trainer:
         late = self.poller.poll("after_export", step) if self.poller else None
         if late:  # after the last step's safe point: the completed run answers it (.checkpoint.requests)
             self.poller.served()
-            self.metrics.log("request_after_completion", signal=late.signal, step=step)
+            self.metrics.log(Event.REQUEST_AFTER_COMPLETION, signal=late.signal, step=step)
             self._say(f"{late.signal} arrived after the last step: the run completed (exit code 0), nothing to resume")
-        self._finish("completed", 0, step, export_dir=export_dir)
+        self._finish(FinishReason.COMPLETED, EXIT_COMPLETED, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
 
@@ -790,7 +779,7 @@ class Trainer:
     def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
         self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "
                   f"--resume-from-full-state-checkpoint {checkpoint}")
-        self._finish("stopped", EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
+        self._finish(FinishReason.STOPPED, EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=None, checkpoint=checkpoint, exit_code=EXIT_STOPPED,
                            steps_run=step - self.start_step)

@@ -15,13 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from .contract import ALWAYS_RECORDED
 from .distributed import DistEnv
 
 if TYPE_CHECKING:
     from .trackers import Tracker
-
-#: Events every rank records, whatever its local rank.
-ALWAYS_RECORDED = frozenset({"warning", "error", "run_started"})
 
 
 def _clean(value: Any) -> Any:
@@ -52,7 +50,8 @@ class MetricsLogger:
 
     def log(self, event: str, **fields: Any) -> None:
         """Append one record and hand it to the sinks; on a non-zero local rank only
-        :data:`ALWAYS_RECORDED` events are kept."""
+        :data:`.contract.ALWAYS_RECORDED` events are kept. The record starts with
+        :data:`.contract.RECORD_FIELDS`."""
         if not self.dist.is_local_main and event not in ALWAYS_RECORDED:
             return
         record = {
@@ -82,32 +81,3 @@ class MetricsLogger:
             sink.close()
         self.sinks = []
 
-
-def read_records(path: Path) -> tuple[list[dict], list[str]]:
-    """Read a whole metrics JSONL file, as docs/architecture.md section 4 asks of readers.
-
-    A partly written last line (no newline yet) is left out; a complete line that is not a JSON
-    object is skipped and reported.
-
-    Returns:
-        ``(records in file order, one message per malformed line naming the file and line number)``.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    lines = Path(path).read_bytes().split(b"\n")[:-1]  # the last piece is empty or still being written
-    records: list[dict] = []
-    problems: list[str] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            problems.append(f"{path}:{number}: malformed record skipped ({exc})")
-            continue
-        if not isinstance(record, dict):
-            problems.append(f"{path}:{number}: malformed record skipped (not a JSON object)")
-            continue
-        records.append(record)
-    return records, problems

@@ -2,7 +2,7 @@
 ``--eval-every-steps``, on a ``control/evaluate`` request, at the end), what to record, export and
 print, and how the run ends early (forgetting budget, early stopping, divergence).
 
-The loop only calls in: :meth:`RunMonitor.prepare_data` while preparing, :meth:`start` before the
+The loop only calls in: :meth:`RunMonitor.use_sets` while preparing, :meth:`start` before the
 first step, :meth:`check_step` before each optimizer step, :meth:`after_step` after it, and
 :meth:`on_divergence` when a step diverged. Its state (:class:`.forgetting.EvalState`,
 :class:`.divergence.DivergenceState`) is saved in every full-state checkpoint.
@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint.store import newest_complete
-from .data.mixture import TrainingData
 from .distributed import agree, backend_device, is_distributed
 from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
-from .eval_sets import EVAL, RETENTION, EvalSet, load_eval_sets, split_training_data
-from .exit_codes import EXIT_FAILED
+from .eval_sets import EVAL, RETENTION, EvalSet
+from .contract import EXIT_COMPLETED, EXIT_FAILED, Event, FinishReason
 from .evaluation import EvalResult, evaluate_set, evaluation_mode
 from .forgetting import EvalRules, EvalState, Verdict
 from .rundir import write_json_atomic
@@ -65,21 +64,13 @@ class RunMonitor:
         self._fired: set[int] = set()
 
     # -- data and state ----------------------------------------------------------------------------
-    def prepare_data(self, train: TrainingData, tokenize) -> TrainingData:
-        """Read the evaluation and retention sets (``tokenize``: path -> tokenized chat, validated)
-        and return the training samples (without the ``--eval-split`` hold-out).
-
-        Raises:
-            DataValidationError: problems in any evaluation or retention file, all at once.
-            ValueError: a split that leaves nothing to train on, or a set without usable samples.
-        """
-        train, split = split_training_data(train, self.cfg.eval_split)
-        self.sets = load_eval_sets(self.cfg.eval_data_path, self.cfg.retention_data_path, split,
-                                   self.cfg.eval_max_samples, tokenize)
+    def use_sets(self, sets: list[EvalSet]) -> None:
+        """Evaluate ``sets`` (:attr:`.startup.RunData.sets`: evaluation set first, then retention
+        sets) and say each on the console."""
+        self.sets = sets
         for s in self.sets:
             self.trainer._say(f"{s.kind} set {s.name}: {len(s)} samples of {s.path}"
-                              + (" (held out from training)" if s.kind == EVAL and split is not None else ""))
-        return train
+                              + (" (held out from training)" if s.kind == EVAL and self.cfg.eval_split else ""))
 
     def state_dict(self) -> dict:
         """Plain data for ``trainer_state.json`` (key ``monitor``)."""
@@ -123,7 +114,7 @@ class RunMonitor:
             the step the rolled-back run continues after, or how the run ends (stop).
         """
         t, cfg = self.trainer, self.cfg
-        t.metrics.log("divergence", step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
+        t.metrics.log(Event.DIVERGENCE, step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
                       lines=bad.lines, policy=cfg.on_divergence)
         t._warn(f"step {bad.step} diverged: {bad.reason} (data lines {bad.lines})")
         why = ""
@@ -135,7 +126,7 @@ class RunMonitor:
                 if found:
                     return self._rollback(bad, found)
                 why = f"; no complete checkpoint at or before step {step} to roll back to"
-        return RunEnd("diverged", EXIT_FAILED, f"step {bad.step} diverged ({bad.reason}){why}: stopped with a "
+        return RunEnd(FinishReason.DIVERGED, EXIT_FAILED, f"step {bad.step} diverged ({bad.reason}){why}: stopped with a "
                       f"checkpoint of step {step}, the last good one", fields={"divergence": bad.reason})
 
     def _rollback(self, bad: Diverged, path: str) -> int:
@@ -147,7 +138,7 @@ class RunMonitor:
         step = t.load_checkpoint(path, rollback=True)
         t._saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
         epoch, index = divmod(position, t.sampler.steps_per_epoch)
-        t.metrics.log("rollback", step=bad.step, reason=bad.reason, to_step=step, path=path,
+        t.metrics.log(Event.ROLLBACK, step=bad.step, reason=bad.reason, to_step=step, path=path,
                       skipped_batch={"position": position, "epoch": epoch, "index": index},
                       rollbacks=self.divergence.rollbacks)
         t._say(f"rollback: reloaded {path} (step {step}); batch {index} of epoch {epoch} is skipped "
@@ -195,11 +186,11 @@ class RunMonitor:
             exported = str(self.trainer.run_dir.hf_best) if best is not None else None
             what = (f"the best evaluation within budget, step {best}, is exported to {exported}" if best is not None
                     else "no evaluation after step 0 was within budget: nothing exported")
-            return RunEnd("forgetting_budget", 0, f"forgetting {verdict.forgetting_max:.4f} nats/token at step {step} "
+            return RunEnd(FinishReason.FORGETTING_BUDGET, EXIT_COMPLETED, f"forgetting {verdict.forgetting_max:.4f} nats/token at step {step} "
                           f"exceeds --max-forgetting {cfg.max_forgetting}: run ended; {what}",
                           export_dir=exported, fields={"forgetting_max": verdict.forgetting_max, "best_step": best})
         if verdict.early_stop and not final:
-            return RunEnd("early_stopping", 0, f"early stopping at step {step}: no improvement of the evaluation loss "
+            return RunEnd(FinishReason.EARLY_STOPPING, EXIT_COMPLETED, f"early stopping at step {step}: no improvement of the evaluation loss "
                           f"by {cfg.early_stopping_threshold} in {self.state.since_improvement} evaluations "
                           f"(best {self.state.best_loss:.4f} at step {self.state.best_step})", export_final=True,
                           fields={"best_step": self.state.best_step, "best_eval_loss": self.state.best_loss})
@@ -244,7 +235,7 @@ class RunMonitor:
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]
-            t.metrics.log("eval", step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
+            t.metrics.log(Event.EVAL, step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
                           eval_samples=r.samples, eval_time_s=r.seconds, trigger=trigger,
                           forgetting=verdict.forgetting.get(r.name), baseline_loss=baseline[0],
                           baseline_step=baseline[1])
@@ -262,7 +253,7 @@ class RunMonitor:
                 "forgetting_max": verdict.forgetting_max, "max_forgetting": self.cfg.max_forgetting}
         if t.dist.rank == 0:
             write_json_atomic(t.run_dir.hf_best / BEST_INFO, info)
-        t.metrics.log("best_eval", path=out, **info)
+        t.metrics.log(Event.BEST_EVAL, path=out, **info)
         t._say(f"best evaluation so far: step {step}, exported to {out}")
 
 

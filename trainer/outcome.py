@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .exit_codes import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED
+from .contract import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, Event, read_records
 from .rundir import RunDir
 
 #: ``reason`` of each exit code; any other (128 + N: stopped by signal N without a checkpoint) is
@@ -51,13 +51,11 @@ def read_outcome(run_dir: RunDir, job_id: str, exit_code: int, export_dir: str |
     Raises:
         OSError: the metrics file exists but cannot be read.
     """
-    from .metrics import read_records  # imports torch: only once a run has ended
-
     path = run_dir.metrics / f"node{run_dir.node_rank}.jsonl"
     records = [r for r in (read_records(path)[0] if path.is_file() else []) if r.get("job_id") == job_id]
-    last = {r["event"]: r for r in records if r.get("event") in ("step", "checkpoint_saved", "run_finished")}
-    last_step, finished = last.get("step"), last.get("run_finished")
+    last = {r["event"]: r for r in records if r.get("event") in (Event.STEP, Event.CHECKPOINT_SAVED, Event.RUN_FINISHED)}
+    last_step, finished = last.get(Event.STEP), last.get(Event.RUN_FINISHED)
     step = finished["step"] if finished else last_step["step"] if last_step else None
     return TrainOutcome(exit_code=exit_code, reason=REASONS.get(exit_code, "interrupted"), step=step,
-                        export_dir=export_dir, checkpoint=last["checkpoint_saved"]["path"] if "checkpoint_saved" in last else None,
+                        export_dir=export_dir, checkpoint=last[Event.CHECKPOINT_SAVED]["path"] if Event.CHECKPOINT_SAVED in last else None,
                         last_step=last_step, run_dir=run_dir.root, job_id=job_id)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from .contract import ENDED_STATES
 from .rundir import RunDir, write_json_atomic
 
 #: Seconds between two writes of a running job's heartbeat file.
@@ -65,10 +66,6 @@ def process_identity() -> dict:
     """This process's fields for ``run.json``: its creation time (with the pid it tells a live
     launcher from a reused pid) and the SLURM job it belongs to."""
     return {"launcher_create_time": psutil.Process().create_time(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
-
-
-#: States a launcher writes only once its worker group has ended (it may still be exiting).
-ENDED_STATES = ("stopped", "completed", "failed")
 
 
 def _is_live(record: dict, run_dir: RunDir, job_id: str | None) -> bool:

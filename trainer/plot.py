@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .metrics import read_records
+from .contract import Event, read_records
 
 #: Figure size (inches) and resolution: the PNG is 1000 x 1000 pixels.
 FIGSIZE_IN = (10.0, 10.0)
@@ -59,19 +59,19 @@ class NodeTimeline:
         """Take in the next record of the file: a ``resumed`` from step K supersedes the steps
         after K; a ``step`` at or below the last step kept (a fresh restart) supersedes those from it on."""
         event = record.get("event")
-        if event == "run_started":
+        if event == Event.RUN_STARTED:
             self.config = record.get("config") or {}
-        elif event == "resumed":
+        elif event == Event.RESUMED:
             self._supersede(int(record["from_step"]))
             self.resumes.append(int(record["from_step"]))
-        elif event == "step":
+        elif event == Event.STEP:
             step = int(record["step"])
             if self.steps and step <= max(self.steps):
                 self._supersede(step - 1)
             self.steps[step] = record
-        elif event == "eval":
+        elif event == Event.EVAL:
             self.evals[(str(record["set"]), int(record["step"]))] = record
-        elif event == "checkpoint_saved" and int(record["step"]) not in self.checkpoints:
+        elif event == Event.CHECKPOINT_SAVED and int(record["step"]) not in self.checkpoints:
             self.checkpoints.append(int(record["step"]))
 
 

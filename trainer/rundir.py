@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .contract import CONTROL_EVALUATE
+
 #: Name of a complete checkpoint directory under :attr:`RunDir.checkpoints` (docs/architecture.md section 5);
 #: group 1 is the optimizer step it was saved after.
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -84,7 +86,7 @@ class RunDir:
     @property
     def evaluate_request(self) -> Path:
         """``control/evaluate``: asks the run to evaluate at its next step boundary (then removed)."""
-        return self.control / "evaluate"
+        return self.control / CONTROL_EVALUATE
 
     def launcher_log(self, node_rank: int) -> Path:
         """``logs/launcher.node<N>.log``: the output of node N's launcher when osft-tui started it

@@ -14,6 +14,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from .contract import RECORD_FIELDS, Event
+
 #: ``--report-to`` choices: tracker name -> module that must be importable.
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 REPORT_TO_CHOICES = ("none", *TRACKER_MODULES)
@@ -31,8 +33,6 @@ STEP_SCALARS = {
     "osft_gap_max": "osft/gap_max",
     "osft_gap_median": "osft/gap_median",
 }
-#: Fields every record has (docs/architecture.md section 4); left out of event text.
-COMMON_FIELDS = frozenset({"ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id"})
 
 
 def requested(report_to: list[str] | None) -> list[str]:
@@ -86,15 +86,15 @@ class Tracker:
     def record(self, record: dict) -> None:
         """Send one metrics record (a dict as written to the JSONL) to the tracker."""
         event = record["event"]
-        if event == "step":
+        if event == Event.STEP:
             self.last_step = int(record["step"])
             self.scalars(self.last_step, step_scalars(record), record["ts"])
             return
-        if event == "eval":
+        if event == Event.EVAL:
             self.scalars(int(record["step"]), eval_scalars(record), record["ts"])
             return
         step = record.get("step", record.get("from_step"))
-        fields = {k: v for k, v in record.items() if k not in COMMON_FIELDS}
+        fields = {k: v for k, v in record.items() if k not in RECORD_FIELDS}  # left out of event text
         self.event(self.last_step if step is None else int(step), event, fields, record["ts"])
 
     def scalars(self, step: int, values: dict[str, float], ts: float) -> None:
@@ -132,7 +132,7 @@ class TensorBoardTracker(Tracker):
         self.writer.flush()
 
     def event(self, step: int, event: str, fields: dict[str, Any], ts: float) -> None:
-        if event == "resumed":
+        if event == Event.RESUMED:
             self.writer.close()
             self.writer = self._open(purge_step=step + 1)
         self.writer.add_text(f"events/{event}", f"`{json.dumps(fields, sort_keys=True)}`", global_step=step, walltime=ts)

@@ -22,7 +22,7 @@ from rich.console import Console
 from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
-from .exit_codes import EXIT_COMPLETED, EXIT_FAILED
+from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, Event
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,12 +60,12 @@ def _main(argv: list[str]) -> int:
         trainer.prepare()
         result = trainer.run()
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
-        trainer.metrics.log("error", message=str(exc), exit_code=2)
+        trainer.metrics.log(Event.ERROR, message=str(exc), exit_code=EXIT_BAD_INPUT)
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) else EXIT_FAILED
-        trainer.metrics.log("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+        trainer.metrics.log(Event.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                             exit_code=code)
         if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: as Python ends on them
             raise

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from osft.trainer.exit_codes import EXIT_STOPPED
+from osft.trainer.contract import EXIT_STOPPED, ended_well
 from osft.trainer.ownership import OutputDirInUse, check_output_dir
 from osft.trainer.rundir import RunDir
 from textual.binding import Binding
@@ -171,7 +171,7 @@ class Controls:
         d = self.dashboard
         for s in ended:
             code = s.proc.returncode
-            if code in (0, EXIT_STOPPED) or code < 0 or d.run is None or s.root != d.run.root:
+            if ended_well(code) or code < 0 or d.run is None or s.root != d.run.root:
                 continue
             log = RunDir(s.root).launcher_log(s.node_rank)
             lines = tuple(LogTail(log, FAILURE_LINES).poll())

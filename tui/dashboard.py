@@ -10,6 +10,7 @@ import re
 import time
 from pathlib import Path
 
+from osft.trainer.contract import RunState
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
@@ -201,7 +202,7 @@ class Dashboard(Screen):
         """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in
         the event pane once, in full (the run line may be cut)."""
         told = (status.state, status.detail)
-        if told != self._told and status.detail and status.state != "starting":
+        if told != self._told and status.detail and status.state != RunState.STARTING:
             self.log_event(f"{status.state}: {status.detail}", "bold red" if status.state in ALARMS else "yellow")
         self._told = told
 

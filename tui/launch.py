@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from osft.trainer.contract import JOB_ID_ENV
 from osft.trainer.demo_assets import DATA_DIRNAME, MODEL_DIRNAME, default_demo_dir
 from osft.trainer.rundir import RunDir
 
@@ -152,6 +153,6 @@ def start(launcher: list[str], argv: list[str], output_dir: str | Path) -> subpr
         out.write(f"$ {shlex.join(launcher + argv)}\n".encode())
         out.flush()
         env = dict(os.environ)
-        env.pop("OSFT_JOB_ID", None)  # a job id of the dashboard's environment must not leak into a new job
+        env.pop(JOB_ID_ENV, None)  # a job id of the dashboard's environment must not leak into a new job
         return subprocess.Popen(launcher + argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env)

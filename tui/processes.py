@@ -9,19 +9,17 @@ file in the run directory's ``control/``, which rank 0 polls at its safe points.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 from osft.trainer.checkpoint.signals import signal_name
+from osft.trainer.contract import CONTROL_FILES
 from osft.trainer.rundir import RunDir
 
 from .run_state import RunModel
 
-#: Control-file name of each request a watcher on another host can make (trainer/checkpoint/requests.py).
-CONTROL_FILES = {signal.SIGUSR1: "checkpoint", signal.SIGUSR2: "checkpoint-and-exit"}
 #: A pid whose process started more than this many seconds after the record naming it is a reused pid.
 _PID_SLACK_S = 5.0
 

@@ -9,6 +9,8 @@ whichever dashboard sent it: a served stop answers a pending checkpoint too. A s
 
 from __future__ import annotations
 
+from osft.trainer.contract import Event
+
 #: The kinds of request: checkpoint and go on (SIGUSR1), checkpoint and stop (SIGUSR2).
 CHECKPOINT, STOP = "checkpoint", "checkpoint and stop"
 
@@ -46,7 +48,7 @@ class PendingRequests:
         global rank 0's records count (each node writes its own copy)."""
         if record.get("rank", 0) != 0:
             return None
-        if record.get("event") == "checkpoint_requested":
+        if record.get("event") == Event.CHECKPOINT_REQUESTED:
             self._served = kind_of(str(record.get("signal")), sigusr1_action, self.steps)
             return None
         kind, self._served = self._served, None

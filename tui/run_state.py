@@ -14,7 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from osft.trainer.exit_codes import EXIT_STOPPED
+from osft.trainer.contract import ENDED_STATES, RunState, ended_well
+from osft.trainer.contract import Event as MetricsEvent
 
 from .format import fmt_bytes
 
@@ -22,8 +23,6 @@ from .format import fmt_bytes
 HISTORY = 120
 #: A node whose tokens/s is below this fraction of the other nodes' mean is a straggler.
 STRAGGLER_FRACTION = 0.8
-#: run.json states after which nothing runs any more.
-FINAL_STATES = ("stopped", "completed", "failed")
 
 
 @dataclass
@@ -145,21 +144,21 @@ def describe(record: dict) -> Event | None:
     ev = record.get("event")
     ts = float(record.get("ts") or time.time())
     who = f"rank {record.get('rank')}"
-    if ev == "step":
+    if ev == MetricsEvent.STEP:
         return None
-    if ev == "run_started":
+    if ev == MetricsEvent.RUN_STARTED:
         return Event(ts, "info", f"{who} started (pid {record.get('pid')} on {record.get('hostname')}, node {record.get('node_rank')})")
-    if ev == "checkpoint_requested":
+    if ev == MetricsEvent.CHECKPOINT_REQUESTED:
         return Event(ts, "info", f"checkpoint requested at step {record.get('step')} ({record.get('signal')}, {record.get('point', 'safe point')})")
-    if ev == "checkpoint_saved":
+    if ev == MetricsEvent.CHECKPOINT_SAVED:
         return Event(ts, "info", f"checkpoint of step {record.get('step')} written to {record.get('path')} "
                                  f"({fmt_bytes(record.get('bytes'))} in {float(record.get('seconds') or 0):.1f} s)")
-    if ev == "resumed":
+    if ev == MetricsEvent.RESUMED:
         return Event(ts, "info", f"resumed from step {record.get('from_step')} ({record.get('path')})")
-    if ev in ("warning", "error"):
+    if ev in (MetricsEvent.WARNING, MetricsEvent.ERROR):
         return Event(ts, ev, f"{who}: {ev}: {record.get('message')}")
-    if ev == "run_finished":
-        level = "info" if record.get("exit_code") in (0, EXIT_STOPPED) else "error"
+    if ev == MetricsEvent.RUN_FINISHED:
+        level = "info" if ended_well(record.get("exit_code")) else "error"
         return Event(ts, level, f"node {record.get('node_rank')}: run {record.get('reason')} at step {record.get('step')} "
                                 f"(exit code {record.get('exit_code')})")
     return Event(ts, "info", f"{who}: {ev}")
@@ -225,11 +224,11 @@ class RunModel:
         states = [info.state for info in self.launchers.values()]
         if not states:
             return "no run.json"
-        return "failed" if "failed" in states else self.run.get("state", states[0])
+        return RunState.FAILED if RunState.FAILED in states else self.run.get("state", states[0])
 
     @property
     def finished(self) -> bool:
-        return bool(self.launchers) and all(info.state in FINAL_STATES for info in self.launchers.values())
+        return bool(self.launchers) and all(info.state in ENDED_STATES for info in self.launchers.values())
 
     def last_activity(self) -> float | None:
         """Unix time of the run's last sign of life: run.json's last update or the newest step
@@ -240,7 +239,7 @@ class RunModel:
     def node_exit_codes(self) -> dict[int, int]:
         """Node rank -> its launcher's exit code, for the nodes whose launcher ended."""
         return {n: info.data["exit_code"] for n, info in self.launchers.items()
-                if info.state in FINAL_STATES and info.data.get("exit_code") is not None}
+                if info.state in ENDED_STATES and info.data.get("exit_code") is not None}
 
     def eta_s(self) -> float | None:
         """Seconds to ``max_steps`` at the mean step time of the last 10 steps."""
@@ -275,23 +274,23 @@ class RunModel:
         """Take in one metrics record; its event line and checkpoint saves go to ``result``."""
         ev = record.get("event")
         rank = record.get("rank")
-        if ev == "step":
+        if ev == MetricsEvent.STEP:
             self._apply_step(record)
             return
-        if ev == "run_started" and isinstance(rank, int):
+        if ev == MetricsEvent.RUN_STARTED and isinstance(rank, int):
             self.ranks[rank] = RankInfo(rank, int(record.get("node_rank", 0)), int(record.get("local_rank", 0)),
                                         record.get("pid"), str(record.get("hostname")), str(record.get("job_id")),
                                         float(record.get("ts", 0)))
             cfg = record.get("config") or {}
             if not self.max_steps and cfg.get("max_steps"):
                 self.max_steps = int(cfg["max_steps"])
-        elif ev == "error" and rank in self.ranks:
+        elif ev == MetricsEvent.ERROR and rank in self.ranks:
             self.ranks[rank].error = str(record.get("message"))
             if record.get("exit_code") is not None:
                 self.ranks[rank].exit_code = record["exit_code"]
-        elif ev == "run_finished" and rank in self.ranks:
+        elif ev == MetricsEvent.RUN_FINISHED and rank in self.ranks:
             self.ranks[rank].exit_code = record.get("exit_code")
-        if ev in ("checkpoint_requested", "checkpoint_saved"):
+        if ev in (MetricsEvent.CHECKPOINT_REQUESTED, MetricsEvent.CHECKPOINT_SAVED):
             result.checkpoint_records.append(record)
         event = describe(record)
         if event:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from osft.trainer.contract import LIVE_STATES, RunState
+
 from .run_state import RunModel
 
-#: run.json states of a run whose processes should be alive.
-LIVE_STATES = ("starting", "running", "checkpointing")
 #: A running run whose last step is older than this many median step times is stalling...
 STALL_FACTOR = 5.0
 #: ... and older than this many seconds (short steps jitter with the polls).
@@ -77,7 +77,7 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
     if failure is not None and not starting and failure.pid != model.run.get("launcher_pid"):
         return Status("launch failed", f"launcher of node {failure.node_rank} exited with code {failure.exit_code}")
     if starting:
-        return Status("starting", "launcher started; waiting for its run.json")
+        return Status(RunState.STARTING, "launcher started; waiting for its run.json")
     if not model.launchers:
         if model.run_json_error:
             return Status("unreadable run.json", model.run_json_error)
@@ -93,6 +93,6 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
     elapsed = None if start is None or end is None else max(0.0, end - start)
     node = model.nodes.get(0)
     age = None if node is None or not node.last_ts else max(0.0, now - node.last_ts)
-    stalled = (state == "running" and age is not None and bool(node.step_times)
+    stalled = (state == RunState.RUNNING and age is not None and bool(node.step_times)
                and age > max(STALL_FACTOR * statistics.median(node.step_times), STALL_MIN_S))
     return Status(state, detail, elapsed, model.eta_s() if running else None, age, stalled)

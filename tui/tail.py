@@ -7,11 +7,11 @@ the UI thread for long and never makes memory grow: what a poll did not reach is
 
 from __future__ import annotations
 
-import json
 import os
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from osft.trainer.contract import JsonlBatch, parse_lines
 
 #: Bytes one poll reads from one file at most (4 MiB: tens of thousands of metrics records).
 READ_CHUNK = 4 * 1024 * 1024
@@ -41,25 +41,12 @@ class _Tail:
         return data[:end].split(b"\n")
 
 
-@dataclass
-class JsonlBatch:
-    """What one poll of a :class:`JsonlTail` found.
-
-    Attributes:
-        records: complete, well-formed records (JSON objects), in file order.
-        problems: one message per malformed complete line, naming the file and line number.
-    """
-
-    records: list[dict] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-
 class JsonlTail(_Tail):
     """Reads the complete new lines of a JSONL file, one poll at a time.
 
-    A partly written last line (no newline yet) is held back until its writer finishes it; a
-    complete line that is not a JSON object is reported once, with its 1-based line number, and
-    skipped. A file that shrinks or is replaced (new inode) is read again from its start.
+    A partly written last line (no newline yet) is held back until its writer finishes it; the
+    complete lines are parsed by :func:`osft.trainer.contract.parse_lines` (a line that is not a
+    JSON object is reported once, with its 1-based line number, and skipped). A file that shrinks or is replaced (new inode) is read again from its start.
 
     Args:
         path: the file; it need not exist yet.
@@ -77,18 +64,9 @@ class JsonlTail(_Tail):
 
     def poll(self) -> JsonlBatch:
         """Read what was appended since the last poll (at most ``chunk`` bytes)."""
-        batch = JsonlBatch()
-        for line in self._new_lines():
-            self.line_no += 1
-            try:
-                record = json.loads(line)
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-                batch.problems.append(f"{self.path}:{self.line_no}: malformed record skipped ({exc})")
-                continue
-            if not isinstance(record, dict):
-                batch.problems.append(f"{self.path}:{self.line_no}: malformed record skipped (not a JSON object)")
-                continue
-            batch.records.append(record)
+        lines = self._new_lines()
+        batch = parse_lines(lines, self.path, first_line=self.line_no + 1)
+        self.line_no += len(lines)
         self.records_read += len(batch.records)
         return batch
 
@@ -104,7 +82,7 @@ class JsonlTail(_Tail):
                 data = f.read(self.chunk)
         except FileNotFoundError:
             return []
-        return [line for line in self._complete_lines(data) if line.strip()]
+        return self._complete_lines(data)
 
 
 class LogTail(_Tail):

@@ -120,7 +120,7 @@ def _trainer_phase(cfg, job: str) -> dict:
     from rich.console import Console
 
     from osft.trainer.loop import Trainer
-    from osft.trainer.metrics import read_records
+    from osft.trainer.contract import read_records
     from osft.trainer.rundir import RunDir
 
     start = time.perf_counter()

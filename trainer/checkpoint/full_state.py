@@ -7,7 +7,7 @@ One ``step_<N>`` directory (docs/architecture.md section 5)::
     optimizer_rank<R>.pt   rank R's AdamW state (its local shard of exp_avg/exp_avg_sq, step)
     rng_rank<R>.pt         rank R's Python, NumPy, torch CPU and CUDA generator states
     trainer_state.json     step, counters, LR scheduler, data position, batch settings, world size,
-                           vocab size, OSFT settings
+                           vocab size, OSFT settings (:class:`.trainer_state.TrainerState`)
     manifest.json          written last: every file with its writing rank, size and SHA-256, and
                            the checksum of the frozen factors' manifest
 
@@ -20,7 +20,6 @@ once, to ``frozen_<job_id>-<token>/``, and referenced.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -51,9 +50,9 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
-from .resume import TRAINER_STATE, read_trainer_state, with_run_hyperparameters
 from .safe_load import SafeFileSystemReader, load_plain
-from .store import versions
+from .store import apply_retention, versions
+from .trainer_state import TRAINER_STATE, TrainerState
 
 # One rank without a process group is a supported case (no_dist=True), not something to warn about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -103,15 +102,33 @@ def local_tensor(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def with_run_hyperparameters(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A saved optimizer state dict whose parameter groups carry ``optimizer``'s hyperparameters
+    (lr, initial_lr, betas, eps, weight_decay, ...; built from this run's settings) instead of the
+    saved ones: loading it restores AdamW's moments and step counts, never the old settings.
+
+    Raises:
+        CheckpointError: the saved state has another number of parameter groups.
+    """
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"the saved optimizer state has {len(saved['param_groups'])} parameter groups, "
+                              f"this run's optimizer {len(optimizer.param_groups)}")
+    groups = [{**group, **{k: v for k, v in current.items() if k != "params"}}
+              for group, current in zip(saved["param_groups"], optimizer.param_groups)]
+    return {**saved, "param_groups": groups}
+
+
 @dataclass(frozen=True)
 class SavedCheckpoint:
     """A checkpoint just written: its directory, its size (bytes, frozen factors excluded) and the
-    time the save took (s), and the bytes of the frozen factors written with it (0 when reused)."""
+    time the save took (s), the bytes of the frozen factors written with it (0 when reused), and
+    what retention removed after it (rank 0; empty elsewhere)."""
 
     path: Path
     bytes: int
     seconds: float
     frozen_bytes: int
+    removed: tuple[Path, ...] = ()
 
 
 class Checkpointer:
@@ -122,11 +139,13 @@ class Checkpointer:
         env: this rank's place in the job. job_id: the job's id.
         model: the (FSDP2-sharded or plain) model. optimizer, scheduler: AdamW and its LR schedule.
         osft: the OSFT modules (None with ``--no-osft``).
+        keep_last: ``--checkpoint-keep-last``: complete checkpoints kept after each save (0: all).
     """
 
     def __init__(self, root: Path, env: DistEnv, job_id: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, osft: OSFTModel | None) -> None:
+                 scheduler: Any, osft: OSFTModel | None, keep_last: int = 0) -> None:
         self.root = root
+        self.keep_last = keep_last
         self.env = env
         self.job_id = job_id
         self.model = model
@@ -177,11 +196,13 @@ class Checkpointer:
         return sum(f["size"] for f in files.values())
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self, step: int, trainer_state: dict, rng: dict[str, Any]) -> SavedCheckpoint:
-        """Write ``step_<step>`` (temporary directory, shards, per-rank files, manifest, rename).
+    def save(self, step: int, trainer_state: TrainerState, rng: dict[str, Any]) -> SavedCheckpoint:
+        """Write ``step_<step>`` (temporary directory, shards, per-rank files, manifest, rename),
+        then, on rank 0, apply retention (:func:`.store.apply_retention` with ``keep_last`` and
+        this run's frozen store).
 
         Args:
-            trainer_state: plain data for ``trainer_state.json`` (used from rank 0).
+            trainer_state: the state for ``trainer_state.json`` (written by rank 0).
             rng: this rank's generator states (:func:`capture_rng`) at the saved point.
         """
         start = time.perf_counter()
@@ -204,7 +225,7 @@ class Checkpointer:
         if delay := _test_save_delay(step):
             time.sleep(delay)
         if r == 0:
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+            trainer_state.write(tmp)
             files.update(describe_files(tmp, [TRAINER_STATE], 0))
             frozen_ref = None
             if self.frozen_dir:
@@ -221,26 +242,28 @@ class Checkpointer:
                 os.replace(tmp, final)
         barrier()
         size = sum(f["size"] for f in files.values()) if r == 0 else 0
-        return SavedCheckpoint(final, size, time.perf_counter() - start, frozen_bytes)
+        seconds = time.perf_counter() - start
+        removed = tuple(apply_retention(self.root, self.keep_last, self.frozen_dir)) if r == 0 else ()
+        return SavedCheckpoint(final, size, seconds, frozen_bytes, removed)
 
     # -- load ----------------------------------------------------------------------------------
-    def load(self, step_dir: Path) -> tuple[dict, dict[str, Any]]:
+    def load(self, step_dir: Path) -> tuple[TrainerState, dict[str, Any]]:
         """Load model, optimizer and scheduler from a verified checkpoint.
 
         AdamW's state (moments, step counts) and the schedule's position come from the checkpoint;
         the hyperparameters (lr, betas, eps, weight decay) and the schedule's shape are this run's
-        (:func:`.resume.with_run_hyperparameters`, :func:`..schedule.restore_position`), so a setting
+        (:func:`with_run_hyperparameters`, :func:`..schedule.restore_position`), so a setting
         changed on resume applies from the first resumed step.
 
         Returns:
-            ``(trainer_state, rng)``: the plain trainer state, and this rank's generator states
+            ``(trainer_state, rng)``: the checkpoint's trainer state, and this rank's generator states
             (for the caller to restore last, after everything else that draws random numbers).
 
         Raises:
             CheckpointError: a file is missing or holds more than tensors and plain data.
         """
         manifest = read_manifest(step_dir)
-        trainer_state = read_trainer_state(step_dir)
+        trainer_state = TrainerState.read(step_dir)
         rest, frozen = self._model_state()
         dcp.load(rest, storage_reader=SafeFileSystemReader(step_dir / "model"), no_dist=not is_distributed())
         ref = manifest.data.get("frozen")
@@ -264,6 +287,6 @@ class Checkpointer:
                                                 run_check=False)
                           for k, v in s.items() if k != "step"})
         self.optimizer.load_state_dict(with_run_hyperparameters(optim, self.optimizer))
-        restore_position(self.scheduler, trainer_state["scheduler"])
+        restore_position(self.scheduler, trainer_state.scheduler)
         rng = load_plain(step_dir / f"rng_rank{r}.pt")
         return trainer_state, rng

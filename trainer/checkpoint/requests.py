@@ -43,11 +43,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..contract import LAUNCHER_PID_ENV
 from ..distributed import backend_device, is_distributed
-from .signals import Action, TriggerDir, action_for_signal, request_files, signal_name
-
-#: Control-file names and what they ask for.
-CONTROL_ACTIONS = {"checkpoint": Action.CHECKPOINT, "checkpoint-and-exit": Action.CHECKPOINT_AND_EXIT}
+from .signals import CONTROL_ACTIONS, Action, TriggerDir, action_for_signal, request_files, signal_name
 
 SAFE_POINTS = ("before_forward", "before_backward", "after_backward", "after_step")
 
@@ -152,7 +150,7 @@ class RequestPoller:
         hook = due[0]
         self._test_hooks.remove(hook)
         signum = getattr(signal, hook[3])
-        target = int(os.environ.get("OSFT_LAUNCHER_PID") or os.getpid())
+        target = int(os.environ.get(LAUNCHER_PID_ENV) or os.getpid())
         sent = time.time()
         os.kill(target, signum)
         deadline = time.monotonic() + 60

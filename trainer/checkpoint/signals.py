@@ -19,14 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..contract import CONTROL_FILES, JOB_START_ENV
 
 #: Every signal that asks for a checkpoint (docs/architecture.md section 6).
 CHECKPOINT_SIGNALS = (
     signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU, signal.SIGHUP, signal.SIGQUIT,
 )
-
-#: Environment variable with the job's start time (unix s), set by the launcher for its workers.
-JOB_START_ENV = "OSFT_JOB_START"
 
 
 class Action(enum.IntEnum):
@@ -43,6 +41,10 @@ def action_for_signal(signum: int, sigusr1_action: str = "checkpoint") -> Action
     if signum == signal.SIGUSR1 and sigusr1_action == "checkpoint":
         return Action.CHECKPOINT
     return Action.CHECKPOINT_AND_EXIT
+
+
+#: Control-file names and what they ask for: what the signal of :data:`..contract.CONTROL_FILES` asks for.
+CONTROL_ACTIONS = {name: action_for_signal(signum) for signum, name in CONTROL_FILES.items()}
 
 
 def signal_name(signum: int) -> str:
@@ -88,7 +90,7 @@ class TriggerDir:
     """The per-job trigger directory ``<trigger_root>/<job_id>`` (mode 0700).
 
     Args:
-        job_id: the job's id (shared by every rank and the launcher through ``OSFT_JOB_ID``).
+        job_id: the job's id (shared by every rank and the launcher through :data:`..contract.JOB_ID_ENV`).
         root: parent directory (default :func:`trigger_root`).
     """
 

@@ -26,10 +26,6 @@ from ..rundir import STEP_DIR
 from .manifest import MANIFEST, CheckpointError, Manifest, read_manifest, verify_files
 from .safe_load import SafeFileSystemReader
 
-#: Environment variable the launcher sets to the checkpoint it has already verified (checksums),
-#: so rank 0 does not hash it a second time.
-VERIFIED_CHECKPOINT_ENV = "OSFT_VERIFIED_CHECKPOINT"
-
 
 def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
     """Verify a ``step_<N>`` checkpoint and the frozen OSFT factors its manifest references.

@@ -4,6 +4,7 @@ state is not simply run.json's."""
 
 from __future__ import annotations
 
+from osft.trainer.contract import RunState
 from rich.text import Text
 from textual.widgets import Static
 
@@ -12,8 +13,8 @@ from ..run_state import RunModel
 from ..status import Status
 
 #: Colour of each state.
-STATE_STYLE = {"running": "green", "checkpointing": "yellow", "starting": "cyan", "stopped": "yellow",
-               "completed": "green", "failed": "bold red", "dead": "bold red", "launch failed": "bold red",
+STATE_STYLE = {RunState.RUNNING: "green", RunState.CHECKPOINTING: "yellow", RunState.STARTING: "cyan",
+               RunState.STOPPED: "yellow", RunState.COMPLETED: "green", RunState.FAILED: "bold red", "dead": "bold red", "launch failed": "bold red",
                "unreadable run.json": "bold red"}
 
 
@@ -33,7 +34,7 @@ class RunHeader(Static):
         text.append(f"  elapsed {fmt_duration(status.elapsed_s)}")
         if status.eta_s is not None:
             text.append(f"  ETA {fmt_duration(status.eta_s)}")
-        if status.last_step_age_s is not None and status.state in ("running", "checkpointing"):
+        if status.last_step_age_s is not None and status.state in (RunState.RUNNING, RunState.CHECKPOINTING):
             text.append(f"  last step {fmt_duration(status.last_step_age_s)} ago",
                         "bold yellow" if status.stalled else "dim")
             if status.stalled:

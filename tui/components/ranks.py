@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from osft.trainer.checkpoint.signals import signal_name
-from osft.trainer.exit_codes import EXIT_STOPPED
+from osft.trainer.contract import ended_well
 from rich.markup import escape
 from textual.widgets import DataTable
 
@@ -60,7 +60,7 @@ def rank_state(info: RankInfo, stats: ProcStats | None, node_code: int | None = 
     (another host)."""
     if info.exit_code is None and not info.error and node_code is not None and not (stats and stats.alive):
         ended = f"ended (node code {node_code})"
-        return ended if node_code in (0, EXIT_STOPPED) else f"[b red]{ended}[/]"
+        return ended if ended_well(node_code) else f"[b red]{ended}[/]"
     if stats is None:
         return "remote" if info.exit_code is None else f"exited (code {info.exit_code})"
     if stats.alive:
@@ -76,5 +76,5 @@ def rank_state(info: RankInfo, stats: ProcStats | None, node_code: int | None = 
         return f"[b red]killed by {by}[/] (exit code {info.exit_code})"
     if info.exit_code is not None:
         exited = f"exited (code {info.exit_code})"
-        return exited if info.exit_code in (0, EXIT_STOPPED) else f"[b red]{exited}[/]"
+        return exited if ended_well(info.exit_code) else f"[b red]{exited}[/]"
     return "[b red]gone[/] (no exit record)"

@@ -1,0 +1,164 @@
+"""``trainer_state.json`` of a full-state checkpoint as one typed object, and what must match
+between it and the run resuming from it (docs/architecture.md section 5).
+
+The check runs in the launcher before any rank starts and again on every rank
+(tests/test_resume.py::test_periodic_checkpoints_retention_vocab_and_bad_checkpoints); the
+optimisation settings may change, and the resumed run uses them from its first step
+(tests/test_resume_settings.py). Standard library only: the launcher's checks stay free of torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .manifest import CheckpointError
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+#: Plain trainer state of a checkpoint (step, counters, scheduler, data position, settings).
+TRAINER_STATE = "trainer_state.json"
+
+#: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
+RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
+                   "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
+                   "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces",
+                   "data_format", "train_reasoning", "train_last_turn_only", "chat_template", "eval_split")
+#: Settings that may change on resume: the resumed run uses this run's values from its first step
+#: (AdamW's hyperparameters through :func:`.full_state.with_run_hyperparameters`, the schedule through
+#: :func:`..schedule.restore_position`, the clipping threshold and length read every step), with a
+#: warning that the trajectory then differs from an uninterrupted run.
+RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
+                        "max_grad_norm", "max_steps", "num_epochs")
+
+
+def run_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings a checkpoint records: :data:`RESUME_SETTINGS` and :data:`RESUME_WARN_SETTINGS` of ``cfg``."""
+    return {k: getattr(cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
+
+
+def _flag(key: str) -> str:
+    return f"--{key.replace('_', '-')}"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The model a checkpoint was saved from: its vocabulary size (rows of the input embedding,
+    after any resize for the tokenizer) and its ``config.model_type``."""
+
+    vocab_size: int
+    model_type: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerState:
+    """The plain (non-tensor) training state after ``step`` optimizer steps, as ``trainer_state.json``
+    holds it; the keys of the file are the field names, in this order.
+
+    Attributes:
+        step: optimizer steps done (1-based count; 0 before the first).
+        epoch: the 0-based epoch of the next step's data position.
+        sampler: the data position of the next step (:meth:`..data.sampler.GlobalBatchSampler.state`:
+            seed, batch size, sample count, a mixture's sizes and weights and positions,
+            ``next_epoch``, ``next_index``).
+        counters: ``ortho_violations_total``, ``samples_seen``, ``tokens_seen``.
+        scheduler: the LR scheduler's ``state_dict()`` (torch.optim.lr_scheduler.LambdaLR).
+        world_size: ranks of the job that saved it.
+        total_steps: the run length the schedule was built for (None in checkpoints older than it).
+        settings: :func:`run_settings` of the saving run.
+        model: :class:`ModelFacts`.
+        osft_plan: module name -> :meth:`..osft.plan.ModulePlan.to_dict` (None with ``--no-osft``).
+        monitor: the evaluation and divergence state (:meth:`..monitor.RunMonitor.state_dict`;
+            None in checkpoints older than it).
+    """
+
+    step: int
+    epoch: int
+    sampler: dict[str, Any]
+    counters: dict[str, int]
+    scheduler: dict[str, Any]
+    world_size: int
+    total_steps: int | None = None
+    settings: dict[str, Any]
+    model: ModelFacts
+    osft_plan: dict[str, dict] | None = None
+    monitor: dict | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The content of ``trainer_state.json`` (plain JSON data)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: str | Path = TRAINER_STATE) -> TrainerState:
+        """The state from the content of ``trainer_state.json``; keys it does not know are ignored.
+
+        Raises:
+            CheckpointError: a required key is missing (``source`` names the file in the message).
+        """
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.name not in data]
+        if required:
+            raise CheckpointError(f"{source}: missing {', '.join(required)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in known}
+        return cls(**{**fields, "model": ModelFacts(**data["model"])})
+
+    @classmethod
+    def read(cls, step_dir: Path) -> TrainerState:
+        """``step_dir/trainer_state.json`` (JSON: nothing in it can run code).
+
+        Raises:
+            OSError: the file cannot be read. ValueError: it is not JSON.
+            CheckpointError: a required key is missing.
+        """
+        path = Path(step_dir) / TRAINER_STATE
+        return cls.from_json(json.loads(path.read_text()), path)
+
+    def write(self, step_dir: Path) -> None:
+        """Write ``step_dir/trainer_state.json``."""
+        (Path(step_dir) / TRAINER_STATE).write_text(json.dumps(self.to_json(), indent=1))
+
+    def check_compatible(self, cfg: TrainConfig, world_size: int, layout: dict, path: Path) -> list[str]:
+        """Compare this checkpoint state (of ``path``) with the run about to resume from it.
+
+        Args:
+            cfg: the resuming run's config. world_size: its ranks.
+            layout: its sampler's ``layout()`` (:mod:`..data.sampler`: the data size, a mixture's
+                sizes and weights), which must be the checkpoint's.
+
+        Returns:
+            one warning per optimisation setting that changed (:data:`RESUME_WARN_SETTINGS`): it is
+            used from the first resumed step on, so the run is no longer bit-identical to an
+            uninterrupted one.
+
+        Raises:
+            CheckpointError: another world size, batch size, micro-batch budget, seed, data size,
+                mixture or OSFT setting; the message gives both values.
+        """
+        if self.world_size != world_size:
+            raise CheckpointError(f"checkpoint {path} was saved with {self.world_size} ranks, now {world_size}: "
+                                  "a bit-identical resume needs the same world size")
+        if self.sampler["num_samples"] != layout["num_samples"]:
+            raise CheckpointError(f"checkpoint {path} was saved with {self.sampler['num_samples']} training samples, "
+                                  f"the data now has {layout['num_samples']}: the data position would not match")
+        if self.sampler.get("mixture") != layout.get("mixture"):
+            raise CheckpointError(f"checkpoint {path} was saved with the mixture (samples, weight per --data-path) "
+                                  f"{self.sampler.get('mixture')}, this run has {layout.get('mixture')}: "
+                                  "the data positions would not match")
+        for key in RESUME_SETTINGS:
+            if self.settings.get(key, getattr(cfg, key)) != getattr(cfg, key):
+                raise CheckpointError(f"checkpoint {path} was saved with {_flag(key)} {self.settings[key]}, "
+                                      f"this run has {getattr(cfg, key)}: resume with the same setting")
+        return [f"{_flag(k)} changed from {old} to {new} since checkpoint {path}: used from step "
+                f"{self.step + 1} on, so the resumed run differs from an uninterrupted one"
+                for k, (old, new) in self.changed_settings(cfg).items()]
+
+    def changed_settings(self, cfg: TrainConfig) -> dict[str, tuple]:
+        """``{setting: (checkpoint's value, this run's value)}`` for every optimisation setting of
+        :data:`RESUME_WARN_SETTINGS` that differs between this state and ``cfg``."""
+        return {k: (self.settings[k], getattr(cfg, k)) for k in RESUME_WARN_SETTINGS
+                if self.settings.get(k, getattr(cfg, k)) != getattr(cfg, k)}
