@@ -65,7 +65,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     Raises:
         DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count,
-            protected subspaces that do not fit the model, or a warmup that would leave every step
+            protected subspaces that do not fit the model, ``--freeze-router`` for a model without
+            MoE routers, or a warmup that would leave every step
             at learning rate 0 (:func:`.schedule.check_warmup`).
         CheckpointError: the checkpoint to resume from is incomplete or corrupt, or was saved with
             another world size, batch setting, data or OSFT setting.
@@ -79,8 +80,9 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from .data.positions import check_positions, position_limit
     from .data.sampler import check_enough_samples, make_sampler
     from .eval_sets import load_eval_sets, split_training_data
-    from .model_build import load_protected_bases
+    from .model_build import load_protected_bases, meta_model
     from .model_loading import load_tokenizer
+    from .osft.freeze import freeze_routers
     from .schedule import check_warmup
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
@@ -97,6 +99,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     console.print(f"data: {len(data)} samples validated", markup=False, highlight=False, soft_wrap=True)
     if not (cfg.resume or cfg.resume_from_full_state_checkpoint):
         load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
+    if cfg.freeze_router:  # a model without MoE routers fails here
+        freeze_routers(meta_model(cfg.model_name_or_path), cfg.model_name_or_path)
     resume = cfg
     if cfg.resume:
         found, skipped = newest_complete(RunDir(cfg.output_dir).checkpoints)
