@@ -63,7 +63,10 @@ def test_flag_parses_and_comes_from_a_config_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("activation_checkpointing: true\n")
     base = ["--model-name-or-path", "m", "--data-path", "d.jsonl", "--output-dir", "o"]
-    resolve = lambda argv: config_from_args(parse_with_config_file(build_parser(), argv))  # noqa: E731
+
+    def resolve(argv):
+        return config_from_args(parse_with_config_file(build_parser(), argv))
+
     assert resolve(base).activation_checkpointing is False
     assert resolve([*base, "--activation-checkpointing"]).activation_checkpointing is True
     assert resolve([*base, "--config", str(path)]).activation_checkpointing is True
