@@ -54,3 +54,22 @@ def test_gpu_check_cpu_smoke_resumes_bit_exact(tmp_path):
     assert result["resume"]["checkpoint_step"] >= 4 and result["resume"]["steps_compared"][-1] == 10
     for method in ("osft", "full_ft"):
         assert result["methods"][method]["tokens_per_s"] > 0 and 0 < result["methods"][method]["mfu"]
+
+
+@pytest.mark.bench
+def test_bench_activation_checkpointing_quick_measures_both_settings(tmp_path):
+    """One worker per setting, the same micro-batch: the same loss and gradient norm, memory and
+    time measured (their sizes are never asserted)."""
+    out = tmp_path / "actckpt.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_activation_checkpointing.py"), "--quick",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    osft = result["methods"]["osft"]
+    off, on = osft["off"], osft["on"]
+    assert 0 < off["num_tokens"] == on["num_tokens"] <= result["settings"]["tokens_per_micro_batch"] == 512
+    assert osft["same_loss_and_grad_norm"] and off["loss"] == on["loss"] > 0
+    for r in (off, on):
+        assert r["step_time_s"] > 0 and r["step_peak_rss_bytes"] >= r["rss_before_step_bytes"] > 0
+        assert r["process_peak_rss_bytes"] >= r["step_peak_rss_bytes"] * 0.99  # ru_maxrss: kB granularity
+    assert osft["ratios_on_vs_off"]["step_peak_rss"] == on["step_peak_rss_bytes"] / off["step_peak_rss_bytes"]

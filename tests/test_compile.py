@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_llama
+from osft.trainer.activation_checkpointing import enable_activation_checkpointing
 from osft.trainer.compile import compile_blocks
 from osft.trainer.osft.settings import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft
 
 
-@pytest.mark.parametrize("form", ["dense", "split"])
-def test_osft_blocks_compile_without_graph_breaks(form):
+@pytest.mark.parametrize("form,checkpointing", [("dense", False), ("split", False), ("split", True)],
+                         ids=["dense", "split", "split-activation-checkpointing"])
+def test_osft_blocks_compile_without_graph_breaks(form, checkpointing):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -30,6 +32,8 @@ def test_osft_blocks_compile_without_graph_breaks(form):
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     eager_loss, eager_grads = loss_and_grads()
+    if checkpointing:  # --activation-checkpointing with --compile: the checkpoint is captured in the graph
+        assert enable_activation_checkpointing(model) == 2
     assert compile_blocks(model, backend="eager") == 2
     loss, grads = loss_and_grads()
     assert dict(counters["graph_break"]) == {}

@@ -145,9 +145,10 @@ def train(model_dir, data, out, *flags):
 
 
 def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_exactly(tmp_path, monkeypatch, capsys):
-    """One rank in-process, tiny Qwen3-MoE: 2 steps with a checkpoint at step 1 and a resume from it
-    (same losses and state hash at step 2, same export); the export reloads with the original
-    parameter names and shapes, its experts changed, and generates; no unconstrained-weights warning."""
+    """One rank in-process, tiny Qwen3-MoE with ``--freeze-router``: 2 steps with a checkpoint at
+    step 1 and a resume from it (same losses and state hash at step 2, same export); the export
+    reloads with the original parameter names and shapes, its experts changed and its routers did
+    not, and generates; no unconstrained-weights warning."""
     from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
     from safetensors.torch import load_file
 
@@ -160,10 +161,11 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     tokenizer.save_pretrained(source)
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 2)
     ref = tmp_path / "ref"
-    assert train(source, data, ref, "--max-steps", "2", "--checkpoint-every-steps", "1") == 0
-    assert "OSFT's constraint" not in capsys.readouterr().err.replace("\n", "")
+    assert train(source, data, ref, "--max-steps", "2", "--checkpoint-every-steps", "1", "--freeze-router") == 0
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "OSFT's constraint" not in err and "MoE routers frozen: 2 parameters" in err
     resumed = tmp_path / "resumed"
-    assert train(source, data, resumed, "--max-steps", "2", "--resume-from-full-state-checkpoint",
+    assert train(source, data, resumed, "--max-steps", "2", "--freeze-router", "--resume-from-full-state-checkpoint",
                  str(ref / "full_state_checkpoints" / "step_1")) == 0
 
     def steps(out):
@@ -181,6 +183,8 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     for e in range(4):
         assert not torch.equal(a[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"],
                                before[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"])
+    for layer in (0, 1):
+        assert torch.equal(a[f"model.layers.{layer}.mlp.gate.weight"], before[f"model.layers.{layer}.mlp.gate.weight"])
     reloaded = AutoModelForCausalLM.from_pretrained(ref / "hf_format" / "step_2").eval()
     shapes = {k: tuple(v.shape) for k, v in reloaded.state_dict().items()}
     assert shapes == {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -189,3 +193,33 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
                                         return_tensors="pt", return_dict=True)["input_ids"]
     generated = reloaded.generate(ids, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > ids.shape[1]
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_freeze_router_freezes_exactly_the_routers(model_type):
+    """On the fused experts (as the launcher checks a model before any rank starts) and after the
+    surgery (as the trainer freezes it): the routers' weights (and gpt-oss's router bias) only."""
+    from osft.trainer.osft.freeze import freeze_routers
+
+    router = "router" if model_type == "gpt_oss" else "gate"
+    want = sorted(f"model.layers.{i}.mlp.{router}.{p}" for i in (0, 1)
+                  for p in (("weight", "bias") if model_type == "gpt_oss" else ("weight",)))
+    for surgery in (False, True):
+        model = moe_model(model_type)
+        if surgery:
+            apply_osft(model, OSFTSettings(urr=0.25, max_tokens_per_micro_batch=64))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert freeze_routers(model, "m") == want
+        assert sorted(trainable - {n for n, p in model.named_parameters() if p.requires_grad}) == want
+        assert any(".experts." in n for n in trainable - set(want))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_freeze_router_on_a_dense_model_is_an_input_error(tiny_model_dir, tmp_path, capsys, ranks):
+    """One rank: the trainer refuses it while it prepares; two ranks: the launcher before any rank starts."""
+    from helpers import QA, chat, write_jsonl
+
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA])
+    assert train(tiny_model_dir, data, tmp_path / "r", "--freeze-router", "--nproc-per-node", str(ranks)) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    assert f"--freeze-router: {tiny_model_dir} (LlamaForCausalLM) has no MoE router to freeze" in err

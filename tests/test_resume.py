@@ -168,10 +168,14 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
     resumed_from = []
     for n, (step, point, micro, sig, saved) in enumerate(STOPS):
         lines_before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-        flags = ("--resume",) if n else ()
-        code, output = train(job, out, *flags, env={"OSFT_JOB_ID": job_id, "OSFT_TEST_SIGNAL_AT": f"{step}:{point}:{micro}:{sig}"})
+        # Segments 1 and 3 recompute activations (--activation-checkpointing, FSDP2 and attention
+        # dropout): their steps still equal the reference's bit for bit.
+        flags = (("--resume",) if n else ()) + (("--activation-checkpointing",) if n % 2 else ())
+        code, output = train(job, out, *flags,
+                             env={"OSFT_JOB_ID": job_id, "OSFT_TEST_SIGNAL_AT": f"{step}:{point}:{micro}:{sig}"})
         assert code == EXIT_STOPPED, output
         segment = [json.loads(line) for line in metrics.read_text().splitlines()[lines_before:]]
+        assert [r["config"]["activation_checkpointing"] for r in segment if r["event"] == "run_started"] == [n % 2 == 1]
         steps = [r for r in segment if r["event"] == "step"]
         first = resumed_from[-1] + 1 if resumed_from else 1
         assert [r["step"] for r in steps] == list(range(first, saved + 1)), (sig, [r["step"] for r in steps])
@@ -231,8 +235,9 @@ def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
     ref = tmp_path / "ref"
     assert train(job, ref, "--no-osft")[0] == 0
     # A slow save (field case B02) still completes inside the grace period.
+    # With --activation-checkpointing (two ranks, FSDP2, attention dropout): the same steps bit for bit.
     out, saved_step = exit_and_resume(job, tmp_path, "after_backward", 0, "SIGXCPU", "--no-osft",
-                                      env={"OSFT_TEST_SAVE_DELAY_S": "4"})
+                                      "--activation-checkpointing", env={"OSFT_TEST_SAVE_DELAY_S": "4"})
     assert_same_steps(out, ref, saved_step + 1)
     assert not list((out / "full_state_checkpoints").glob("frozen_*"))
 

@@ -60,6 +60,7 @@ class TrainConfig:
     osft_cache_v_high: bool = False
     osft_forward: str = "auto"
     freeze_non_target: bool = False
+    freeze_router: bool = False
     osft_rank_schedule: str = "uniform"
     osft_importance_samples: int = 32
     osft_min_frozen_ratio: float = 0.5
@@ -78,6 +79,7 @@ class TrainConfig:
     dtype: str = "auto"
     save_dtype: str = "bfloat16"
     compile: bool = False
+    activation_checkpointing: bool = False
     # outputs
     hf_export_every_steps: int = 0
     logging_steps: int = 1
@@ -283,6 +285,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--freeze-non-target", action="store_true",
                    help="train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), "
                    "norms and every other parameter stay frozen (not with --no-osft)")
+    g.add_argument("--freeze-router", action="store_true",
+                   help="MoE models: keep every router (the gate choosing the experts of each token) as it is; the "
+                   "experts still train (an error for a model without MoE blocks)")
     g.add_argument("--osft-rank-schedule", choices=["uniform", "importance"], default=d.osft_rank_schedule,
                    help="uniform: every target uses --osft-unfreeze-rank-ratio; importance: each decoder block's "
                    "frozen fraction follows its input/output cosine similarity on the first training samples "
@@ -325,6 +330,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder block's forward (OSFT modules included; the gradient and "
                         "parameter projections run outside the compiled code)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder block's activations in the backward pass instead of keeping them "
+                        "(less memory, about one more forward per step; gradients unchanged, bit for bit on CPU)")
     g.add_argument("--hf-export-every-steps", type=non_negative_int, default=d.hf_export_every_steps,
                    help="also export hf_format/step_N every N steps (0: only at the end)")
     g.add_argument("--logging-steps", type=positive_int, default=d.logging_steps, help="console update interval, steps")

@@ -76,7 +76,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     Raises:
         DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count,
-            protected subspaces that do not fit the model, or a warmup that would leave every step
+            protected subspaces that do not fit the model, ``--freeze-router`` for a model without
+            MoE routers, or a warmup that would leave every step
             at learning rate 0 (:func:`.schedule.check_warmup`).
         CheckpointError: the checkpoint to resume from is incomplete or corrupt, or was saved with
             another world size, batch setting, data or OSFT setting.
@@ -84,8 +85,9 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from dataclasses import replace
 
     from .data.cache import tokenize_source
-    from .model_build import load_protected_bases
+    from .model_build import load_protected_bases, meta_model
     from .model_loading import load_tokenizer
+    from .osft.freeze import freeze_routers
     from .startup import check_data, check_start, choose_checkpoint, load_data, resume_requested
 
     tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
@@ -102,6 +104,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     say(f"data: {len(data.train)} samples validated")
     if not resume_requested(cfg):
         load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
+    if cfg.freeze_router:  # a model without MoE routers fails here
+        freeze_routers(meta_model(cfg.model_name_or_path), cfg.model_name_or_path)
     choice = choose_checkpoint(cfg)
     for line in choice.skipped:
         say(f"resume: {line}")

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
+from .activation_checkpointing import enable_activation_checkpointing
 from .checkpoint.full_state import (
     Checkpointer,
     capture_rng,
@@ -66,7 +67,7 @@ from .metrics import MetricsLogger
 from .model_build import build_model, load_protected_bases
 from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import RunEnd, RunMonitor
-from .osft.freeze import count_parameters, freeze_non_targets
+from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ModulePlan, plan_table
@@ -293,10 +294,15 @@ class Trainer:
                 self._report_rank_plan()
         if self.osft and self.dist.rank == 0:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
+        if cfg.activation_checkpointing:
+            self._say(f"activation checkpointing: {enable_activation_checkpointing(self.model)} decoder blocks "
+                      "recompute their activations in the backward pass")
         if cfg.compile:
             self._say(f"compile: {compile_blocks(self.model)} decoder blocks (torch.compile, inductor)")
         if cfg.freeze_non_target:
             freeze_non_targets(self.model, self.osft)
+        if cfg.freeze_router:
+            self._say(f"MoE routers frozen: {len(freeze_routers(self.model, cfg.model_name_or_path))} parameters")
         self._say(count_parameters(self.model, self.osft).describe())
         if self.osft and self.dist.rank == 0:
             warning, note = describe_unconstrained(self.model, [name for name, _ in self.osft.modules])

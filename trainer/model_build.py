@@ -27,13 +27,19 @@ from .osft.targets import find_target_modules, weight_shape
 from .sharding import shard_and_broadcast
 
 
-def target_shapes(path: str, patterns: list[str] | None) -> dict[str, tuple[int, int]]:
-    """(N, M) of every OSFT target of the model at ``path``, by module name, from its config alone
-    (the model is built on the meta device: no weights read)."""
+def meta_model(path: str) -> nn.Module:
+    """The architecture of the model at ``path`` built from its config alone on the meta device
+    (no weights read, no memory for them): for checks before any rank starts."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(path))
+        return AutoModelForCausalLM.from_config(load_config(path))
+
+
+def target_shapes(path: str, patterns: list[str] | None) -> dict[str, tuple[int, int]]:
+    """(N, M) of every OSFT target of the model at ``path``, by module name, from its config alone
+    (:func:`meta_model`)."""
+    model = meta_model(path)
     return {name: weight_shape(model.get_submodule(name))
             for name in find_target_modules(model, model.config.model_type, patterns)}
 

@@ -26,7 +26,7 @@ TRAINER_STATE = "trainer_state.json"
 #: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
 RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
                    "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
-                   "osft_max_frozen_ratio", "freeze_non_target", "train_on_all", "overlong", "osft_protect_subspaces",
+                   "osft_max_frozen_ratio", "freeze_non_target", "freeze_router", "train_on_all", "overlong", "osft_protect_subspaces",
                    "data_format", "train_reasoning", "train_last_turn_only", "chat_template", "eval_split")
 #: Settings that may change on resume: the resumed run uses this run's values from its first step
 #: (AdamW's hyperparameters through :func:`.full_state.with_run_hyperparameters`, the schedule through

@@ -108,7 +108,8 @@ def router_parameters(model: nn.Module) -> set[str]:
     """Full names of the MoE routers' parameters: those of every module beside an experts module
     (fused, or an :class:`OSFTExperts` after the surgery; its siblings in the MoE block) whose
     ``weight`` has one row per expert (E×H). They stay normal trainable parameters (not OSFT
-    targets), or are frozen with ``--freeze-non-target``."""
+    targets), or are frozen with ``--freeze-router`` (:func:`.freeze.freeze_routers`) or
+    ``--freeze-non-target``."""
     names = set()
     for name, module in model.named_modules():
         experts = _expert_count(module)

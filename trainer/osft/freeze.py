@@ -1,4 +1,5 @@
-"""``--freeze-non-target``: train only the OSFT targets, and count trainable parameters.
+"""``--freeze-non-target``: train only the OSFT targets; ``--freeze-router``: keep the MoE routers
+as they are; and the count of trainable parameters.
 
 By default every parameter that is not an OSFT target (embeddings, LM head, norms, biases of
 non-target layers) trains normally next to the low-rank factors. Freezing them leaves AdamW only
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .experts import router_parameters
 from .surgery import OSFTModel
 
 
@@ -32,6 +34,33 @@ def freeze_non_targets(model: nn.Module, osft: OSFTModel) -> None:
     for p in model.parameters():
         if id(p) not in keep:
             p.requires_grad_(False)
+
+
+def freeze_routers(model: nn.Module, source: str) -> list[str]:
+    """``--freeze-router``: set ``requires_grad=False`` on the router (gate) parameters of every MoE
+    block of ``model`` (:func:`.experts.router_parameters`: the E×H weight beside an experts
+    module, and its bias), which otherwise train as normal parameters. The experts keep training
+    (under OSFT, or fully with ``--no-osft``). Works before or after FSDP2's ``fully_shard`` and
+    on a model on the meta device (the launcher's check before any rank starts); call it before
+    the optimizer is built.
+
+    Args:
+        source: the model's path, for the error message.
+
+    Returns:
+        The frozen parameters' full names.
+
+    Raises:
+        ValueError: ``model`` has no MoE router (no fused experts module; names ``source``).
+    """
+    names = router_parameters(model)
+    if not names:
+        raise ValueError(f"--freeze-router: {source} ({type(model).__name__}) has no MoE router to freeze: it has no "
+                         "mixture-of-experts block (fused experts module beside an E x hidden router weight)")
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+    return sorted(names)
 
 
 @dataclass(frozen=True)
