@@ -37,7 +37,7 @@ class RunBrowser(Screen[Path]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        for name, width in (("run", 24), ("state", 13), ("step", 7), ("last loss", 9), ("age", 9)):
+        for name, width in (("run", 24), ("state", 13), ("step", 7), ("last loss", 9), ("age", 13)):
             table.add_column(name, key=name, width=width)
         self.action_refresh()
         table.focus()
