@@ -210,8 +210,10 @@ class Dashboard(Screen):
         told = (status.state, status.detail)
         if told != self._told and status.detail and status.state != "starting":
             self.log_event(f"{status.state}: {status.detail}", "bold red" if status.state in ALARMS else "yellow")
-        if self._told is not None and self._told[0] not in BELL_STATES and status.state in BELL_STATES:
-            self.app.bell()
+        was = self._told[0] if self._told is not None else None  # None: just attached
+        if was is not None and was != status.state:
+            if was not in BELL_STATES and status.state in BELL_STATES:
+                self.app.bell()
             if status.state == "completed" and self.run is not None:
                 where = f"export: {self.run.export_dir} (y copies it)" if self.run.export_dir else "no export recorded"
                 self.notify(where, title="run completed", timeout=30)

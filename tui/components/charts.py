@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from rich.markup import escape
+from textual.app import RenderResult
 from textual_plotext import PlotextPlot
 
 from ..run_state import RunModel
@@ -51,8 +52,10 @@ def _label(value: float, spacing: float) -> str:
 
 class Chart(PlotextPlot):
     """A line chart of labelled curves over the optimizer steps, its title and legend in its top
-    border (in the curves' colours), only its step and value axes drawn; :meth:`draw` replots only
-    when what it shows changed (plotext builds the whole picture on every render).
+    border (in the curves' colours), only its step and value axes drawn. plotext builds the whole
+    picture on every render, and Textual renders every widget of a screen again when the screen
+    comes back (help closed, say): :meth:`render` builds it again only when the curves (as
+    :meth:`draw` last got them), the size or the theme changed.
 
     Attributes:
         curves: ``(label, curve)`` of each curve drawn.
@@ -64,35 +67,50 @@ class Chart(PlotextPlot):
         self._drawn: object = None
         self.curves: list[tuple[str, Curve]] = []
         self.value_range: tuple[float, float] | None = None
+        self._picture: tuple[object, RenderResult] | None = None
 
     def draw(self, title: str, curves: list[tuple[str, Curve]], zero_based: bool = False) -> None:
-        """Plot ``curves`` (``(label, curve)``) under ``title``; with ``zero_based`` the value axis
+        """Show ``curves`` (``(label, curve)``) under ``title``; with ``zero_based`` the value axis
         starts at 0, so equal heights mean equal values across curves."""
         curves = [(label, c) for label, c in curves if c.steps]
         key = (title, zero_based, [(label, c.steps[-1], c.values[-1], len(c.steps), c.stride) for label, c in curves])
         if key == self._drawn:
             return
         self._drawn, self.curves, self.value_range = key, curves, None
-        colours = [COLOURS[i % len(COLOURS)] for i in range(len(curves))]
-        legend = "  ".join(f"[{colour}]━ {escape(label)}[/]" for (label, _), colour in zip(curves, colours))
+        legend = "  ".join(f"[{colour}]━ {escape(label)}[/]" for (label, _), colour in zip(curves, self._colours()))
         self.border_title = f"{escape(title)}  {legend}" if curves else f"{escape(title)}: no data yet"
-        plt = self.plt
-        plt.clear_figure()
-        plt.xaxes(True, False)
-        plt.yaxes(True, False)
         if curves:
-            for (_, c), colour in zip(curves, colours):
-                plt.plot(c.steps, c.values, marker="braille", color=colour)
-            plt.xticks(*nice_ticks(min(c.steps[0] for _, c in curves), max(c.steps[-1] for _, c in curves), whole=True))
             top = max(max(c.values) for _, c in curves)
             bottom = 0.0 if zero_based else min(min(c.values) for _, c in curves)
             if top <= bottom:  # one value: a band around it
                 pad = abs(top) * 0.1 or 1.0
                 bottom, top = (bottom if zero_based else bottom - pad), top + pad
-            plt.ylim(bottom, top)
             self.value_range = (bottom, top)
-            plt.yticks(*nice_ticks(bottom, top))
         self.refresh()
+
+    def _colours(self) -> list[str]:
+        return [COLOURS[i % len(COLOURS)] for i in range(len(self.curves))]
+
+    def render(self) -> RenderResult:
+        """The plot of :attr:`curves` at the widget's size: as many value ticks as its rows hold
+        apart (at most :data:`TICKS` + 1)."""
+        key = (self._drawn, self.size, self.app.theme, self.theme)
+        if self._picture is not None and self._picture[0] == key:
+            return self._picture[1]
+        plt = self.plt
+        plt.clear_figure()
+        plt.xaxes(True, False)
+        plt.yaxes(True, False)
+        if self.curves and self.value_range:
+            for (_, c), colour in zip(self.curves, self._colours()):
+                plt.plot(c.steps, c.values, marker="braille", color=colour)
+            plt.xticks(*nice_ticks(min(c.steps[0] for _, c in self.curves), max(c.steps[-1] for _, c in self.curves),
+                                   whole=True))
+            plt.ylim(*self.value_range)
+            rows = self.size.height - 2  # under them: the step axis and its labels
+            plt.yticks(*nice_ticks(*self.value_range, most=max(1, min(TICKS, rows - 1))))
+        self._picture = (key, super().render())
+        return self._picture[1]
 
 
 class MetricChart(Chart):
