@@ -92,7 +92,8 @@ class Chart(PlotextPlot):
         return [COLOURS[i % len(COLOURS)] for i in range(len(self.curves))]
 
     def render(self) -> RenderResult:
-        """The plot of :attr:`curves` at the widget's size: as many value ticks as its rows hold
+        """The plot of :attr:`curves` at the widget's size: no more points per curve than it has
+        dots across (plotext's time grows with the points), as many value ticks as its rows hold
         apart (at most :data:`TICKS` + 1)."""
         key = (self._drawn, self.size, self.app.theme, self.theme)
         if self._picture is not None and self._picture[0] == key:
@@ -102,8 +103,9 @@ class Chart(PlotextPlot):
         plt.xaxes(True, False)
         plt.yaxes(True, False)
         if self.curves and self.value_range:
+            dots = max(2, 2 * self.size.width)  # a braille cell is 2 dots wide
             for (_, c), colour in zip(self.curves, self._colours()):
-                plt.plot(c.steps, c.values, marker="braille", color=colour)
+                plt.plot(*_thinned(c, dots), marker="braille", color=colour)
             plt.xticks(*nice_ticks(min(c.steps[0] for _, c in self.curves), max(c.steps[-1] for _, c in self.curves),
                                    whole=True))
             plt.ylim(*self.value_range)
@@ -140,6 +142,15 @@ class ThroughputChart(Chart):
     def show(self, model: RunModel) -> None:
         """Draw every node's tokens/s curve."""
         self.draw("tokens/s per node", [(f"node {n}", s.tokens) for n, s in sorted(model.nodes.items())], zero_based=True)
+
+
+def _thinned(curve: Curve, most: int) -> tuple[list[int], list[float]]:
+    """Steps and values of ``curve``: every k-th point, so that at most ``most`` + 1 remain, and the latest."""
+    k = -(-len(curve.steps) // most)
+    steps, values = curve.steps[::k], curve.values[::k]
+    if steps[-1] != curve.steps[-1]:
+        steps, values = [*steps, curve.steps[-1]], [*values, curve.values[-1]]
+    return steps, values
 
 
 def _curves(model: RunModel, wanted: tuple[str, ...]) -> list[tuple[str, Curve]]:
