@@ -15,7 +15,7 @@ from ..run_state import RunModel
 from ..series import Curve
 
 #: The metric chart's views: name, title, and the curves of :attr:`RunModel.curves` it draws (a
-#: name ending in a space: every curve whose name starts with it, labelled with the rest).
+#: name ending in a space: every curve whose name starts with it, e.g. ``eval_loss chat``).
 VIEWS = (("loss", "loss, nats/token", ("loss", "eval_loss ")), ("lr", "learning rate", ("lr",)),
          ("grad_norm", "grad norm (before clipping)", ("grad_norm",)),
          ("forgetting", "forgetting, nats/token", ("forgetting ",)))
