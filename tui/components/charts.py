@@ -92,9 +92,9 @@ class Chart(PlotextPlot):
         return [COLOURS[i % len(COLOURS)] for i in range(len(self.curves))]
 
     def render(self) -> RenderResult:
-        """The plot of :attr:`curves` at the widget's size: no more points per curve than it has
-        dots across (plotext's time grows with the points), as many value ticks as its rows hold
-        apart (at most :data:`TICKS` + 1)."""
+        """The plot of :attr:`curves` at the widget's size: about one point per curve and column
+        (plotext's time grows with the points; its braille line still joins them at 2 dots per
+        column), as many value ticks as its rows hold apart (at most :data:`TICKS` + 1)."""
         key = (self._drawn, self.size, self.app.theme, self.theme)
         if self._picture is not None and self._picture[0] == key:
             return self._picture[1]
@@ -103,9 +103,8 @@ class Chart(PlotextPlot):
         plt.xaxes(True, False)
         plt.yaxes(True, False)
         if self.curves and self.value_range:
-            dots = max(2, 2 * self.size.width)  # a braille cell is 2 dots wide
             for (_, c), colour in zip(self.curves, self._colours()):
-                plt.plot(*_thinned(c, dots), marker="braille", color=colour)
+                plt.plot(*_thinned(c, max(2, self.size.width)), marker="braille", color=colour)
             plt.xticks(*nice_ticks(min(c.steps[0] for _, c in self.curves), max(c.steps[-1] for _, c in self.curves),
                                    whole=True))
             plt.ylim(*self.value_range)
