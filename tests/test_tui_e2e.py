@@ -9,7 +9,9 @@ import json
 
 import pytest
 from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
+from osft.trainer.plot import run_series
 from osft.tui.app import OsftTui
+from osft.tui.components.charts import MetricChart
 from osft.tui.components.checkpoints import CheckpointTable
 from osft.tui.components.new_run import NewRunScreen
 from textual.widgets import Input
@@ -91,5 +93,12 @@ async def _scenario(tmp_path, data, out):
         await pilot.press("s")
         await wait_until(pilot, lambda: dash.run.state == "stopped" and not dash.view.any_alive(), 90,
                          "the second stop")
+        # the loss chart holds the whole run once, as osft-train plot reads it (the resumed segment
+        # replaced the steps after the checkpoint it resumed from)
+        series, chart = run_series(out), dash.query_one(MetricChart)
+        assert series.loss.steps == list(range(1, series.loss.steps[-1] + 1))
+        await wait_until(pilot, lambda: chart.curves and chart.curves[0][1].steps == series.loss.steps, 10,
+                         "the chart of the whole run")
+        assert chart.curves[0][1].values == series.loss.values and dash.run.curves["lr"].values == series.lr.values
         await pilot.press("q")  # nothing runs: quits at once
     assert await no_processes_left(out)

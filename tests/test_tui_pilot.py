@@ -19,6 +19,7 @@ import psutil
 import pytest
 from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.tui.app import OsftTui
+from osft.tui.components.charts import ThroughputChart
 from osft.tui.components.checkpoints import CheckpointTable
 from osft.tui.components.header import RunHeader
 from osft.tui.format import fmt_rate
@@ -63,11 +64,13 @@ def alive(pid: int) -> bool:
 
 def run(tmp_path: Path, scenario) -> None:
     """Run ``scenario(app, pilot, out)`` in a dashboard with the fake trainer as its launcher, and
-    kill whatever of the run is left afterwards."""
+    kill whatever of the run is left afterwards. ``app.bells`` counts the terminal bells rung."""
     out = tmp_path / "run"
 
     async def main():
         app = OsftTui(None, launcher=[sys.executable, str(FAKE)], poll_s=0.1)
+        app.bells = []
+        app.bell = lambda: app.bells.append(app.dashboard.run.state)
         async with app.run_test(size=(140, 42)) as pilot:
             await scenario(app, pilot, out)
 
@@ -121,13 +124,16 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
         table = dash.query_one(NodeTable)
         for node in (0, 1):
             last = records(out, f"node{node}", "step")[-1]
-            row = table.get_row(f"node{node}")
-            assert row[0] == str(node) and row[2] == ("0-1" if node == 0 else "2-3")
-            assert row[3] == "6"
-            assert row[4] == fmt_rate(last["node_tokens_per_s"])
-            assert row[5] == f"{last['node_mfu']:.0%}"
-            assert row[7] == f"{last['loss']:.4f}"
-            assert row[11] == ("[b red]straggler[/]" if node == 1 else "")
+            def cell(column: str) -> str:
+                return str(table.get_cell(f"node{node}", column))
+
+            tokens = fmt_rate(last["node_tokens_per_s"])
+            assert cell("node") == ("[b red]1 slow[/]" if node == 1 else "0")  # the straggler, on its row
+            assert cell("ranks") == ("0-1" if node == 0 else "2-3") and cell("step") == "6"
+            assert cell("tokens/s") == (f"[b red]{tokens}[/]" if node == 1 else tokens)
+            assert cell("MFU") == f"{last['node_mfu']:.0%}" and cell("loss") == f"{last['loss']:.4f}"
+            assert cell("step time") == f"{last['step_time_s']:.2f} s" and cell("lr") == f"{last['lr']:.2e}"
+            assert cell("grad norm") == f"{last['grad_norm']:.3f}"
         steps = records(out, "node0", "step")
         total = steps[-1]["ortho_violations_total"]
         assert total > 0 and total == sum(r["ortho_violations"] for r in steps)
@@ -141,10 +147,20 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
         assert dash.run.state == "completed"
         # a rank that wrote no exit record of its own ended with its node, cleanly
         def states() -> list[str]:
-            return [str(ranks.get_row(f"rank{r}")[5]) for r in range(4)]
+            return [str(ranks.get_cell(f"rank{r}", "state")) for r in range(4)]
 
         clean = ("exited (code 0)", "ended (node code 0)")
         await wait_until(pilot, lambda: all(x in clean for x in states()), 10, f"every rank row in {clean}")
+
+        # the end rang the bell (a poll that saw the launchers gone before run.json's end is "dead":
+        # a second bell at most) and said where the export is; y copies that path
+        export = run_json(out)["export_dir"]
+        assert export and 1 <= len(app.bells) <= 2, app.bells
+        done = [n for n in app._notifications if n.title == "run completed"]
+        assert len(done) == 1 and done[0].message == f"export: {export} (y copies it)"
+        await pilot.press("y")
+        assert app.clipboard == export
+        assert any(n.title == "copied the export path" and n.message == export for n in app._notifications)
 
         # another run: every pane forgets this one; the form has the values of the last launch
         await pilot.press("n")
@@ -154,9 +170,9 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
         await fill_form(app, pilot, tmp_path, tmp_path / "second", nnodes=1, nproc=1, max_steps=300)
         await wait_until(pilot, lambda: app.screen is dash and dash.run.root == tmp_path / "second"
                          and dash.run.step, 30, "the second run's first step")
-        await pilot.pause(1.2)  # a slow redraw (rank table, sparklines)
+        await pilot.pause(1.2)  # a slow redraw (rank table, charts)
         assert set(table.rows) == {"node0"} and set(ranks.rows) == {"rank0"}
-        assert not dash.query("#tokens-node1")
+        assert [label for label, _ in dash.query_one(ThroughputChart).curves] == ["node 0"]
         events = "\n".join(line.text for line in dash.query_one("#events", RichLog).lines)
         assert "rank 3 started" not in events and not counters.has_class("alert")
         kill_run(tmp_path / "second")
@@ -180,6 +196,9 @@ def test_c_sends_exactly_one_sigusr1_and_the_checkpoint_is_listed_then_s_stops(t
         table = dash.query_one(CheckpointTable)
         assert table.get_row(saved[0]["path"])[0] == str(saved[0]["step"])
         assert table.get_row(saved[0]["path"])[1] == "complete"
+        await pilot.press("y")  # no export yet: the selected checkpoint
+        assert app.clipboard == saved[0]["path"]
+        assert any(n.title == f"copied the checkpoint of step {saved[0]['step']} path" for n in app._notifications)
         written = f"checkpoint of step {saved[0]['step']} written to {saved[0]['path']}"
         def events_with_save() -> str | None:
             text = "\n".join(line.text for line in dash.query_one("#events", RichLog).lines)
@@ -363,13 +382,14 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
         await launch(app, pilot, tmp_path, out, nproc=2, max_steps=50, extra="--fake-crash-rank 1 --fake-crash-step 3")
         dash = app.dashboard
         await wait_until(pilot, lambda: dash.run.state == "failed", 30, "the failure")
+        await wait_until(pilot, lambda: app.bells, 10, "the bell")
         ranks = dash.query_one(RankTable)
         # the run's state and the rank rows come from different files: on a busy machine the failure
         # can be read a poll before rank 1's row appears
         # the table redraws once per sample (1 s): wait until rank 1's row shows its end, then check it
-        await wait_until(pilot, lambda: "rank1" in ranks.rows and "exit code" in str(ranks.get_row("rank1")[5]), 30,
+        await wait_until(pilot, lambda: "rank1" in ranks.rows and "exit code" in str(ranks.get_cell("rank1", "state")), 30,
                          "rank 1's row to show its exit")
-        state = ranks.get_row("rank1")[5]
+        state = ranks.get_cell("rank1", "state")
         assert state.startswith("[b red]failed (exit code 3)[/]: RuntimeError: fake crash of rank 1 at step 3")
         ranks.focus()
         ranks.move_cursor(row=1)

@@ -99,7 +99,7 @@ def test_run_watcher_counts_violations_flags_a_straggler_and_estimates_the_eta(t
     assert (w.model.violations.this_step, w.model.violations.total, w.model.violations.worst_dev_deg) == (0, 3, 2.5)
     assert w.model.violations.alert and w.model.violations.records_sum == 3
     assert w.model.stragglers() == {1}  # 790 < 0.8 * 1000
-    assert list(w.model.nodes[1].tokens_history) == [1000, 700, 790]
+    assert w.model.nodes[1].tokens.values == [1000, 700, 790] and w.model.nodes[1].tokens.steps == [1, 2, 3]
     assert w.model.eta_s() == 7 * 2.0
     _append(tmp_path / "metrics" / "node1.jsonl", json.dumps(_step(1, 4, 810)) + "\n")
     w.poll()

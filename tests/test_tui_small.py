@@ -140,15 +140,19 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
 
 def test_b_hides_the_button_row_and_the_footer_keeps_help_quit_and_palette(tmp_path, monkeypatch):
     async def check(app, pilot):
-        row, events = app.screen.query_one("#buttons"), app.screen.query_one("#events")
-        height = events.size.height
+        row, events, middle = app.screen.query_one("#buttons"), app.screen.query_one("#events"), app.screen.query_one("#middle")
+
+        def below_charts() -> int:  # the checkpoint and rank panes and the events share the rest (1fr each)
+            return middle.size.height + events.size.height
+
+        height = below_charts()
         assert row.display and on_screen(app, row.query(Button).first())
         await pilot.press("b")
-        await wait_until(pilot, lambda: events.size.height == height + 1, 10, "the events taking the row")
+        await wait_until(pilot, lambda: below_charts() == height + 1, 10, "the panes taking the row")
         assert not row.display
         keys = {k.key for k in app.screen.query(FooterKey) if on_screen(app, k)}
         assert {"question_mark", "q", "ctrl+p"} <= keys, keys
         await pilot.press("b")
-        await wait_until(pilot, lambda: row.display and events.size.height == height, 10, "the row back")
+        await wait_until(pilot, lambda: row.display and below_charts() == height, 10, "the row back")
 
     on_dashboard(tmp_path, monkeypatch, check)

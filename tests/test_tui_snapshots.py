@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from osft.trainer.checkpoint.manifest import describe_files, write_manifest
 from osft.tui.app import OsftTui
+from osft.tui.components.charts import ThroughputChart
 from osft.tui.components.new_run import NewRunScreen
 from osft.tui.components.ranks import RankTable
 from osft.tui.components.violations import ViolationCounters
 from osft.tui.dashboard import SAMPLE_S
-from textual.widgets import Input, RichLog, Sparkline
+from textual.widgets import Input, RichLog
 from tui_support import wait_until
 
 SNAPSHOTS = Path(__file__).with_name("snapshots")
@@ -125,7 +126,7 @@ async def _dashboard_svg(root: Path, size: tuple[int, int] = SIZE) -> tuple[str,
     async with app.run_test(size=size) as pilot:
         dash = app.dashboard
         await wait_until(pilot, lambda: dash.run.step == 12 and dash.run.nodes.get(1)
-                         and all(s.data for s in dash.query(Sparkline)) and len(dash.query(Sparkline)) == 3
+                         and len(dash.query_one(ThroughputChart).curves) == 2
                          and len(dash.query_one(RankTable).rows) == 4 and dash.query_one("#events", RichLog).lines,
                          10, "every panel drawn")
         alert = app.dashboard.query_one(ViolationCounters).has_class("alert")

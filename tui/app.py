@@ -1,4 +1,5 @@
-"""The Textual application: a thin shell around the :class:`~osft.tui.dashboard.Dashboard` screen.
+"""The Textual application: a thin shell around the :class:`~osft.tui.dashboard.Dashboard` screen
+(and the :class:`~osft.tui.components.browser.RunBrowser` for a directory of runs).
 
 Signals to the dashboard itself: SIGTERM and SIGHUP (terminal closed) end it the normal way, so
 Textual restores the terminal (main screen, mouse reporting off, echo on); the run is left
@@ -18,16 +19,20 @@ from textual.screen import Screen
 from osft.trainer.checkpoint.signals import take_held_signals
 
 from .cli import ENDING_SIGNALS
+from .components.browser import RunBrowser
 from .controls import offered
 from .dashboard import Dashboard
 from .launch import DEFAULT_LAUNCHER
+from .runs import run_dirs
 
 
 class OsftTui(App[int]):
     """``osft-tui``.
 
     Args:
-        run_dir: a run directory to attach to; None opens the new-run form.
+        run_dir: a run directory to attach to (one without ``run.json`` is waited for), or a
+            directory of run directories (:func:`~.runs.run_dirs`: the run browser opens first);
+            None opens the new-run form.
         launcher: command that runs ``osft-train`` (default: this interpreter's).
         readonly: no control that signals a run.
         poll_s: seconds between polls (s).
@@ -43,7 +48,8 @@ class OsftTui(App[int]):
         self.launcher = list(launcher or DEFAULT_LAUNCHER)
         self.readonly = readonly
         self.poll_s = poll_s
-        self.dashboard = Dashboard(run_dir, self.launcher, readonly, poll_s)
+        self.browse = run_dir if run_dir is not None and run_dirs(run_dir) else None
+        self.dashboard = Dashboard(None if self.browse else run_dir, self.launcher, readonly, poll_s)
 
     def on_mount(self) -> None:
         loop = asyncio.get_running_loop()
@@ -58,7 +64,9 @@ class OsftTui(App[int]):
         # shutdown (tests/test_tui_terminal.py). osft-tui never suspends itself: no handler needed.
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
         self.push_screen(self.dashboard)
-        if self.run_dir is None and not self.readonly:
+        if self.browse is not None:
+            self.push_screen(RunBrowser(self.browse), self.dashboard.attach)
+        elif self.run_dir is None and not self.readonly:
             self.dashboard.action_new_run()
 
     def action_quit(self) -> None:

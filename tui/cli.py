@@ -1,7 +1,7 @@
 """``osft-tui``: the command line.
 
 ``osft-tui`` opens the new-run form (prefilled with the demo job); ``osft-tui RUN_DIR`` attaches
-to a run directory. Exit codes: 0 quit; 2 bad arguments; 128 + N ended by signal N (SIGTERM,
+to a run directory; ``osft-tui DIR`` on a directory of run directories lists them (the run browser). Exit codes: 0 quit; 2 bad arguments; 128 + N ended by signal N (SIGTERM,
 SIGHUP), after restoring the terminal and leaving the run running; such a signal during start-up
 is held and ends the app as soon as it runs.
 """
@@ -23,7 +23,8 @@ ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="osft-tui", description="Launch, watch, checkpoint and resume osft training runs.")
-    parser.add_argument("run_dir", nargs="?", type=Path, help="run directory (--output-dir of a run) to attach to")
+    parser.add_argument("run_dir", nargs="?", type=Path, help="run directory (--output-dir of a run) to attach to, or a directory of run directories "
+                             "to choose one from")
     parser.add_argument("--readonly", action="store_true", help="watch only: no key sends a signal")
     parser.add_argument("--poll-interval", type=float, default=0.25, metavar="S",
                         help="seconds between reads of the run directory (default 0.25)")

@@ -82,6 +82,10 @@ CONTROLS = (
     Control("l", "logs", "logs", "Rank logs",
             "stdout and stderr of the rank selected in the rank table, live (/ searches)"),
     Control("n", "new_run", "new run", "New run", "new run: the form, then launch", acts=True),
+    Control("y", "copy", "copy path", "Copy path",
+            "copy the selected checkpoint's path (checkpoint list focused), else the export of a completed run"),
+    Control("g", "next_chart", "chart", "Next chart",
+            "the metric chart: loss (and evaluation losses), learning rate, grad norm, forgetting"),
     Control("slash", "search", "search", "Search events", "events: show only the lines holding a text"),
     Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only"),
     Control("question_mark", "help", "help", "Help", "the keys and what each does (this screen)"),
@@ -435,6 +439,24 @@ class Controls:
         if info and (info.error or info.exit_code is not None):
             title += f": exit code {info.exit_code if info.exit_code is not None else '?'}"
         d.app.push_screen(LogScreen(title, paths, f"error: {info.error}" if info and info.error else None))
+
+    def copy_path(self) -> None:
+        """Copy a path to the clipboard (``App.copy_to_clipboard``: OSC 52, which the terminal
+        passes on): the checkpoint selected in the list when the list has the focus or the run has
+        no export, else the export of the completed run."""
+        d = self.dashboard
+        table = d.query_one(CheckpointTable)
+        entry = table.selected()
+        export = d.run.export_dir if d.run else None
+        if export and not (table.has_focus and entry):
+            path, what = export, "export"
+        elif entry is not None:
+            path, what = str(entry.path), f"checkpoint of step {entry.step}"
+        else:
+            d.notify("nothing to copy: no checkpoint and no export", severity="warning")
+            return
+        d.app.copy_to_clipboard(path)
+        d.notify(path, title=f"copied the {what} path")
 
     def help(self) -> None:
         """The keys."""

@@ -1,4 +1,4 @@
-"""The dashboard screen: one run's state, nodes, violation counters, checkpoints, ranks and events.
+"""The dashboard screen: one run's state, violation counters, nodes, charts, checkpoints, ranks and events.
 
 It polls the run (through a reader process) and redraws; the keys, buttons and palette commands
 run the control flows of :mod:`.controls`.
@@ -21,7 +21,8 @@ from .components.checkpoints import CheckpointTable
 from .components.header import STATE_STYLE, RunHeader
 from .components.lines import LineView
 from .components.modals import ask_search
-from .components.nodes import Histories, NodeTable
+from .components.charts import MetricChart, ThroughputChart
+from .components.nodes import NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
 from .controls import ACTING, CONTROLS, Controls, offered
@@ -31,7 +32,7 @@ from .requests import CHECKPOINT, STOP
 from .run_state import Event, RunModel, Violations
 from .status import Status, judge
 
-#: Seconds between the costly redraws (sparklines, rank table, event pane) and psutil samples of
+#: Seconds between the costly redraws (charts, rank table, event pane) and psutil samples of
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
 #: checkpoint tables and the violation counters follow every poll.
 SAMPLE_S = 1.0
@@ -47,6 +48,8 @@ _RANK_PREFIX = re.compile(r"^rank (\d+): ")
 
 #: States the event pane reports in red.
 ALARMS = frozenset(state for state, style in STATE_STYLE.items() if "red" in style)
+#: States that ring the terminal bell when the run reaches them while watched (not on attaching).
+BELL_STATES = ("completed", "failed", "dead", "launch failed")
 LEVEL_STYLE = {"info": "", "warning": "yellow", "error": "bold red", "log": "dim"}
 
 
@@ -84,9 +87,10 @@ class Dashboard(Screen):
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
         yield ViolationCounters(id="violations")
-        with Horizontal(id="top"):
-            yield NodeTable(id="nodes")
-            yield Histories(id="histories")
+        yield NodeTable(id="nodes")
+        with Horizontal(id="charts"):
+            yield MetricChart(id="metric-chart")
+            yield ThroughputChart(id="tokens-chart")
         with Horizontal(id="middle"):
             with Vertical(id="checkpoint-pane"):
                 yield Label("checkpoints (select, then r to resume)", classes="pane-title")
@@ -131,7 +135,8 @@ class Dashboard(Screen):
             self.query_one(CheckpointTable).show([])
             self.query_one(NodeTable).clear()
             self.query_one(RankTable).clear()
-            self.query_one(Histories).reset()
+            for chart in (self.query_one(MetricChart), self.query_one(ThroughputChart)):
+                chart.show(self.run)
             self.query_one(ViolationCounters).show(Violations())
 
     def on_unmount(self) -> None:
@@ -176,7 +181,8 @@ class Dashboard(Screen):
         self.query_one(ViolationCounters).show(run.violations)
         self.query_one(NodeTable).show(run, usage)
         if slow:
-            self.query_one(Histories).show(run)
+            self.query_one(MetricChart).show(run)
+            self.query_one(ThroughputChart).show(run)
         self.query_one(CheckpointTable).show(run.checkpoints)
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
@@ -200,10 +206,18 @@ class Dashboard(Screen):
 
     def _tell(self, status: Status) -> None:
         """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in
-        the event pane once, in full (the run line may be cut)."""
+        the event pane once, in full (the run line may be cut). A run seen ending while watched
+        (:data:`BELL_STATES`) rings the terminal bell; a completed one also says where its export is."""
         told = (status.state, status.detail)
         if told != self._told and status.detail and status.state != RunState.STARTING:
             self.log_event(f"{status.state}: {status.detail}", "bold red" if status.state in ALARMS else "yellow")
+        was = self._told[0] if self._told is not None else None  # None: just attached
+        if was is not None and was != status.state:
+            if was not in BELL_STATES and status.state in BELL_STATES:
+                self.app.bell()
+            if status.state == "completed" and self.run is not None:
+                where = f"export: {self.run.export_dir} (y copies it)" if self.run.export_dir else "no export recorded"
+                self.notify(where, title="run completed", timeout=30)
         self._told = told
 
     def _queue_events(self, update: Update) -> None:
@@ -285,6 +299,14 @@ class Dashboard(Screen):
     def action_search(self) -> None:
         """``/``: show only the event lines holding a text."""
         ask_search(self.app, self.query_one(LineView))
+
+    def action_next_chart(self) -> None:
+        """``g``: the metric chart's next view (loss, learning rate, grad norm, forgetting)."""
+        self.notify(f"chart: {self.query_one(MetricChart).next_view(self.run)}", timeout=2)
+
+    def action_copy(self) -> None:
+        """``y``: :meth:`.Controls.copy_path`."""
+        self.controls.copy_path()
 
     def action_level(self) -> None:
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""

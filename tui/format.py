@@ -16,11 +16,15 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} TB"
 
 
-def fmt_rate(x: float | None) -> str:
-    """A rate per second with three significant digits, ``-`` for None."""
-    if x is None:
-        return "-"
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+def fmt_rate(x: float | None, decimals: int = 0) -> str:
+    """A rate per second with a fixed number of ``decimals`` and thousands separators (``12,345``),
+    so a cell keeps its width from one step to the next; ``-`` for None."""
+    return "-" if x is None else f"{x:,.{decimals}f}"
+
+
+def fmt_num(x: float | None, spec: str) -> str:
+    """``x`` in the format ``spec`` (``.2e``, ``.3f``), so a cell never changes its precision; ``-`` for None."""
+    return "-" if x is None else format(x, spec)
 
 
 def fmt_duration(s: float | None) -> str:

@@ -18,9 +18,8 @@ from osft.trainer.contract import ENDED_STATES, RunState, ended_well
 from osft.trainer.contract import Event as MetricsEvent
 
 from .format import fmt_bytes
+from .series import Curve
 
-#: Points kept in each throughput and loss history (one per step record).
-HISTORY = 120
 #: A node whose tokens/s is below this fraction of the other nodes' mean is a straggler.
 STRAGGLER_FRACTION = 0.8
 
@@ -62,14 +61,18 @@ class RankInfo:
 
 @dataclass
 class NodeStats:
-    """One node's latest step record and its histories.
+    """One node's latest step record and its tokens/s over the run.
 
     Attributes:
         tokens_per_s: this node's ranks' tokens/s in the latest step (``node_tokens_per_s``).
         mfu: this node's model FLOPs utilisation in the latest step (``node_mfu``, a fraction).
         samples_per_s: the job's samples/s in the latest step (the schema has no per-node value).
+        step_time_s: the latest step's wall time (s).
+        lr: the latest step's learning rate.
+        grad_norm: the latest step's gradient norm before clipping.
         rss_bytes: the reporting rank's resident memory (bytes), from the record.
         gpu_mem_bytes: its GPU memory (bytes), None on CPU.
+        tokens: ``tokens_per_s`` over the whole run (resume-aware).
     """
 
     node_rank: int
@@ -79,13 +82,15 @@ class NodeStats:
     tokens_per_s: float | None = None
     mfu: float | None = None
     samples_per_s: float | None = None
+    step_time_s: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
     rss_bytes: int | None = None
     gpu_mem_bytes: int | None = None
     step_times: deque = field(default_factory=lambda: deque(maxlen=10))
     last_ts: float = 0.0
     steps_seen: int = 0
-    tokens_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    loss_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    tokens: Curve = field(default_factory=Curve)
 
 
 @dataclass
@@ -159,8 +164,9 @@ def describe(record: dict) -> Event | None:
         return Event(ts, ev, f"{who}: {ev}: {record.get('message')}")
     if ev == MetricsEvent.RUN_FINISHED:
         level = "info" if ended_well(record.get("exit_code")) else "error"
+        export = f", export {record['export_dir']}" if record.get("export_dir") else ""
         return Event(ts, level, f"node {record.get('node_rank')}: run {record.get('reason')} at step {record.get('step')} "
-                                f"(exit code {record.get('exit_code')})")
+                                f"(exit code {record.get('exit_code')}){export}")
     return Event(ts, "info", f"{who}: {ev}")
 
 
@@ -188,6 +194,9 @@ class RunModel:
         event_counts: event lines produced so far, by level (before the UI's caps).
         log_buffers: ``node<N>/local<L>`` -> lines kept, their cap, and bytes skipped by a flood.
         run_json_error: why ``run.json`` cannot be read now (None when it can, or is absent).
+        curves: the run's metrics over its steps (node 0's records, resume-aware, see
+            :class:`~.series.Curve`): ``loss``, ``lr``, ``grad_norm``, ``eval_loss <set>`` (nats per
+            token) and ``forgetting <set>`` (retention sets: loss minus the step-0 loss, nats per token).
     """
 
     def __init__(self, root: str | Path) -> None:
@@ -197,7 +206,7 @@ class RunModel:
         self.nodes: dict[int, NodeStats] = {}
         self.violations = Violations()
         self.checkpoints: list[CheckpointEntry] = []
-        self.loss_history: deque = deque(maxlen=HISTORY)
+        self.curves: dict[str, Curve] = {}
         self.max_steps: int | None = None
         self.step: int | None = None
         self.problems: list[str] = []
@@ -225,6 +234,11 @@ class RunModel:
         if not states:
             return "no run.json"
         return RunState.FAILED if RunState.FAILED in states else self.run.get("state", states[0])
+
+    @property
+    def export_dir(self) -> str | None:
+        """The final export of a completed run (``run.json``'s ``export_dir``), else None."""
+        return self.run.get("export_dir")
 
     @property
     def finished(self) -> bool:
@@ -277,6 +291,12 @@ class RunModel:
         if ev == MetricsEvent.STEP:
             self._apply_step(record)
             return
+        if ev == MetricsEvent.EVAL and int(record.get("node_rank", 0)) == 0:
+            for name, key in ((f"eval_loss {record.get('set')}", "eval_loss"), (f"forgetting {record.get('set')}", "forgetting")):
+                if record.get(key) is not None:
+                    self.curves.setdefault(name, Curve()).add(int(record["step"]), float(record[key]))
+        if ev == MetricsEvent.RESUMED and record.get("from_step") is not None:
+            self._cut(int(record.get("node_rank", 0)), int(record["from_step"]))
         if ev == MetricsEvent.RUN_STARTED and isinstance(rank, int):
             self.ranks[rank] = RankInfo(rank, int(record.get("node_rank", 0)), int(record.get("local_rank", 0)),
                                         record.get("pid"), str(record.get("hostname")), str(record.get("job_id")),
@@ -296,15 +316,29 @@ class RunModel:
         if event:
             result.events.append(event)
 
+    def _cut(self, node_rank: int, after: int) -> None:
+        """A resume from step ``after`` on ``node_rank``: its later points are replaced."""
+        if node_rank in self.nodes:
+            self.nodes[node_rank].tokens.cut(after)
+        if node_rank == 0:
+            for curve in self.curves.values():
+                curve.cut(after)
+
     def _apply_step(self, record: dict) -> None:
         node_rank = int(record.get("node_rank", 0))
         node = self.nodes.setdefault(node_rank, NodeStats(node_rank))
+        step = int(record.get("step") or 0)
+        if node.tokens.steps and step <= node.tokens.steps[-1]:  # replayed after a resume
+            self._cut(node_rank, step - 1)
         node.hostname = str(record.get("hostname", node.hostname))
         node.step = record.get("step")
         node.loss = record.get("loss")
         node.tokens_per_s = record.get("node_tokens_per_s", record.get("tokens_per_s"))
         node.mfu = record.get("node_mfu")
         node.samples_per_s = record.get("samples_per_s")
+        node.step_time_s = record.get("step_time_s")
+        node.lr = record.get("lr")
+        node.grad_norm = record.get("grad_norm")
         node.rss_bytes = record.get("rss_bytes")
         node.gpu_mem_bytes = record.get("gpu_mem_bytes")
         if record.get("step_time_s"):
@@ -312,13 +346,12 @@ class RunModel:
         node.last_ts = float(record.get("ts", 0))
         node.steps_seen += 1
         if node.tokens_per_s is not None:
-            node.tokens_history.append(float(node.tokens_per_s))
-        if node.loss is not None:
-            node.loss_history.append(float(node.loss))
+            node.tokens.add(step, float(node.tokens_per_s))
         if node_rank == 0:
             self.step = node.step
-            if node.loss is not None:
-                self.loss_history.append(float(node.loss))
+            for key in ("loss", "lr", "grad_norm"):
+                if record.get(key) is not None:
+                    self.curves.setdefault(key, Curve()).add(step, float(record[key]))
             this = int(record.get("ortho_violations") or 0)
             v = self.violations
             v.this_step = this

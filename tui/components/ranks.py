@@ -11,9 +11,10 @@ from ..processes import ProcStats
 from ..run_state import RankInfo
 from ..format import fmt_bytes
 
-COLUMNS = ("rank", "node", "local", "pid", "host", "state", "CPU %", "RSS")
+#: Rank and state first: an 80-column terminal shows both.
+COLUMNS = ("rank", "state", "node", "local", "pid", "host", "CPU %", "RSS")
 #: Column widths (fixed, so the header never lags rows that arrive later).
-WIDTHS = (4, 4, 5, 8, 10, 20, 6, 9)
+WIDTHS = (4, 20, 4, 5, 8, 10, 6, 9)
 
 
 class RankTable(DataTable):
@@ -30,8 +31,9 @@ class RankTable(DataTable):
         whose launcher ended to its exit code."""
         for info in ranks:
             s = stats.get(info.rank)
-            row = (str(info.rank), str(info.node_rank), str(info.local_rank), str(info.pid), escape(info.hostname),
-                   rank_state(info, s, node_codes.get(info.node_rank)), "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
+            row = (str(info.rank), rank_state(info, s, node_codes.get(info.node_rank)), str(info.node_rank),
+                   str(info.local_rank), str(info.pid), escape(info.hostname),
+                   "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
                    fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-")
             key = f"rank{info.rank}"
             if key in self.rows:

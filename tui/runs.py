@@ -1,0 +1,82 @@
+"""The run browser's data: the run directories directly under a directory, one summary each.
+
+``osft-tui DIR`` on a directory without ``run.json`` that holds run directories (subdirectories
+with a ``run.json``: a ``runs/`` folder) lists them instead of waiting for a run to appear there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from osft.trainer.contract import Event, parse_lines
+from osft.trainer.rundir import RunDir
+
+#: Bytes read from the end of a run's ``metrics/node0.jsonl`` to find its last step record.
+TAIL_BYTES = 256 * 1024
+
+
+@dataclass
+class RunSummary:
+    """One run directory, as the browser lists it.
+
+    Attributes:
+        path: the run directory.
+        state: ``run.json``'s state, or ``unreadable run.json``.
+        step: the last step record's step (None before the first).
+        loss: its loss.
+        age_s: seconds since the run's last sign of life (``run.json`` updated, last step record).
+    """
+
+    path: Path
+    state: str
+    step: int | None
+    loss: float | None
+    age_s: float | None
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """The subdirectories of ``root`` that hold a ``run.json``, by name; [] when ``root`` has its
+    own ``run.json`` (it is a run) or cannot be listed."""
+    if RunDir(root).run_json.exists():
+        return []
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and RunDir(p).run_json.is_file())
+    except OSError:
+        return []
+
+
+def last_step_record(path: Path) -> dict | None:
+    """The last complete ``step`` record in the JSONL file ``path`` (None if there is none in its
+    last :data:`TAIL_BYTES` or the file cannot be read); lines parsed by the contract's one reader
+    (:func:`osft.trainer.contract.parse_lines`)."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, os.fstat(f.fileno()).st_size - TAIL_BYTES)
+            f.seek(start)
+            lines = f.read().split(b"\n")[:-1]  # the last piece is empty or still being written
+    except OSError:
+        return None
+    if start:
+        lines = lines[1:]  # cut by the seek
+    steps = [r for r in parse_lines(lines, path).records if r.get("event") == Event.STEP]
+    return steps[-1] if steps else None
+
+
+def summarize(path: Path, now: float | None = None) -> RunSummary:
+    """The browser's line for the run directory ``path`` (``now``: unix time, default the clock)."""
+    run = RunDir(path)
+    try:
+        data = json.loads(run.run_json.read_text())
+    except (OSError, ValueError):
+        data = None
+    state = str(data.get("state") or "unknown") if isinstance(data, dict) else "unreadable run.json"
+    data = data if isinstance(data, dict) else {}
+    step = last_step_record(run.metrics / "node0.jsonl") or {}
+    times = [t for t in (data.get("updated_at"), step.get("ts")) if t]
+    age = (time.time() if now is None else now) - max(times) if times else None
+    loss = step.get("loss")
+    return RunSummary(path, state, step.get("step"), None if loss is None else float(loss), age)

@@ -1,0 +1,50 @@
+"""A metric over a whole run's optimizer steps, in a bounded number of points, for the dashboard's charts."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+#: Points a curve keeps at most: a chart is at most a few hundred braille dots wide, so every
+#: ``stride``-th step of a long run (the stride doubles whenever the curve is full) and the latest.
+CURVE_POINTS = 256
+
+
+@dataclass
+class Curve:
+    """Values of one metric by ascending optimizer step, over the whole run (plain data: it pickles).
+
+    Resume-aware like ``osft-train plot`` (:class:`osft.trainer.plot.NodeTimeline`): a resumed run
+    appends to the same metrics files, so a step at or below the last one kept, or a resume from
+    step K (:meth:`cut`), replaces the points after it instead of adding to them.
+
+    Attributes:
+        steps: optimizer steps of the points kept, ascending.
+        values: the metric at each of them.
+        stride: the points kept are the steps divisible by it, and the latest step.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    stride: int = 1
+
+    def add(self, step: int, value: float) -> None:
+        """Take in ``value`` at ``step``: points at ``step`` and later are replaced (a replay)."""
+        if self.steps and step <= self.steps[-1]:
+            self.cut(step - 1)
+        if self.steps and self.steps[-1] % self.stride:  # the latest point, kept off the stride
+            self.steps.pop()
+            self.values.pop()
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.steps) > CURVE_POINTS:
+            self.stride *= 2
+            last = len(self.steps) - 1
+            kept = [i for i, s in enumerate(self.steps) if s % self.stride == 0 or i == last]
+            self.steps = [self.steps[i] for i in kept]
+            self.values = [self.values[i] for i in kept]
+
+    def cut(self, after: int) -> None:
+        """Forget the points after step ``after`` (a resume from that step)."""
+        i = bisect_right(self.steps, after)
+        del self.steps[i:], self.values[i:]
