@@ -93,10 +93,10 @@ class Dashboard(Screen):
             yield ThroughputChart(id="tokens-chart")
         with Horizontal(id="middle"):
             with Vertical(id="checkpoint-pane"):
-                yield Label("checkpoints (select, then r to resume)", classes="pane-title")
+                yield Label("checkpoints (select, r resumes)", classes="pane-title")
                 yield CheckpointTable(id="checkpoints")
             with Vertical(id="rank-pane"):
-                yield Label("ranks (select, then l for logs)", classes="pane-title")
+                yield Label("ranks (select, l for logs)", classes="pane-title")
                 yield RankTable(id="ranks")
         yield LineView("events (/ search, v level)", 1000, id="events")
         with Horizontal(id="buttons"):

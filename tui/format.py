@@ -40,5 +40,6 @@ def fmt_duration(s: float | None) -> str:
 
 
 def fmt_clock(ts: float | None) -> str:
-    """Local ``HH:MM:SS`` of a unix time; ``-`` for None."""
-    return time.strftime("%H:%M:%S", time.localtime(ts)) if ts else "-"
+    """Local ``MM-DD HH:MM`` of a unix time (a checkpoint of yesterday is not taken for today's);
+    ``-`` for None."""
+    return time.strftime("%m-%d %H:%M", time.localtime(ts)) if ts else "-"

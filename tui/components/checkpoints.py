@@ -11,12 +11,12 @@ from ..format import fmt_bytes, fmt_clock
 
 class CheckpointTable(DataTable):
     """One row per directory under ``full_state_checkpoints/`` (key: its path), newest first. Step
-    and status come first, so a narrow pane (80 columns) still tells a complete checkpoint from an
-    incomplete one; why one is incomplete is the last column."""
+    and status come first; at 80 columns the pane shows step, status, date and time, and size whole
+    (42 columns with the cell padding); why one is incomplete is the last column."""
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
-        for name, width in (("step", 6), ("status", 10), ("time", 8), ("size", 9), ("note", 30)):
+        for name, width in (("step", 5), ("status", 10), ("time", 11), ("size", 8), ("note", 30)):
             self.add_column(name, key=name, width=width)  # fixed: the header never lags the rows
         self._shown: list[CheckpointEntry] = []
 
