@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from osft.tui.app import OsftTui
 from osft.tui.components.charts import MetricChart, ThroughputChart, nice_ticks
+from osft.tui.components.header import RunHeader
 from osft.tui.components.nodes import NodeTable
 from osft.tui.series import CURVE_POINTS, Curve
 from osft.tui.watcher import RunWatcher
@@ -140,7 +141,9 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
             await wait_until(pilot, lambda: "node1" in table.rows, 10, "node 1's row")
             assert str(table.get_cell("node0", "node")) == "0" and str(table.get_cell("node1", "node")) == "[b red]1 slow[/]"
             assert str(table.get_cell("node1", "tokens/s")) == "[b red]450[/]"
-            assert [str(table.get_cell("node0", c)) for c in ("step time", "lr", "grad norm", "samples/s", "loss")] == \
-                ["0.37 s", "1.00e-04", "0.167", "8.00", "1.9000"]
+            assert [str(table.get_cell("node0", c)) for c in ("step time", "lr", "grad norm", "loss")] == \
+                ["0.37 s", "1.00e-04", "0.167", "1.9000"]
+            assert "samples/s" not in [str(c.label) for c in table.columns.values()]  # the job's value: once,
+            assert "  8.00 samples/s  " in str(dash.query_one(RunHeader).render())  # in the run line
 
     asyncio.run(main())

@@ -66,7 +66,8 @@ class NodeStats:
     Attributes:
         tokens_per_s: this node's ranks' tokens/s in the latest step (``node_tokens_per_s``).
         mfu: this node's model FLOPs utilisation in the latest step (``node_mfu``, a fraction).
-        samples_per_s: the job's samples/s in the latest step (the schema has no per-node value).
+        samples_per_s: the job's samples/s in the latest step (the schema has no per-node value: the
+            run line shows it once).
         step_time_s: the latest step's wall time (s).
         lr: the latest step's learning rate.
         grad_norm: the latest step's gradient norm before clipping.

@@ -1,6 +1,6 @@
-"""The run line: directory, state (as :func:`~..status.judge` weighs it), step / max steps, elapsed
-time, ETA, the age of the last step (a stall warning), the read-only badge, and why when the
-state is not simply run.json's."""
+"""The run line: directory, state (as :func:`~..status.judge` weighs it), step / max steps, the job's
+samples/s, elapsed time, ETA, the age of the last step (a stall warning), the read-only badge, and
+why when the state is not simply run.json's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from osft.trainer.contract import RunState
 from rich.text import Text
 from textual.widgets import Static
 
-from ..format import fmt_duration
+from ..format import fmt_duration, fmt_rate
 from ..run_state import RunModel
 from ..status import Status
 
@@ -31,6 +31,9 @@ class RunHeader(Static):
                              (status.state, STATE_STYLE.get(status.state, "")))
         step = "-" if model.step is None else str(model.step)
         text.append(f"  step {step}/{model.max_steps or '?'}")
+        samples = next((s.samples_per_s for _, s in sorted(model.nodes.items()) if s.samples_per_s is not None), None)
+        if samples is not None:  # the job's rate (the records carry no per-node value): once, here
+            text.append(f"  {fmt_rate(samples, 2)} samples/s")
         text.append(f"  elapsed {fmt_duration(status.elapsed_s)}")
         if status.eta_s is not None:
             text.append(f"  ETA {fmt_duration(status.eta_s)}")

@@ -12,7 +12,7 @@ from ..run_state import NodeStats, RunModel
 #: Columns, most telling first (an 80-column terminal shows the first seven), and their widths
 #: (fixed, so the header never lags rows that arrive later).
 COLUMNS = (("node", 6), ("host", 10), ("step", 6), ("tokens/s", 8), ("step time", 9), ("loss", 7), ("lr", 8),
-           ("grad norm", 9), ("MFU", 4), ("samples/s", 9), ("ranks", 5), ("CPU %", 5), ("RSS", 8), ("GPU mem", 8))
+           ("grad norm", 9), ("MFU", 4), ("ranks", 5), ("CPU %", 5), ("RSS", 8), ("GPU mem", 8))
 #: How a straggler's node and tokens/s cells look.
 SLOW = "b red"
 
@@ -50,7 +50,7 @@ class NodeTable(DataTable):
                 fmt_num(s.step_time_s, ".2f") + (" s" if s.step_time_s is not None else ""),
                 fmt_num(s.loss, ".4f"), fmt_num(s.lr, ".2e"), fmt_num(s.grad_norm, ".3f"),
                 "-" if s.mfu is None else f"{s.mfu:.0%}",
-                fmt_rate(s.samples_per_s, 2), _ranks(ranks),
+                _ranks(ranks),
                 "-" if cpu is None else f"{cpu:.0f}",
                 fmt_bytes(rss if rss is not None else s.rss_bytes), fmt_bytes(s.gpu_mem_bytes),
             )
