@@ -187,3 +187,21 @@ def test_a_rank_that_aborts_in_native_code_leaves_its_python_stack_in_its_log(tm
     assert "Fatal Python error: Aborted" in done.stderr
     stack = done.stderr.split("most recent call first", 1)[1]
     assert "in abort_in_native_code" in stack and "worker.py" in stack and "in _main" in stack
+
+
+def test_the_agent_names_a_rank_killed_by_a_signal_before_peers_that_failed_with_it():
+    """How the failure paragraph picks the cause (``agent.cause_first``): seen in the same second,
+    a rank killed by SIGKILL comes before the rank whose collective failed because of it (exit 1);
+    the agent's own SIGTERM to the remaining ranks marks a follower; an earlier failure comes first."""
+    from osft.trainer.agent import cause_first
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failure(local_rank, exitcode, timestamp):
+        f = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode, error_file="<N/A>")
+        f.timestamp = timestamp
+        return f
+
+    same_second = {0: failure(0, 1, 50), 1: failure(1, -signal.SIGKILL, 50), 2: failure(2, -signal.SIGTERM, 50)}
+    assert [rank for rank, _ in cause_first(same_second)] == [1, 0, 2]
+    earlier_error = {0: failure(0, 1, 49), 1: failure(1, -signal.SIGKILL, 50)}
+    assert [rank for rank, _ in cause_first(earlier_error)] == [0, 1]

@@ -61,7 +61,7 @@ def failure_paragraph(run_dir: RunDir, job_id: str, agent_code: int, failures_fi
     if cause:
         parts.append(cause)
     failures = json.loads(failures_file.read_text()) if failures_file.is_file() else {}
-    for n, (rank, failure) in enumerate(failures.items()):  # the first failure first (.agent)
+    for n, (rank, failure) in enumerate(failures.items()):  # the likely cause first (.agent.cause_first)
         if n:  # torchrun stops the other ranks once one has failed
             parts.append(f"Then rank {rank} {_how(failure)}.")
             continue
