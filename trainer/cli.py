@@ -163,13 +163,14 @@ def run_training(cfg, console: Console, argv: list[str], command: list[str]) -> 
     """
     from .ownership import Heartbeat, OutputDirInUse, check_output_dir, clear_previous_run, process_identity
     from .rundir import RunDir, write_text_atomic
+    from .startup import resume_requested
 
     try:
         check_config(cfg)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     run_dir = RunDir(cfg.output_dir, cfg.node_rank)
-    resuming = bool(cfg.resume or cfg.resume_from_full_state_checkpoint)
+    resuming = resume_requested(cfg)
     job_id = os.environ.get(JOB_ID_ENV) or _job_id(cfg)
     try:  # before anything is written: another job's directory stays as it is
         previous = check_output_dir(run_dir, resuming, cfg.overwrite_output_dir, job_id)

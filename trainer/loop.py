@@ -471,21 +471,22 @@ class Trainer:
         if batch is None:
             pad = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             return self.model(input_ids=pad, use_cache=False).logits.float().sum() * 0.0
-        labels = batch["labels"].to(self.device)
         # The LM head runs only where a label is trained (transformers' ``logits_to_keep`` with the
         # positions as a 1-D tensor): prompts, system turns and padding get no V-wide logits, and no
         # float32 copy of them is made for the cross-entropy (the packed row is one sample row).
-        keep = (labels[0] != IGNORE_INDEX).nonzero().squeeze(1)
+        # The positions are found on the host, where collate_packed made the labels: a nonzero()
+        # on the device would wait for it once per micro-batch.
+        keep = (batch["labels"][0] != IGNORE_INDEX).nonzero().squeeze(1)
         out = self.model(
             input_ids=batch["input_ids"].to(self.device),
             position_ids=batch["position_ids"].to(self.device),
             use_cache=False,
-            logits_to_keep=keep,
+            logits_to_keep=keep.to(self.device),
         )
         logits = out.logits
         losses = F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(),
-            labels[0, keep],
+            batch["labels"][0, keep].to(self.device),
             reduction="none" if float64_sum else "sum",
         )
         return losses.double().sum() if float64_sum else losses

@@ -149,12 +149,10 @@ class StartPlan:
 
     Attributes:
         resume: the checked resume, or None for a fresh start.
-        start_step: the step the run starts after (the checkpoint's; 0 for a fresh run).
         warmup_warning: a warmup that covers the whole run (None: none).
     """
 
     resume: Resume | None
-    start_step: int
     warmup_warning: str | None
 
 
@@ -172,4 +170,4 @@ def check_start(cfg: TrainConfig, checkpoint: Path | None, world_size: int, data
         state = TrainerState.read(checkpoint)
         resume = Resume(checkpoint, state, state.check_compatible(cfg, world_size, data.sampler.layout(), checkpoint))
     start_step = resume.state.step if resume else 0
-    return StartPlan(resume, start_step, check_warmup(cfg.warmup_steps, data.total_steps, start_step))
+    return StartPlan(resume, check_warmup(cfg.warmup_steps, data.total_steps, start_step))
