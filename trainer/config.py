@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data.specs import check_sources
 from .data.shapes import DATA_FORMATS
 from .schedule import SCHEDULES
 from .trackers import REPORT_TO_CHOICES, check_available
@@ -459,6 +458,8 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.osft_max_frozen_ratio}")
     if cfg.osft_rank_schedule == "importance" and not cfg.osft:
         raise ValueError("--osft-rank-schedule importance sets OSFT ranks: it cannot go with --no-osft")
+    from .data.specs import check_sources  # imported when first needed: `osft-train --help` start-up
+
     check_sources(cfg.data_path)
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"--chat-template {cfg.chat_template}: no such file")

@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .config import TrainConfig
 
 #: First line of every file :func:`config_to_yaml` writes.
@@ -155,6 +153,8 @@ def read_config_file(path: str | Path, parser: argparse.ArgumentParser) -> dict[
             rejected by the flag's type or choices. The message names the file and line. Merge keys
             and helper keys: see the module docstring.
     """
+    import yaml  # here, not at the top: PyYAML is a third of `osft-train --help`'s start-up
+
     actions, nullable = _training_actions(parser), _nullable_fields()
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -232,5 +232,7 @@ ONE_TIME_FIELDS = ("overwrite_output_dir",)
 def config_to_yaml(cfg: TrainConfig) -> str:
     """``cfg`` as a config file: every field but :data:`ONE_TIME_FIELDS`, in declaration order,
     after :data:`HEADER`."""
+    import yaml
+
     fields = {k: v for k, v in cfg.to_json().items() if k not in ONE_TIME_FIELDS}
     return HEADER + yaml.safe_dump(fields, sort_keys=False, default_flow_style=False)

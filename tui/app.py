@@ -19,7 +19,6 @@ from textual.screen import Screen
 from osft.trainer.checkpoint.signals import take_held_signals
 
 from .cli import ENDING_SIGNALS
-from .components.browser import RunBrowser
 from .controls import offered
 from .dashboard import Dashboard
 from .launch import DEFAULT_LAUNCHER
@@ -65,6 +64,8 @@ class OsftTui(App[int]):
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
         self.push_screen(self.dashboard)
         if self.browse is not None:
+            from .components.browser import RunBrowser  # only for a directory of runs
+
             self.push_screen(RunBrowser(self.browse), self.dashboard.attach)
         elif self.run_dir is None and not self.readonly:
             self.dashboard.action_new_run()

@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from osft.trainer.contract import EXIT_STOPPED, ended_well
-from osft.trainer.ownership import OutputDirInUse, check_output_dir
 from osft.trainer.rundir import RunDir
 from textual.binding import Binding
 
 from . import launch as launching
 from .components.checkpoints import CheckpointTable
 from .components.modals import Choice, HelpScreen, LogScreen
-from .components.new_run import NewRunScreen
 from .components.ranks import RankTable
 from .processes import ProcessView, request_evaluation, send_request, this_host
 from .processes import kill as kill_processes
@@ -186,7 +184,7 @@ class Controls:
                 d.log_event(f"  {line}", "red")
             d.notify(lines[-1] if lines else f"no output in {log}", title=f"launcher exited with code {code}",
                      severity="error", timeout=15)
-            if s.spec is not None and not wrote_state_file(s) and not isinstance(d.app.screen, NewRunScreen):
+            if s.spec is not None and not wrote_state_file(s) and not self.form_open():
                 self.new_run(s.spec)
 
     def starting(self) -> bool:
@@ -372,8 +370,16 @@ class Controls:
     def new_run(self, spec: launching.RunSpec | None = None) -> None:
         """The new-run form, with ``spec``'s values (default: those last launched, else the demo
         job's); Launch starts the run and watches it."""
+        from .components.new_run import NewRunScreen  # imported when first needed: start-up
+
         spec = spec or self.form_spec or launching.RunSpec.demo()
         self.dashboard.app.push_screen(NewRunScreen(spec), self.launch)
+
+    def form_open(self) -> bool:
+        """Whether the new-run form is the screen on top."""
+        from .components.new_run import NewRunScreen
+
+        return isinstance(self.dashboard.app.screen, NewRunScreen)
 
     def launch(self, spec: launching.RunSpec | None) -> None:
         """Start ``spec`` (one launcher per node, in sessions of their own) and watch its run
@@ -393,6 +399,8 @@ class Controls:
                      "or choose another output dir", severity="error")
             self.new_run(spec)
             return
+        from osft.trainer.ownership import OutputDirInUse, check_output_dir  # imported when first needed: start-up
+
         try:
             check_output_dir(RunDir(root), spec.has_flag(*launching.RESUME_FLAGS), spec.has_flag(launching.OVERWRITE_FLAG))
         except OutputDirInUse as exc:

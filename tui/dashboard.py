@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from osft.trainer.contract import RunState
 from rich.text import Text
@@ -21,7 +22,6 @@ from .components.checkpoints import CheckpointTable
 from .components.header import STATE_STYLE, RunHeader
 from .components.lines import LineView
 from .components.modals import ask_search
-from .components.charts import MetricChart, ThroughputChart
 from .components.nodes import NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
@@ -31,6 +31,9 @@ from .reader import Reader, Update
 from .requests import CHECKPOINT, STOP
 from .run_state import Event, RunModel, Violations
 from .status import Status, judge
+
+if TYPE_CHECKING:
+    from .components.charts import MetricChart, ThroughputChart
 
 #: Seconds between the costly redraws (charts, rank table, event pane) and psutil samples of
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
@@ -80,6 +83,8 @@ class Dashboard(Screen):
         self._sampled = float("-inf")
         self._told: tuple[str, str] | None = None
         self._said: dict[str, float] = {}
+        #: The metric chart and the tokens/s chart, once mounted (:meth:`_mount_charts`).
+        self.charts: tuple[MetricChart, ThroughputChart] | tuple[()] = ()
         if run_dir is not None:
             self.attach(run_dir)
 
@@ -88,9 +93,7 @@ class Dashboard(Screen):
         yield RunHeader(id="header")
         yield ViolationCounters(id="violations")
         yield NodeTable(id="nodes")
-        with Horizontal(id="charts"):
-            yield MetricChart(id="metric-chart")
-            yield ThroughputChart(id="tokens-chart")
+        yield Horizontal(id="charts")  # filled after the first frame: _mount_charts
         with Horizontal(id="middle"):
             with Vertical(id="checkpoint-pane"):
                 yield Label("checkpoints (select, r resumes)", classes="pane-title")
@@ -108,6 +111,19 @@ class Dashboard(Screen):
     def on_mount(self) -> None:
         self.poll()
         self.set_interval(self.poll_s, self.poll)
+        self.call_after_refresh(self._mount_charts)
+
+    async def _mount_charts(self) -> None:
+        """Mount the metric and tokens/s charts once the first frame is on screen: their plotting
+        library (textual-plotext, plotext) takes about 20 ms to import, which the first frame
+        need not wait for."""
+        from .components.charts import MetricChart, ThroughputChart
+
+        self.charts = (MetricChart(id="metric-chart"), ThroughputChart(id="tokens-chart"))
+        await self.query_one("#charts", Horizontal).mount_all(self.charts)
+        if self.run is not None:
+            for chart in self.charts:
+                chart.show(self.run)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """--readonly hides and disables every control that acts on a run or starts one."""
@@ -135,7 +151,7 @@ class Dashboard(Screen):
             self.query_one(CheckpointTable).show([])
             self.query_one(NodeTable).clear()
             self.query_one(RankTable).clear()
-            for chart in (self.query_one(MetricChart), self.query_one(ThroughputChart)):
+            for chart in self.charts:
                 chart.show(self.run)
             self.query_one(ViolationCounters).show(Violations())
 
@@ -181,8 +197,8 @@ class Dashboard(Screen):
         self.query_one(ViolationCounters).show(run.violations)
         self.query_one(NodeTable).show(run, usage)
         if slow:
-            self.query_one(MetricChart).show(run)
-            self.query_one(ThroughputChart).show(run)
+            for chart in self.charts:
+                chart.show(run)
         self.query_one(CheckpointTable).show(run.checkpoints)
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
@@ -302,7 +318,8 @@ class Dashboard(Screen):
 
     def action_next_chart(self) -> None:
         """``g``: the metric chart's next view (loss, learning rate, grad norm, forgetting)."""
-        self.notify(f"chart: {self.query_one(MetricChart).next_view(self.run)}", timeout=2)
+        if self.charts:
+            self.notify(f"chart: {self.charts[0].next_view(self.run)}", timeout=2)
 
     def action_copy(self) -> None:
         """``y``: :meth:`.Controls.copy_path`."""
