@@ -52,23 +52,43 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+#: The process group of the control collectives (:func:`control_group`); None: the default group.
+_control: dist.ProcessGroup | None = None
+
+
 def init_distributed(env: DistEnv, device: torch.device) -> None:
-    """Join the job's process group when ``world_size > 1``: NCCL for CUDA devices, gloo on CPU
-    (control tensors then live on the backend's device, :func:`backend_device`). No-op for one rank."""
+    """Join the job's process group when ``world_size > 1``: NCCL for CUDA devices, gloo on CPU;
+    with NCCL also a gloo group over the same ranks for the control collectives
+    (:func:`control_group`). No-op for one rank."""
+    global _control
     if env.world_size == 1 or dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    if device.type == "cuda":
+        _control = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group for control collectives: small CPU tensors and objects every rank must agree on
+    (checkpoint and evaluation requests, token counts, node ranks, rank 0's decisions), never
+    model data. Under NCCL it is a gloo group, so a control collective costs no CUDA
+    synchronisation and waits only for the other ranks' host threads (the training step keeps its
+    one host sync: :meth:`.loop.Trainer.train_step`); on CPU it is the default (gloo) group: None,
+    as ``group=`` of ``torch.distributed`` takes it."""
+    return _control
 
 
 def shutdown_distributed() -> None:
     """Leave the process group, if any, all ranks together (a rank that tears gloo down while a
     peer is still working can abort with "terminate called without an active exception")."""
+    global _control
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the control group too
+        _control = None
 
 
 def exit_rank(code: int) -> NoReturn:
@@ -103,41 +123,46 @@ def barrier() -> None:
         dist.barrier()
 
 
-def backend_device() -> torch.device:
-    """Device for collective tensors: the current CUDA device under NCCL, else CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def node_ranks(env: DistEnv) -> list[int]:
     """Node rank of every global rank (index = global rank); ``[env.node_rank]`` for one rank."""
     return [int(v) for v in gather_float(env.node_rank)]
 
 
 def global_sums(loss_sum: torch.Tensor, num_tokens: int) -> tuple[float, list[int]]:
-    """Sum the per-rank summed token losses over all ranks and gather each rank's token count.
+    """Sum the per-rank summed token losses (a CPU float64 scalar) over all ranks and gather each
+    rank's token count (one ``all_gather`` on the :func:`control_group`).
 
     Returns:
         ``(global loss sum, tokens of each rank by global rank)``.
     """
     if not is_distributed():
         return float(loss_sum), [num_tokens]
-    dev = backend_device()
-    local = torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64, device=dev)
+    local = torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    dist.all_gather(gathered, local, group=control_group())
     return float(sum(g[0] for g in gathered)), [int(g[1].item()) for g in gathered]
 
 
 def gather_float(value: float) -> list[float]:
-    """Every rank's ``value``, by global rank (one ``all_gather``; ``[value]`` without a process group)."""
+    """Every rank's ``value``, by global rank (one ``all_gather`` on the :func:`control_group`;
+    ``[value]`` without a process group)."""
     if not is_distributed():
         return [float(value)]
-    local = torch.tensor([float(value)], dtype=torch.float64, device=backend_device())
+    local = torch.tensor([float(value)], dtype=torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    dist.all_gather(gathered, local, group=control_group())
     return [float(g.item()) for g in gathered]
+
+
+def gather_on_device(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` stacked by global rank (W×``t.shape``), on ``t``'s device, over the
+    default group (NCCL for CUDA tensors): no host synchronisation (``torch.distributed.all_gather``
+    is asynchronous on the stream). One rank: ``t`` with a leading dimension of 1."""
+    if not is_distributed():
+        return t.unsqueeze(0)
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return torch.stack(gathered)
 
 
 def agree(fn, rank: int):
@@ -152,7 +177,7 @@ def agree(fn, rank: int):
             box[0] = ("ok", fn())
         except ValueError as exc:
             box[0] = ("error", (type(exc), str(exc)))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     kind, value = box[0]
     if kind == "error":
         raise value[0](value[1])

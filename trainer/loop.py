@@ -56,7 +56,7 @@ from .distributed import (
     agree,
     barrier,
     gather_float,
-    global_sums,
+    gather_on_device,
     init_distributed,
     node_ranks,
     shutdown_distributed,
@@ -516,7 +516,7 @@ class Trainer:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self._lines(idx)})")
         plans = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)
         plan = plans[self.dist.rank]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         num_tokens = 0
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
@@ -531,17 +531,20 @@ class Trainer:
             self._poll("before_backward", step, m)
             (mb_loss * scale).backward()
             self._poll("after_backward", step, m)
-            loss_sum += mb_loss.detach().double().cpu()
+            loss_sum += mb_loss.detach().double()
             if batch is not None:
-                num_tokens += int(batch["num_tokens"])
-        loss_sum, tokens_by_rank = global_sums(loss_sum, num_tokens)
-        loss = float(loss_sum) / total_loss_tokens
+                num_tokens += int(batch["num_tokens"])  # collate_packed's host tensor
+        loss_by_rank = gather_on_device(loss_sum)
+        tokens_by_rank = [int(t) for t in gather_float(num_tokens)]
         if inject == "grad":
             local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
         if self.projector:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # The step's one host sync: the divergence check needs the loss and the grad norm before the update.
+        *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
+        loss = sum(losses) / total_loss_tokens  # the ranks' sums added in rank order, as global_sums does
         self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))
         lr = self.optimizer.param_groups[0]["lr"]  # what this update uses (also after a resume that changed it)
         self.optimizer.step()

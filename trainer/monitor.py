@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint.store import newest_complete
-from .distributed import agree, backend_device, is_distributed
+from .distributed import agree, control_group, is_distributed
 from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
 from .eval_sets import EVAL, RETENTION, EvalSet
 from .contract import EXIT_COMPLETED, EXIT_FAILED, Event, FinishReason
@@ -218,8 +218,8 @@ class RunMonitor:
             return False
         flag = int(t.dist.rank == 0 and path.exists())
         if is_distributed():
-            box = torch.tensor([flag], dtype=torch.int64, device=backend_device())
-            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            box = torch.tensor([flag], dtype=torch.int64)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=control_group())
             flag = int(box.item())
         if flag and t.dist.rank == 0:
             path.unlink(missing_ok=True)

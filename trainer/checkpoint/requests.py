@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..contract import LAUNCHER_PID_ENV
-from ..distributed import backend_device, is_distributed
+from ..distributed import control_group, is_distributed
 from .signals import CONTROL_ACTIONS, Action, TriggerDir, action_for_signal, request_files, signal_name
 
 SAFE_POINTS = ("before_forward", "before_backward", "after_backward", "after_step")
@@ -104,8 +104,8 @@ class RequestPoller:
         code = max([int(action_for_signal(t.signum, self.sigusr1_action)) * 256 + t.signum for t in triggers]
                    + [int(action) * 256 for _path, action, _mtime in controls], default=0)
         if is_distributed():
-            t = torch.tensor([code], dtype=torch.int64, device=backend_device())
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            t = torch.tensor([code], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
             code = int(t.item())
         if code == 0:
             return None
