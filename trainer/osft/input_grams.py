@@ -171,11 +171,10 @@ def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, 
         device: where the Grams are summed over the ranks (the ranks' device: NCCL needs CUDA).
 
     Raises:
-        ValueError: one Gram exceeds the budget (:func:`check_gram_budget`).
+        ValueError: one Gram exceeds the budget (:func:`check_gram_budget`, after the probe).
     """
     by_name = dict(modules)
     in_features = {name: m.in_features for name, m in modules}
-    check_gram_budget(in_features, budget_bytes)
     classes = shared_inputs(modules, probe)
     several = dist.is_initialized() and dist.get_world_size() > 1
     if several:  # every rank sees the same structure; rank 0's word makes it certain
