@@ -190,7 +190,9 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     chained = tmp_path / "chained"
     assert train(ref / "hf_format" / "step_2", data, chained, "--max-steps", "1", "--freeze-router",
                  "--learning-rate", "2e-2") == 0
-    assert "protected subspaces: 14 modules from" in capsys.readouterr().err.replace("\n", "")
+    console = capsys.readouterr().err.replace("\n", "")
+    assert "protected subspaces: 14 modules (6 of them expert banks, a basis per expert) from" in console
+    assert f"p_L {min(m['p_left'] for m in meta['modules'].values())}-{max(m['p_left'] for m in meta['modules'].values())}" in console
     moved = 0
     for key, P, Q, d in weight_updates(sub_a, a, load_file(chained / "hf_format" / "step_1" / "model.safetensors")):
         if d.norm() > 1e-5:

@@ -419,9 +419,11 @@ class Trainer:
                           "(--no-osft-protect-subspaces): every direction of the model may train again")
             return None
         path, bases = found
-        p_left = [P.shape[1] for P, _ in bases.values()]
-        p_right = [Q.shape[1] for _, Q in bases.values()]
-        self._say(f"protected subspaces: {len(bases)} modules from {path} are frozen; protected rank per module "
+        p_left = [P.shape[-1] for P, _ in bases.values()]
+        p_right = [Q.shape[-1] for _, Q in bases.values()]
+        banks = sum(P.dim() == 3 for P, _ in bases.values())
+        of_banks = f" ({banks} of them expert banks, a basis per expert)" if banks else ""
+        self._say(f"protected subspaces: {len(bases)} modules{of_banks} from {path} are frozen; protected rank per module "
                   f"p_L {min(p_left, default=0)}-{max(p_left, default=0)} (total {sum(p_left)}), "
                   f"p_R {min(p_right, default=0)}-{max(p_right, default=0)} (total {sum(p_right)}); "
                   "--no-osft-protect-subspaces turns this off")
