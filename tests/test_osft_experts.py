@@ -149,7 +149,8 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     step 1 and a resume from it (same losses and state hash at step 2, same export and protected
     subspaces, one basis per expert); the export reloads with the original parameter names and
     shapes, its experts changed and its routers did not, and generates; no unconstrained-weights
-    warning. A chained run from the export keeps every expert's update orthogonal to its bases."""
+    warning. A chained run from the export keeps every expert's update orthogonal to its bases, and
+    resumes bit-exactly with them."""
     from helpers import QA, chat, tiny_chat_tokenizer, weight_updates, write_jsonl
     from safetensors.torch import load_file
 
@@ -186,15 +187,21 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     r = meta["modules"][bank]["p_left"]
     assert sub_a[f"{bank}.P"].shape == (4, 24, r) and sub_a[f"{bank}.Q"].shape == (4, 32, r) and r > 0
     assert meta["modules"][bank]["experts"] == 4 and max(meta["modules"][bank]["expert_ranks"]) == r
-    # a chained run protects every expert's subspaces
-    chained = tmp_path / "chained"
-    assert train(ref / "hf_format" / "step_2", data, chained, "--max-steps", "1", "--freeze-router",
-                 "--learning-rate", "2e-2") == 0
+    # a chained run protects every expert's subspaces, also across a resume
+    chained, chained_resumed = tmp_path / "chained", tmp_path / "chained_resumed"
+    chain = ("--max-steps", "2", "--freeze-router", "--learning-rate", "2e-2")
+    assert train(ref / "hf_format" / "step_2", data, chained, *chain, "--checkpoint-every-steps", "1") == 0
     console = capsys.readouterr().err.replace("\n", "")
     assert "protected subspaces: 14 modules (6 of them expert banks, a basis per expert) from" in console
     assert f"p_L {min(m['p_left'] for m in meta['modules'].values())}-{max(m['p_left'] for m in meta['modules'].values())}" in console
+    assert train(ref / "hf_format" / "step_2", data, chained_resumed, *chain, "--resume-from-full-state-checkpoint",
+                 str(chained / "full_state_checkpoints" / "step_1")) == 0
+    assert steps(chained_resumed)[2]["state_sha256"] == steps(chained)[2]["state_sha256"]
+    sub_c, sub_r = (load_file(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (chained, chained_resumed))
+    assert sub_c.keys() == sub_r.keys() and all(torch.equal(sub_c[k], sub_r[k]) for k in sub_c)
+    assert torch.equal(sub_c[f"{bank}.P"][..., :r], sub_a[f"{bank}.P"])  # the chained run kept A's bases first
     moved = 0
-    for key, P, Q, d in weight_updates(sub_a, a, load_file(chained / "hf_format" / "step_1" / "model.safetensors")):
+    for key, P, Q, d in weight_updates(sub_a, a, load_file(chained / "hf_format" / "step_2" / "model.safetensors")):
         if d.norm() > 1e-5:
             moved += ".experts." in key
             assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), key
