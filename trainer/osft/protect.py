@@ -18,6 +18,7 @@ keeps one basis per expert with one rank per bank (:func:`fold_bank`, ``update``
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 #: A new direction whose norm after removing the old basis is below this is dropped (it was

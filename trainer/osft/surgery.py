@@ -68,8 +68,9 @@ class Target:
     """One OSFT target of a model before the surgery: its full ``name``, its weight as ``matrix``
     (N×M out×in, a view; E×N×M for an expert bank), its ``bias`` (N, E×N or None), whether the
     module stores the weight transposed (``transposed``, GPT-2 ``Conv1D``), its layout ``plan``, its
-    protected bases ``protected`` = (P: N×p_L, Q: M×p_R; a bank's E×N×p, E×M×p) of earlier runs (None: nothing protected)
-    and, for a bank, the name of its ``experts`` module (None for a linear module)."""
+    protected bases ``protected`` = (P: N×p_L, Q: M×p_R; a bank's E×N×p, E×M×p) of earlier runs
+    (None: nothing protected) and, for a bank, the name of its ``experts`` module (None for a
+    linear module)."""
 
     name: str
     matrix: torch.Tensor
