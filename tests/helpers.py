@@ -334,3 +334,15 @@ def float64_grad_norm(trainer, indices) -> float:
                     v.copy_(c if m.v_keep else v - c)
     grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.cat(grads)))
+
+
+def weight_updates(bases: dict, before: dict, after: dict):
+    """(P, Q, ΔW) of every protected weight, float64: a linear module's ``<name>.weight``, and each
+    expert of a bank ``<experts>.<proj>`` (P: E×N×p) under its on-disk name ``<experts>.<e>.<proj>.weight``."""
+    for name in sorted({k.rpartition(".")[0] for k in bases}):
+        P, Q = bases[f"{name}.P"].double(), bases[f"{name}.Q"].double()
+        experts, _, proj = name.rpartition(".")
+        keys = [f"{experts}.{e}.{proj}.weight" for e in range(P.shape[0])] if P.dim() == 3 else [f"{name}.weight"]
+        for i, key in enumerate(keys):
+            pq = (P[i], Q[i]) if P.dim() == 3 else (P, Q)
+            yield key, *pq, after[key].double() - before[key].double()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
+from helpers import QA, chat, tiny_chat_tokenizer, weight_updates, write_jsonl
 from model_matrix import MATRIX, TWO_RANK_SUBSET, block_targets, save_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -78,15 +78,27 @@ def test_targets_decomposition_one_step_and_export(model_type, data, tmp_path):
 def test_two_ranks_train_and_export_the_subset_in_one_worker_group(data, tmp_path):
     """The subset of :data:`model_matrix.TWO_RANK_SUBSET` (one model per target layout and every
     MoE model) trained one step each on 2 gloo ranks by one torchrun launch: every run is a step on
-    world size 2 without orthogonality violations, and its export reloads and generates."""
+    world size 2 without orthogonality violations, and its export reloads and generates. Then a run
+    chained on Qwen3-MoE's export (``step_1``) protects the bases it carries, every expert's own."""
     sources = [save_model(t, tmp_path / t)[0] for t in TWO_RANK_SUBSET]
     out = tmp_path / "runs"
+    chained = out / "qwen3_moe" / "hf_format" / "step_1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "dist" / "model_matrix_run.py"), str(data), str(out), *map(str, sources), "--", *TRAIN_FLAGS]
+           str(ROOT / "tests" / "dist" / "model_matrix_run.py"), str(data), str(out), *map(str, sources), str(chained),
+           "--", *TRAIN_FLAGS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for source in sources:
+    for source in [*sources, chained]:
         records = [json.loads(line) for line in (out / source.name / "metrics" / "node0.jsonl").read_text().splitlines()]
         (step,) = [r for r in records if r["event"] == "step"]
         assert (step["step"], step["world_size"], step["ortho_violations"]) == (1, 2, 0), source.name
         check_export(source, out / source.name / "hf_format" / "step_1")
+    bases = load_file(chained / "osft_subspaces.safetensors")
+    assert bases["model.layers.1.mlp.experts.down_proj.P"].shape[:2] == (4, 32)
+    moved = 0
+    for key, P, Q, d in weight_updates(bases, load_file(chained / "model.safetensors"),
+                                       load_file(out / "step_1" / "hf_format" / "step_1" / "model.safetensors")):
+        if d.norm() > 1e-6:
+            moved += ".experts." in key
+            assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), key
+    assert moved >= 12

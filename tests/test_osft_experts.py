@@ -146,10 +146,12 @@ def train(model_dir, data, out, *flags):
 
 def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_exactly(tmp_path, monkeypatch, capsys):
     """One rank in-process, tiny Qwen3-MoE with ``--freeze-router``: 2 steps with a checkpoint at
-    step 1 and a resume from it (same losses and state hash at step 2, same export); the export
-    reloads with the original parameter names and shapes, its experts changed and its routers did
-    not, and generates; no unconstrained-weights warning."""
-    from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
+    step 1 and a resume from it (same losses and state hash at step 2, same export and protected
+    subspaces, one basis per expert); the export reloads with the original parameter names and
+    shapes, its experts changed and its routers did not, and generates; no unconstrained-weights
+    warning. A chained run from the export keeps every expert's update orthogonal to its bases, and
+    resumes bit-exactly with them."""
+    from helpers import QA, chat, tiny_chat_tokenizer, weight_updates, write_jsonl
     from safetensors.torch import load_file
 
     monkeypatch.setenv("OSFT_TEST_STATE_HASH", "1")
@@ -177,6 +179,33 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     assert (got[2]["loss"], got[2]["state_sha256"]) == (want[2]["loss"], want[2]["state_sha256"])
     a, b = (load_file(out / "hf_format" / "step_2" / "model.safetensors") for out in (ref, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # protected subspaces per expert (one rank per bank), the same after the resume
+    sub_a, sub_b = (load_file(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (ref, resumed))
+    assert sub_a.keys() == sub_b.keys() and all(torch.equal(sub_a[k], sub_b[k]) for k in sub_a)
+    meta = json.loads((ref / "hf_format" / "step_2" / "osft_subspaces.json").read_text())
+    bank = "model.layers.0.mlp.experts.gate_proj"
+    r = meta["modules"][bank]["p_left"]
+    assert sub_a[f"{bank}.P"].shape == (4, 24, r) and sub_a[f"{bank}.Q"].shape == (4, 32, r) and r > 0
+    assert meta["modules"][bank]["experts"] == 4 and max(meta["modules"][bank]["expert_ranks"]) == r
+    # a chained run protects every expert's subspaces, also across a resume
+    chained, chained_resumed = tmp_path / "chained", tmp_path / "chained_resumed"
+    chain = ("--max-steps", "2", "--freeze-router", "--learning-rate", "2e-2")
+    assert train(ref / "hf_format" / "step_2", data, chained, *chain, "--checkpoint-every-steps", "1") == 0
+    console = capsys.readouterr().err.replace("\n", "")
+    assert "protected subspaces: 14 modules (6 of them expert banks, a basis per expert) from" in console
+    assert f"p_L {min(m['p_left'] for m in meta['modules'].values())}-{max(m['p_left'] for m in meta['modules'].values())}" in console
+    assert train(ref / "hf_format" / "step_2", data, chained_resumed, *chain, "--resume-from-full-state-checkpoint",
+                 str(chained / "full_state_checkpoints" / "step_1")) == 0
+    assert steps(chained_resumed)[2]["state_sha256"] == steps(chained)[2]["state_sha256"]
+    sub_c, sub_r = (load_file(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (chained, chained_resumed))
+    assert sub_c.keys() == sub_r.keys() and all(torch.equal(sub_c[k], sub_r[k]) for k in sub_c)
+    assert torch.equal(sub_c[f"{bank}.P"][..., :r], sub_a[f"{bank}.P"])  # the chained run kept A's bases first
+    moved = 0
+    for key, P, Q, d in weight_updates(sub_a, a, load_file(chained / "hf_format" / "step_2" / "model.safetensors")):
+        if d.norm() > 1e-5:
+            moved += ".experts." in key
+            assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), key
+    assert moved >= 12
     # on disk both carry the per-expert names transformers saves Qwen3-MoE under (experts.<e>.gate_proj.weight)
     before = load_file(source / "model.safetensors")
     assert {k: tuple(v.shape) for k, v in a.items()} == {k: tuple(v.shape) for k, v in before.items()}
@@ -223,3 +252,99 @@ def test_freeze_router_on_a_dense_model_is_an_input_error(tiny_model_dir, tmp_pa
     assert train(tiny_model_dir, data, tmp_path / "r", "--freeze-router", "--nproc-per-node", str(ranks)) == 2
     err = capsys.readouterr().err.replace("\n", "")
     assert f"--freeze-router: {tiny_model_dir} (LlamaForCausalLM) has no MoE router to freeze" in err
+
+
+def bank_update(m):
+    """Every expert's ΔW_e = U_low S_low V_low − U_start S_start V_start of this run (E×N×M, float64)."""
+    now = (m.U_low.double() * m.S_low.double().unsqueeze(-2)) @ m.V_low.double()
+    return (now - (m.U_start.double() * m.S_start.double().unsqueeze(-2)) @ m.V_start.double()).detach()
+
+
+def train_moe(model, osft, steps, seed):
+    """AdamW with weight decay on the language-model loss of random tokens, projected as the trainer does."""
+    g = torch.Generator().manual_seed(seed)
+    projector = Projector(osft.modules)
+    opt = torch.optim.AdamW([p for _, m in osft.modules for p in (m.U_low, m.S_low, m.V_low)], lr=2e-2, weight_decay=0.1)
+    for _ in range(steps):
+        ids = torch.randint(0, 97, (2, 16), generator=g)
+        model(ids, labels=ids).loss.backward()
+        projector.project_gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        projector.project_parameters()
+
+
+def test_protected_banks_keep_every_experts_earlier_update():
+    """Run A on a tiny Mixtral, its banks folded expert by expert (one protected rank per bank; an
+    expert whose update is undone is filled from its start basis), then run B on A's weights with
+    those bases: every expert's update of B is orthogonal to its own P_e and Q_e."""
+    from osft.trainer.osft.protect import fold_bank
+
+    settings = OSFTSettings(urr=0.5, max_tokens_per_micro_batch=64)
+    model = moe_model("mixtral")
+    osft = apply_osft(model, settings)
+    train_moe(model, osft, steps=3, seed=0)
+    banks = {n: m for n, m in osft.modules if m.plan.experts}
+    bank0 = banks["model.layers.0.mlp.experts.gate_proj"]
+    with torch.no_grad():  # expert 0 of one bank ends where it started: D_0 = 0
+        for k in ("U", "S", "V"):
+            getattr(bank0, f"{k}_low")[0] = getattr(bank0, f"{k}_start")[0]
+    folds = {}
+    for name, m in banks.items():
+        e, n, k_low = m.plan.experts, m.plan.n, m.plan.k_low
+        factors = {k: getattr(m, k).detach() for k in ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")}
+        fold = folds[name] = fold_bank({"P": torch.zeros(e, n, 0), "Q": torch.zeros(e, m.plan.m, 0), **factors}, 0.9, 0.5)
+        r = fold.added_left
+        assert fold.P.shape == (e, n, r) and fold.Q.shape == (e, m.plan.m, r) and 0 < r <= k_low // 2, name
+        assert max(fold.expert_ranks) == r and fold.summary()["expert_ranks"] == list(fold.expert_ranks)
+        eye = torch.eye(r).expand(e, r, r)
+        torch.testing.assert_close(fold.P.mT @ fold.P, eye, rtol=0, atol=1e-5)
+        torch.testing.assert_close(fold.Q.mT @ fold.Q, eye, rtol=0, atol=1e-5)
+        d = bank_update(m)
+        for x in range(e):
+            if d[x].norm() == 0:
+                continue
+            sigma_sq = torch.linalg.svdvals(d[x]).square()
+            kept = float((fold.P[x].double().mT @ d[x]).square().sum() / sigma_sq.sum())
+            assert kept >= min(0.9, float(sigma_sq[:r].sum() / sigma_sq.sum())) - 1e-5, (name, x)
+    p0 = folds["model.layers.0.mlp.experts.gate_proj"].P[0].double()  # from U_start alone
+    u0 = bank0.U_start[0].double()
+    assert torch.linalg.matrix_norm(p0 - u0 @ (u0.mT @ p0)) < 1e-5
+    # run B on A's weights
+    dense = dense_state_dict(model.state_dict(), osft)
+    model_b = moe_model("mixtral")
+    model_b.load_state_dict(dense)
+    bases = {name: (f.P, f.Q) for name, f in folds.items()}
+    osft_b = apply_osft(model_b, settings, bases=bases)
+    b_banks = {n: m for n, m in osft_b.modules if m.plan.experts}
+    for name, m in b_banks.items():
+        r = folds[name].added_left
+        assert (m.plan.p_left, m.plan.p_right) == (r, r) and m.P.shape == folds[name].P.shape
+        torch.testing.assert_close(m.dense_weight().detach(), banks[name].dense_weight().detach(), rtol=0, atol=1e-5)
+    train_moe(model_b, osft_b, steps=3, seed=1)
+    for name, m in b_banks.items():
+        d = bank_update(m)
+        P, Q = folds[name].P.double(), folds[name].Q.double()
+        for x in range(m.plan.experts):
+            size = float(d[x].norm())
+            assert size > 1e-4, (name, x)
+            assert float((P[x].mT @ d[x]).norm()) <= 1e-5 * size and float((d[x] @ Q[x]).norm()) <= 1e-5 * size, (name, x)
+
+
+def test_bank_bases_that_do_not_fit_the_bank_name_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from osft.trainer.checkpoint.subspaces import read_bases
+
+    name, path = "model.layers.0.mlp.experts.down_proj", tmp_path / "osft_subspaces.safetensors"
+    shapes = {name: (4, 32, 24)}
+    for P, Q, why in ((torch.zeros(4, 32, 2), torch.zeros(4, 24, 2), None),
+                      (torch.zeros(3, 32, 2), torch.zeros(3, 24, 2), r"is 4×32×24, but its P is \(3, 32, 2\)"),
+                      (torch.zeros(4, 32, 2), torch.zeros(4, 24, 3), "p_L = p_R for an expert bank"),
+                      (torch.zeros(32, 2), torch.zeros(24, 2), r"expected 4×32×p_L and 4×24×p_R")):
+        save_file({f"{name}.P": P, f"{name}.Q": Q}, str(path))
+        if why is None:
+            assert read_bases(path, shapes)[name][0].shape == (4, 32, 2)
+        else:
+            with pytest.raises(ValueError, match=f"{name} {why}" if why.startswith("is") else why):
+                read_bases(path, shapes)

@@ -19,7 +19,7 @@ from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
 from osft.trainer.osft.plan import plan_module, plan_table
 from osft.trainer.osft.projection import Projector
-from osft.trainer.osft.protect import fold_module, update_svd
+from osft.trainer.osft.protect import fold_cap, fold_module, input_directions, update_svd
 
 FOLD_KEYS = ("P", "Q", "U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
@@ -178,7 +178,8 @@ def test_toy_regression_inputs_variant_keeps_task_a_exactly():
     folds = {
         "plain": None,
         "update": fold_module(factors(a), 0.9, 1.0),
-        "inputs": fold_module(factors(a), 0.9, 1.0, "inputs", input_gram=x_a.double().t() @ x_a.double()),
+        "inputs": fold_module(factors(a), 0.9, 1.0, input_directions(x_a.double().t() @ x_a.double(), torch.zeros(24, 0),
+                                                                     0.95, fold_cap(a.plan.k_low, 1.0))),
     }
     assert folds["inputs"].added_right == 8 and not folds["inputs"].inputs.cap_bound
     forgetting = {}
@@ -224,21 +225,29 @@ def projectors(export):
     return {k: bases[k].double() @ bases[k].double().t() for k in bases}
 
 
+#: Task A's bases from its layer inputs, with a budget that holds the Grams of 1 of the 2 blocks
+#: (8·(3·64² + 128²) bytes a block: q/k/v, o, gate/up and down read 4 distinct inputs): 2 passes.
+INPUTS = ("--osft-protect-basis", "inputs", "--osft-protect-input-memory-gb", "0.0003")
+
+
 @pytest.fixture(scope="module")
 def runs(job, tmp_path_factory):
-    """Task A on 1 rank and on 2 ranks (the latter uninterrupted and stopped + resumed)."""
+    """Task A (variant ``inputs``) on 1 rank and on 2 ranks (the latter uninterrupted and stopped +
+    resumed)."""
     model, data = job
     root = tmp_path_factory.mktemp("runs")
     one, two, resumed = root / "one", root / "two", root / "resumed"
-    code, output = osft_train(model, data, one)
+    code, output = osft_train(model, data, one, *INPUTS)
     assert code == 0, output
-    code, output = osft_train(model, data, two, "--nproc-per-node", "2", "--on-demand-checkpointing")
+    assert "8 distinct layer inputs of 14 modules (6 shared) collected in 2 passes" in output, output
+    code, output = osft_train(model, data, two, "--nproc-per-node", "2", "--on-demand-checkpointing", *INPUTS)
     assert code == 0, output
     env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12], "OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGTERM"}
-    code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", env=env)
+    code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", *INPUTS,
+                              env=env)
     assert code == EXIT_STOPPED, output
     code, output = osft_train(model, data, resumed, "--nproc-per-node", "2", "--on-demand-checkpointing", "--resume",
-                              env={"OSFT_JOB_ID": env["OSFT_JOB_ID"]})
+                              *INPUTS, env={"OSFT_JOB_ID": env["OSFT_JOB_ID"]})
     assert code == 0 and "resumed from" in output, output
     return one, two, resumed
 
@@ -248,8 +257,9 @@ def test_exports_carry_the_same_subspaces_on_one_and_two_ranks_and_after_a_resum
     one, two, resumed = runs
     meta = json.loads((exported(one) / "osft_subspaces.json").read_text())
     assert meta["format_version"] == 1 and meta["energy"] == 0.9 and meta["max_rank_ratio"] == 0.5
-    assert meta["basis"] == "update" and meta["source"]["step"] == STEPS and len(meta["modules"]) == 14
-    assert all(m["p_left"] == m["added_left"] > 0 for m in meta["modules"].values())
+    assert meta["basis"] == "inputs" and meta["input_passes"] == 2
+    assert meta["source"]["step"] == STEPS and len(meta["modules"]) == 14
+    assert all(m["p_left"] == m["added_left"] > 0 and 0 < m["input_energy_kept"] <= 1 for m in meta["modules"].values())
     p1, p2 = projectors(exported(one)), projectors(exported(two))
     assert p1.keys() == p2.keys()
     for key in p1:
@@ -277,6 +287,7 @@ def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, 
         assert d.norm() > 0, name
         assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), name
         assert meta["modules"][name]["p_left"] > P.shape[1] - 1  # the old bases are kept, new ones added
+    assert meta["basis"] == "update"
     no_protect = tmp_path / "c"
     code, output = osft_train(exported(one), data, no_protect, "--no-osft-protect-subspaces", "--max-steps", "1")
     assert code == 0 and "not used (--no-osft-protect-subspaces)" in output, output

@@ -73,6 +73,7 @@ class TrainConfig:
     osft_protect_basis: str = "update"
     osft_protect_input_energy: float = 0.95
     osft_protect_input_samples: int = 256
+    osft_protect_input_memory_gb: float = 4.0
     # precision and device
     device: str = "auto"
     dtype: str = "auto"
@@ -319,6 +320,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="epsilon: share of the layer inputs' energy to protect (--osft-protect-basis inputs)")
     g.add_argument("--osft-protect-input-samples", type=positive_int, default=d.osft_protect_input_samples,
                    help="training samples whose layer inputs are collected at export (--osft-protect-basis inputs)")
+    g.add_argument("--osft-protect-input-memory-gb", type=_float_in(0, INF, lo_open=True, hi_open=True),
+                   default=d.osft_protect_input_memory_gb,
+                   help="most GB of input Gram matrices (8*M^2 bytes per distinct module input) held at once "
+                   "on each rank; more than fit take one calibration pass per group (--osft-protect-basis inputs)")
 
     g = p.add_argument_group("precision, device and outputs")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
@@ -475,6 +480,8 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--{key.replace('_', '-')} must be in (0, 1], got {getattr(cfg, key)}")
     if cfg.osft_protect_input_samples < 1:
         raise ValueError(f"--osft-protect-input-samples must be at least 1, got {cfg.osft_protect_input_samples}")
+    if not (math.isfinite(cfg.osft_protect_input_memory_gb) and cfg.osft_protect_input_memory_gb > 0):
+        raise ValueError(f"--osft-protect-input-memory-gb must be a positive number, got {cfg.osft_protect_input_memory_gb}")
     check_available(cfg.report_to)
 
 

@@ -76,7 +76,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 
     Raises:
         DataValidationError, ValueError, FileNotFoundError: bad data, model path or sample count,
-            protected subspaces that do not fit the model, ``--freeze-router`` for a model without
+            protected subspaces that do not fit the model, an input Gram matrix larger than
+            ``--osft-protect-input-memory-gb``, ``--freeze-router`` for a model without
             MoE routers, or a warmup that would leave every step
             at learning rate 0 (:func:`.schedule.check_warmup`).
         CheckpointError: the checkpoint to resume from is incomplete or corrupt, or was saved with
@@ -85,7 +86,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     from dataclasses import replace
 
     from .data.cache import tokenize_source
-    from .model_build import load_protected_bases, meta_model
+    from .model_build import load_protected_bases, meta_model, target_shapes
+    from .osft.input_grams import check_gram_budget
     from .model_loading import load_tokenizer
     from .osft.freeze import freeze_routers
     from .startup import check_data, check_start, choose_checkpoint, load_data, resume_requested
@@ -104,6 +106,10 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
     say(f"data: {len(data.train)} samples validated")
     if not resume_requested(cfg):
         load_protected_bases(cfg)  # a file that does not fit the model fails here, before any rank starts
+    if cfg.osft and cfg.osft_protect_basis == "inputs":  # a Gram larger than the budget fails here
+        shapes = target_shapes(cfg.model_name_or_path, cfg.osft_target_patterns)
+        check_gram_budget({name: shape[-1] for name, shape in shapes.items() if len(shape) == 2},  # banks: not collected
+                          cfg.osft_protect_input_memory_gb * 1e9)
     if cfg.freeze_router:  # a model without MoE routers fails here
         freeze_routers(meta_model(cfg.model_name_or_path), cfg.model_name_or_path)
     choice = choose_checkpoint(cfg)

@@ -72,7 +72,8 @@ from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ModulePlan, plan_table
 from .osft.projection import Projector
-from .osft.protect import ModuleFold, fold_module, no_bases
+from .osft.input_grams import InputBases, check_gram_budget, input_bases
+from .osft.protect import ModuleFold, fold_bank, fold_module, no_bases
 from .osft.settings import OSFTSettings
 from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
@@ -280,6 +281,13 @@ class Trainer:
         self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, osft=osft_settings, vocab_size=vocab,
                                             from_checkpoint=resume is not None, bases=bases, plans=plans,
                                             plan_ranks=self._plan_ranks)
+        if self.osft and cfg.osft_protect_basis == "inputs":  # fails now, not at the first export
+            check_gram_budget({n: m.in_features for n, m in self.osft.modules if not (m.plan.experts or m.plan.frozen)},
+                              cfg.osft_protect_input_memory_gb * 1e9)
+            if banks := [n for n, m in self.osft.modules if m.plan.experts]:
+                self._say(f"protected subspaces: --osft-protect-basis inputs does not apply to the {len(banks)} expert "
+                          "banks (each expert sees only the tokens routed to it): their exports protect the update "
+                          "directions of each expert")
         if self.osft and resume is not None:
             self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume.path} (no SVD)")
         elif self.osft:
@@ -411,9 +419,11 @@ class Trainer:
                           "(--no-osft-protect-subspaces): every direction of the model may train again")
             return None
         path, bases = found
-        p_left = [P.shape[1] for P, _ in bases.values()]
-        p_right = [Q.shape[1] for _, Q in bases.values()]
-        self._say(f"protected subspaces: {len(bases)} modules from {path} are frozen; protected rank per module "
+        p_left = [P.shape[-1] for P, _ in bases.values()]
+        p_right = [Q.shape[-1] for _, Q in bases.values()]
+        banks = sum(P.dim() == 3 for P, _ in bases.values())
+        of_banks = f" ({banks} of them expert banks, a basis per expert)" if banks else ""
+        self._say(f"protected subspaces: {len(bases)} modules{of_banks} from {path} are frozen; protected rank per module "
                   f"p_L {min(p_left, default=0)}-{max(p_left, default=0)} (total {sum(p_left)}), "
                   f"p_R {min(p_right, default=0)}-{max(p_right, default=0)} (total {sum(p_right)}); "
                   "--no-osft-protect-subspaces turns this off")
@@ -605,17 +615,17 @@ class Trainer:
         ``.json``, see :meth:`_fold_subspaces`); rank 0 writes, every rank takes part in gathering
         the shards. Returns its path."""
         out = out or self.run_dir.hf_export(step)
-        grams = self._input_grams() if self.osft and self.cfg.osft_protect_basis == "inputs" else None
         state = full_state_dict(self.model)
+        inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
         if self.dist.rank == 0:
             extra = None
             if self.osft:
-                folds = self._fold_subspaces(state, grams, step)
+                folds = self._fold_subspaces(state, inputs, step)
                 settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
                             ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
-                if self.cfg.osft_protect_basis == "inputs":
+                if inputs is not None:
                     settings.update(input_energy=self.cfg.osft_protect_input_energy,
-                                    input_samples=self.cfg.osft_protect_input_samples)
+                                    input_samples=self.cfg.osft_protect_input_samples, input_passes=inputs.passes)
                 source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
 
                 def extra(directory: Path) -> None:
@@ -631,67 +641,71 @@ class Trainer:
         barrier()
         return str(out)
 
-    def _fold_subspaces(self, state: dict[str, torch.Tensor], grams: dict[str, torch.Tensor] | None,
+    def _fold_subspaces(self, state: dict[str, torch.Tensor], inputs: InputBases | None,
                         step: int) -> dict[str, ModuleFold]:
         """Every module's protected bases after this run (:func:`.osft.protect.fold_module` on the
-        full tensors of rank 0); logs a ``subspaces_folded`` record and the modules where the cap
-        bound (with the energy actually kept)."""
+        full tensors of rank 0, with the ``inputs`` variant's directions where collected); logs a
+        ``subspaces_folded`` record and the modules where the cap bound (with the energy actually
+        kept)."""
         cfg = self.cfg
         keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
-        def module_factors(name: str, module) -> dict[str, torch.Tensor]:
-            empty = dict(zip("PQ", no_bases(module.plan.n, module.plan.m)))  # p = 0: no parameter
-            return {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
+        def fold(name: str, plan) -> ModuleFold:
+            empty = dict(zip("PQ", no_bases(plan.n, plan.m, experts=plan.experts)))  # p = 0: no parameter
+            factors = {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
+            if plan.experts:  # the update variant, per expert
+                return fold_bank(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio)
+            return fold_module(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio,
+                               None if inputs is None else inputs.directions.get(name))
 
-        folds = {name: fold_module(module_factors(name, module), cfg.osft_protect_energy,
-                                   cfg.osft_protect_max_rank_ratio, cfg.osft_protect_basis,
-                                   None if grams is None else grams[name], cfg.osft_protect_input_energy)
-                 for name, module in self.osft.modules if not module.plan.experts}  # banks: not folded (issue 18)
+        folds = {name: fold(name, module.plan) for name, module in self.osft.modules}
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
+        passes = {} if inputs is None else {"input_passes": inputs.passes}
         self.metrics.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
                          added_left=sum(f.added_left for f in folds.values()),
-                         added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped)
+                         added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped, **passes)
         if capped:
             self._say(f"protected subspaces: the rank cap (--osft-protect-max-rank-ratio {cfg.osft_protect_max_rank_ratio}) "
                       f"bound in {len(capped)} modules; energy kept there {min(capped.values()):.3f}-"
                       f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
         return folds
 
-    @torch.no_grad()
-    def _input_grams(self) -> dict[str, torch.Tensor]:
-        """X Xᵀ (M×M, float64, summed over ranks) of every OSFT module's inputs over the first
-        ``--osft-protect-input-samples`` training samples (forward hooks, eval mode, collective)."""
+    def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
+        """The ``inputs`` variant's directions of every trainable OSFT module (not banks) from its
+        layer inputs over the first ``--osft-protect-input-samples`` training samples
+        (:func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
+        group of Grams that fits ``--osft-protect-input-memory-gb``; collective). ``state``: the
+        full state dict (rank 0), whose Q each module's directions avoid."""
         cfg = self.cfg
         idx = np.arange(min(cfg.osft_protect_input_samples, len(self.data)))
         plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
-        linear = [(name, m) for name, m in self.osft.modules if not m.plan.experts]  # banks run no forward of their own
-        grams = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linear}
-        recording = [False]
 
-        def hook(name: str):
-            def record(_module, args) -> None:
-                if recording[0]:
-                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double().cpu()
-                    grams[name] += x.t() @ x
-            return record
+        def batch(micro: list[int]) -> dict | None:
+            return collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
 
-        handles = [m.register_forward_pre_hook(hook(name)) for name, m in linear]
+        def probe() -> None:
+            self._micro_batch_loss(batch(plan[0]))
+
+        def run(recording) -> None:
+            for micro in plan:
+                recording(bool(micro))
+                self._micro_batch_loss(batch(micro))
+
+        modules = [(name, m) for name, m in self.osft.modules if not m.plan.experts and not m.plan.frozen]
+        q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
         self.model.eval()
         try:
-            for micro in plan:
-                batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
-                recording[0] = batch is not None
-                self._micro_batch_loss(batch)
+            with torch.no_grad():
+                found = input_bases(modules, q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
+                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device)
         finally:
             self.model.train()
-            for h in handles:
-                h.remove()
-        if self.dist.world_size > 1:
-            for name, g in grams.items():
-                summed = g.to(self.device)
-                torch.distributed.all_reduce(summed)
-                grams[name] = summed.cpu()
-        return grams
+        shared = sum(len(c) for c in found.classes) - len(found.classes)
+        if found.passes > 1:
+            self._say(f"protected subspaces (inputs): {len(found.classes)} distinct layer inputs of {len(modules)} modules "
+                      f"({shared} shared) collected in {found.passes} passes over {len(idx)} samples "
+                      f"(--osft-protect-input-memory-gb {cfg.osft_protect_input_memory_gb:g})")
+        return found
 
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
         self.metrics.log(Event.RUN_FINISHED, reason=reason, exit_code=exit_code, step=step, **fields)

@@ -22,8 +22,7 @@ from .distributed import DistEnv
 from .model_loading import load_config, load_model
 from .osft.plan import ModulePlan
 from .osft.settings import OSFTSettings
-from .osft.surgery import Bases, OSFTModel, apply_osft, skeleton_osft
-from .osft.targets import find_target_modules, weight_shape
+from .osft.surgery import Bases, OSFTModel, apply_osft, skeleton_osft, target_weights
 from .sharding import shard_and_broadcast
 
 
@@ -36,12 +35,10 @@ def meta_model(path: str) -> nn.Module:
         return AutoModelForCausalLM.from_config(load_config(path))
 
 
-def target_shapes(path: str, patterns: list[str] | None) -> dict[str, tuple[int, int]]:
-    """(N, M) of every OSFT target of the model at ``path``, by module name, from its config alone
-    (:func:`meta_model`)."""
-    model = meta_model(path)
-    return {name: weight_shape(model.get_submodule(name))
-            for name in find_target_modules(model, model.config.model_type, patterns)}
+def target_shapes(path: str, patterns: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """(N, M) of every OSFT target of the model at ``path`` and (E, N, M) of every expert bank, by
+    module name, from its config alone (:func:`meta_model`, :func:`.osft.surgery.target_weights`)."""
+    return {name: tuple(matrix.shape) for name, matrix, *_ in target_weights(meta_model(path), patterns)}
 
 
 def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) -> None:

@@ -2,7 +2,8 @@
 
 The safetensors file holds, per OSFT target, ``<module name>.P`` (N×p_L) and ``<module name>.Q``
 (M×p_R), float32, orthonormal columns: the directions earlier OSFT runs changed (see
-:mod:`..osft.protect`). The JSON file describes them: format version, τ (``energy``), cap
+:mod:`..osft.protect`); for an expert bank (``<experts>.gate_proj``) one basis per expert, E×N×p and
+E×M×p with one p per bank (:func:`..osft.protect.fold_bank`). The JSON file describes them: format version, τ (``energy``), cap
 (``max_rank_ratio``), variant (``basis``), the run they came from, and per module p_L, p_R, the
 directions added by that run, the energy kept and whether the cap bound. A run whose
 ``--model-name-or-path`` is such an export protects these subspaces (``--osft-protect-subspaces``).
@@ -30,20 +31,22 @@ def subspaces_file(model_path: str | Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def read_bases(path: Path, shapes: Mapping[str, tuple[int, int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def read_bases(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Read a subspaces file and check it against the model's OSFT targets.
 
     Args:
         path: an ``osft_subspaces.safetensors``.
-        shapes: (N, M) of every target of the model being trained, by module name.
+        shapes: (N, M) of every target of the model being trained, (E, N, M) of an expert bank, by
+            module name.
 
     Returns:
-        (P: N×p_L, Q: M×p_R) float32 per module named in the file.
+        (P: N×p_L, Q: M×p_R) float32 per module named in the file (E×N×p, E×M×p for a bank).
 
     Raises:
         ValueError: naming the file and the module: an unreadable file, a tensor that is not
             ``<module>.P``/``<module>.Q``, a module without both, a module that is not a target of
-            this model, or a basis whose rows differ from the target's N (P) or M (Q).
+            this model, or bases whose leading dimensions differ from the target's (E,) N (P) or
+            (E,) M (Q), or a bank's P and Q of different ranks.
     """
     try:
         tensors = load_file(str(path))
@@ -52,8 +55,9 @@ def read_bases(path: Path, shapes: Mapping[str, tuple[int, int]]) -> dict[str, t
     bases: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name, _, side = key.rpartition(".")
-        if side not in ("P", "Q") or tensor.dim() != 2:
-            raise ValueError(f"protected subspaces {path}: tensor {key!r} is not a 2-D <module>.P or <module>.Q")
+        if side not in ("P", "Q") or tensor.dim() not in (2, 3):
+            raise ValueError(f"protected subspaces {path}: tensor {key!r} is not a 2-D (3-D for an expert bank) "
+                             "<module>.P or <module>.Q")
         bases.setdefault(name, {})[side] = tensor.float()
     out = {}
     for name, sides in sorted(bases.items()):
@@ -61,10 +65,14 @@ def read_bases(path: Path, shapes: Mapping[str, tuple[int, int]]) -> dict[str, t
             raise ValueError(f"protected subspaces {path}: module {name} has only {'/'.join(sides)}, needs P and Q")
         if name not in shapes:
             raise ValueError(f"protected subspaces {path}: module {name} is not an OSFT target of this model")
-        (n, m), P, Q = shapes[name], sides["P"], sides["Q"]
-        if P.shape[0] != n or Q.shape[0] != m or P.shape[1] > n or Q.shape[1] > m:
-            raise ValueError(f"protected subspaces {path}: module {name} is {n}×{m}, but its P is "
-                             f"{tuple(P.shape)} and its Q {tuple(Q.shape)} (expected {n}×p_L and {m}×p_R)")
+        shape, P, Q = tuple(shapes[name]), sides["P"], sides["Q"]
+        lead, (n, m) = shape[:-2], shape[-2:]
+        if (P.shape[:-1] != lead + (n,) or Q.shape[:-1] != lead + (m,) or P.shape[-1] > n or Q.shape[-1] > m
+                or (lead and P.shape[-1] != Q.shape[-1])):
+            want = f"{'×'.join(map(str, lead + (n,)))}×p_L and {'×'.join(map(str, lead + (m,)))}×p_R"
+            raise ValueError(f"protected subspaces {path}: module {name} is {'×'.join(map(str, shape))}, but its P is "
+                             f"{tuple(P.shape)} and its Q {tuple(Q.shape)} (expected {want}"
+                             f"{', p_L = p_R for an expert bank' if lead else ''})")
         out[name] = (P, Q)
     return out
 

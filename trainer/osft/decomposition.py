@@ -83,14 +83,22 @@ def protected_svd(weight: torch.Tensor, P: torch.Tensor, Q: torch.Tensor) -> tup
     vectors are re-orthonormalised against P and Q. Without protected directions this is
     :func:`thin_svd`.
 
+    A bank of experts (E×N×M with bases E×N×p_L, E×M×p_R, one protected rank per bank, see
+    :func:`.protect.fold_bank`) is decomposed expert by expert and the factors stacked.
+
     Args:
-        weight: N×M. P: N×p_L, Q: M×p_R, orthonormal columns (any floating dtype).
+        weight: N×M (or E×N×M). P: N×p_L, Q: M×p_R, orthonormal columns (any floating dtype; with
+            the bank's leading E).
 
     Returns:
-        ``(U, S, Vh)``: N×R, R (descending), R×M; U ⊥ P, Vhᵀ ⊥ Q. float64 on CPU, float32 on CUDA.
+        ``(U, S, Vh)``: N×R, R (descending), R×M; U ⊥ P, Vhᵀ ⊥ Q (each with a bank's leading E).
+        float64 on CPU, float32 on CUDA.
     """
-    if P.shape[1] == 0 and Q.shape[1] == 0:
+    if P.shape[-1] == 0 and Q.shape[-1] == 0:
         return thin_svd(weight)
+    if weight.dim() == 3:
+        experts = [protected_svd(w, p, q) for w, p, q in zip(weight, P, Q)]
+        return tuple(torch.stack(parts) for parts in zip(*experts))
     dt = torch.float32 if weight.is_cuda else torch.float64
     a, p, q = weight.detach().to(dt), P.to(device=weight.device, dtype=dt), Q.to(device=weight.device, dtype=dt)
     a = a - p @ (p.t() @ a)
@@ -276,28 +284,29 @@ class OSFTLinear(nn.Module):
         of expert weights (E×N×M, out×in, with a plan of ``experts`` = E; bias E×N) into one module
         whose every tensor has a leading expert dimension: each expert is split by the same plan.
 
-        ``protected`` = (P, Q): orthonormal bases (N×p_L, M×p_R) of earlier runs' updates, frozen
-        in addition to this run's high part (None: p_L = p_R = 0; always None for a bank). The layout
-        is :func:`module_layout` (``plan``, or the plan of ``urr``, ``max_tokens_per_micro_batch``
-        and ``forward_form``). ``svd`` is the precomputed :func:`protected_svd` of the N×M weight, or
-        the batched :func:`thin_svd` of a bank (computed here when None). W_high is formed in the
+        ``protected`` = (P, Q): orthonormal bases (N×p_L, M×p_R; a bank's E×N×p, E×M×p, one per
+        expert) of earlier runs' updates, frozen in addition to this run's high part (None:
+        p_L = p_R = 0). The layout is :func:`module_layout` (``plan``, or the plan of ``urr``,
+        ``max_tokens_per_micro_batch`` and ``forward_form``). ``svd`` is the precomputed
+        :func:`protected_svd` of the weight (computed here when None). W_high is formed in the
         SVD's precision; every factor is then cast back to the weight's dtype and device.
 
         Raises:
-            ValueError: a weight that is not 2-D (3-D for a bank plan), bases of the wrong shape or
-                with a bank, or from :func:`module_layout`.
+            ValueError: a weight that is not 2-D (3-D for a bank plan), bases of the wrong shape, or
+                from :func:`module_layout`.
         """
         bank = plan is not None and plan.experts > 0
-        if weight.dim() != (3 if bank else 2) or (bank and (transposed or protected is not None)):
-            raise ValueError(f"OSFT needs a 2-D weight, or a 3-D bank of experts without protected bases or "
-                             f"transposition; got shape {tuple(weight.shape)}")
+        if weight.dim() != (3 if bank else 2) or (bank and transposed):
+            raise ValueError(f"OSFT needs a 2-D weight, or a 3-D bank of experts without transposition; "
+                             f"got shape {tuple(weight.shape)}")
         w = weight.detach().t() if transposed else weight.detach()
         n, m = w.shape[-2:]
-        P, Q = protected if protected is not None else no_bases(n, m, like=w)
-        if P.shape[0] != n or Q.shape[0] != m:
-            raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a {n}×{m} weight")
-        plan = module_layout(n, m, (P.shape[1], Q.shape[1]), plan, urr, max_tokens_per_micro_batch, forward_form)
-        U, S, Vh = svd if svd is not None else (thin_svd(w) if bank else protected_svd(w, P, Q))
+        P, Q = protected if protected is not None else no_bases(n, m, like=w, experts=w.shape[0] if bank else 0)
+        if P.shape[:-1] != w.shape[:-1] or Q.shape[:-1] != w.shape[:-2] + (m,):
+            raise ValueError(f"protected bases of shapes {tuple(P.shape)}, {tuple(Q.shape)} do not fit a "
+                             f"{'×'.join(map(str, w.shape))} weight")
+        plan = module_layout(n, m, (P.shape[-1], Q.shape[-1]), plan, urr, max_tokens_per_micro_batch, forward_form)
+        U, S, Vh = svd if svd is not None else protected_svd(w, P, Q)
         kh = plan.k_high
         # W − U_low·diag(S_low)·V_low equals the frozen part up to rounding, costs k_low instead of
         # p + k_high per element, and makes W_high + low part reproduce W to the last bit.

@@ -11,17 +11,15 @@ D = U_low·diag(S_low)·V_low − U_start·diag(S_start)·V_start (rank ≤ 2·k
 D = P_t Σ_D Q_tᵀ, and the smallest r with Σ_{i≤r} σ_i² ≥ τ‖D‖_F² directions (capped at
 floor(cap·k_low)) are appended to P and Q (:func:`fold_module`). The ``inputs`` variant takes Q_t
 from the run's layer inputs instead: the top eigenvectors of (I − QQᵀ) X Xᵀ (I − QQᵀ) holding a
-share ε of its trace (:func:`input_directions`).
+share ε of its trace (:func:`input_directions`, Grams from :mod:`.input_grams`). An expert bank
+keeps one basis per expert with one rank per bank (:func:`fold_bank`, ``update`` variant only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-
-ProtectBasis = Literal["update", "inputs"]
 
 #: A new direction whose norm after removing the old basis is below this is dropped (it was
 #: already protected; float32 drift only).
@@ -38,11 +36,13 @@ class EnergyRank:
     cap_bound: bool
 
 
-def no_bases(n: int, m: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The protected bases of a module nothing protects yet: P (N×0) and Q (M×0), in ``like``'s
-    dtype and device (float32 on the CPU without it). Such a module stores no P/Q parameter."""
+def no_bases(n: int, m: int, like: torch.Tensor | None = None, experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The protected bases of a module nothing protects yet: P (N×0) and Q (M×0), E×N×0 and E×M×0
+    for a bank of ``experts`` = E, in ``like``'s dtype and device (float32 on the CPU without it).
+    Such a module stores no P/Q parameter."""
     new = like.new_zeros if like is not None else torch.zeros
-    return new(n, 0), new(m, 0)
+    lead = (experts,) if experts else ()
+    return new(*lead, n, 0), new(*lead, m, 0)
 
 
 def energy_rank(sigma_sq: torch.Tensor, target: float, cap: int) -> EnergyRank:
@@ -120,10 +120,12 @@ def extend_basis(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ModuleFold:
-    """One module's protected bases after a run: ``P`` (N×p_L) and ``Q`` (M×p_R), float32;
-    ``added_left``/``added_right`` (directions added this run); ``update`` (the energy of D kept on
-    the P side, :class:`EnergyRank`); ``inputs`` (the input energy kept on the Q side, for the
-    ``inputs`` variant, else None)."""
+    """One module's protected bases after a run: ``P`` (N×p_L) and ``Q`` (M×p_R), float32 (E×N×p
+    and E×M×p for a bank of E experts, see :func:`fold_bank`); ``added_left``/``added_right``
+    (directions added this run); ``update`` (the energy of D kept on the P side,
+    :class:`EnergyRank`; for a bank the smallest over its experts); ``inputs`` (the input energy
+    kept on the Q side, for the ``inputs`` variant, else None, also for a frozen module and a bank);
+    ``expert_ranks`` (a bank: each expert's own energy rank before the bank's shared r, else None)."""
 
     P: torch.Tensor
     Q: torch.Tensor
@@ -131,48 +133,129 @@ class ModuleFold:
     added_right: int
     update: EnergyRank
     inputs: EnergyRank | None
+    expert_ranks: tuple[int, ...] | None = None
 
     def summary(self) -> dict:
         """Plain data for ``osft_subspaces.json``."""
-        out = {"p_left": self.P.shape[1], "p_right": self.Q.shape[1], "added_left": self.added_left,
+        out = {"p_left": self.P.shape[-1], "p_right": self.Q.shape[-1], "added_left": self.added_left,
                "added_right": self.added_right, "energy_kept": self.update.energy, "cap_bound": self.update.cap_bound}
         if self.inputs is not None:
             out.update(input_energy_kept=self.inputs.energy, input_cap_bound=self.inputs.cap_bound)
+        if self.expert_ranks is not None:
+            out.update(experts=len(self.expert_ranks), expert_ranks=list(self.expert_ranks))
         return out
 
 
-def fold_module(factors: dict[str, torch.Tensor], energy: float, max_rank_ratio: float, basis: ProtectBasis = "update",
-                input_gram: torch.Tensor | None = None, input_energy: float = 0.95) -> ModuleFold:
+def fold_cap(k_low: int, max_rank_ratio: float) -> int:
+    """The most new directions a fold adds per side: floor(cap·k_low)."""
+    return int(max_rank_ratio * k_low + 1e-9)
+
+
+def fold_module(factors: dict[str, torch.Tensor], energy: float, max_rank_ratio: float,
+                inputs: tuple[torch.Tensor, EnergyRank] | None = None) -> ModuleFold:
     """Add this run's update directions of one module to its protected bases.
 
     Args:
         factors: the module's full tensors ``P``, ``Q``, ``U_low``, ``S_low``, ``V_low``,
             ``U_start``, ``S_start``, ``V_start`` (see :class:`.decomposition.OSFTLinear`).
         energy: τ, the share of ‖D‖_F² to protect, in (0, 1].
-        max_rank_ratio: cap: at most floor(cap·k_low) new directions per side.
-        basis: ``update`` (Q_t from D) or ``inputs`` (Q_t from ``input_gram``).
-        input_gram: X Xᵀ (M×M) of this run's inputs to the module (``inputs`` only).
-        input_energy: ε, the share of the inputs' energy outside Q to protect (``inputs`` only).
-
-    Raises:
-        ValueError: ``basis="inputs"`` without ``input_gram``.
+        max_rank_ratio: cap: at most :func:`fold_cap` new directions per side.
+        inputs: the ``inputs`` variant: Q_t (M×r) and the energy kept, :func:`input_directions` of
+            this run's layer inputs with the same cap (see :mod:`.input_grams`); None: the
+            ``update`` variant, Q_t from D.
     """
     k_low = factors["S_low"].shape[0]
-    if k_low == 0:  # a frozen module changed nothing
-        none = EnergyRank(0, 1.0, False)
-        return ModuleFold(P=factors["P"].float(), Q=factors["Q"].float(), added_left=0, added_right=0, update=none,
-                          inputs=none if basis == "inputs" else None)
-    cap = int(max_rank_ratio * k_low + 1e-9)
+    if k_low == 0:  # a frozen module changed nothing (and its inputs are not collected)
+        return ModuleFold(P=factors["P"].float(), Q=factors["Q"].float(), added_left=0, added_right=0,
+                          update=EnergyRank(0, 1.0, False), inputs=None)
     p_t, sigma, q_t = update_svd(*(factors[k] for k in ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")))
-    kept = energy_rank(sigma.square(), energy, cap)
-    inputs = None
-    if basis == "inputs":
-        if input_gram is None:
-            raise ValueError("the inputs variant of protected subspaces needs the layer inputs' Gram matrix")
-        q_t, inputs = input_directions(input_gram, factors["Q"], input_energy, cap)
-    else:
-        q_t = q_t[:, : kept.rank]
+    kept = energy_rank(sigma.square(), energy, fold_cap(k_low, max_rank_ratio))
+    q_t = q_t[:, : kept.rank] if inputs is None else inputs[0]
     P = extend_basis(factors["P"], p_t[:, : kept.rank])
     Q = extend_basis(factors["Q"], q_t)
     return ModuleFold(P=P.float(), Q=Q.float(), added_left=P.shape[1] - factors["P"].shape[1],
-                      added_right=Q.shape[1] - factors["Q"].shape[1], update=kept, inputs=inputs)
+                      added_right=Q.shape[1] - factors["Q"].shape[1], update=kept,
+                      inputs=None if inputs is None else inputs[1])
+
+
+def extend_basis_exactly(old: torch.Tensor, new: torch.Tensor, fill: torch.Tensor, count: int) -> torch.Tensor:
+    """[old, B] with B exactly ``count`` orthonormal columns orthogonal to ``old``: ``new``'s columns
+    in order, then ``fill``'s as needed (classical Gram-Schmidt against everything before, twice,
+    for float32 drift), skipping any whose norm after that is below :data:`VANISHED`.
+
+    Args:
+        old: N×p orthonormal. new: N×r. fill: N×f, with rank ≥ ``count`` outside span(old, new).
+
+    Returns:
+        N×(p + count) float64.
+
+    Raises:
+        ValueError: ``new`` and ``fill`` do not hold ``count`` independent directions outside ``old``.
+    """
+    basis = old.double()
+    added = 0
+    for x in torch.cat([new, fill], dim=1).double().unbind(1):
+        if added == count:
+            break
+        for _ in range(2):
+            x = x - basis @ (basis.t() @ x)
+        norm = float(x.norm())
+        if norm > VANISHED:
+            basis = torch.cat([basis, (x / norm)[:, None]], dim=1)
+            added += 1
+    if added < count:
+        raise ValueError(f"only {added} of {count} new directions lie outside the protected basis")
+    return basis
+
+
+#: A singular value of a bank expert's update below this share of the larger of the update's and
+#: the low part's largest is rounding, not update (an expert that received no token); the bank's
+#: shared rank is filled from the expert's start basis instead.
+NEGLIGIBLE_SIGMA = 1e-6
+
+
+def fold_bank(factors: dict[str, torch.Tensor], energy: float, max_rank_ratio: float) -> ModuleFold:
+    """Add this run's update directions of every expert of a bank to its protected bases.
+
+    Layout: one protected rank per bank, shared by its experts (P: E×N×p, Q: E×M×p), because a
+    bank is one plan (:class:`.plan.ModulePlan`) whose tensors are batched over the experts: the
+    same k_high and k_low for every expert, one batched projection. Each expert's update D_e is
+    decomposed on its own (:func:`update_svd`) and its energy rank r_e found as in
+    :func:`fold_module`; the bank adds r = max_e r_e directions per expert and side: expert e's top r
+    singular directions of D_e (at least τ of ‖D_e‖_F², more where r > r_e), and where D_e has fewer
+    than r non-negligible singular values (an expert that hardly received tokens), directions of its
+    trainable subspace at the start of the run (U_start, V_startᵀ), which it then no longer trains.
+    The ``inputs`` variant does not apply (see :mod:`.input_grams`).
+
+    Args:
+        factors: the bank's full tensors as for :func:`fold_module`, each with a leading E
+            (``P``: E×N×p_L, ``Q``: E×M×p_R, ``U_low``: E×N×k_low, ...).
+        energy: τ. max_rank_ratio: cap, r ≤ :func:`fold_cap` of k_low.
+
+    Returns:
+        The bank's :class:`ModuleFold` (``update``: r, the smallest energy kept over the experts,
+        whether the cap bound for any; ``expert_ranks``: each r_e).
+    """
+    experts, k_low = factors["S_low"].shape
+    if k_low == 0:
+        return ModuleFold(P=factors["P"].float(), Q=factors["Q"].float(), added_left=0, added_right=0,
+                          update=EnergyRank(0, 1.0, False), inputs=None, expert_ranks=(0,) * experts)
+    cap = fold_cap(k_low, max_rank_ratio)
+    svds = []
+    for e in range(experts):
+        p_t, sigma, q_t = update_svd(*(factors[k][e] for k in ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")))
+        # below NEGLIGIBLE_SIGMA of the larger of D_e's and the low part's scale: rounding, not update
+        scale = max(float(sigma.max()), float(factors["S_start"][e].abs().max()), float(factors["S_low"][e].abs().max()))
+        svds.append((p_t, torch.where(sigma > NEGLIGIBLE_SIGMA * scale, sigma, 0.0), q_t))
+    ranks = [energy_rank(sigma.square(), energy, cap) for _, sigma, _ in svds]
+    r = max(k.rank for k in ranks)
+    P, Q, kept = [], [], []
+    for e, (p_t, sigma, q_t) in enumerate(svds):
+        real = sigma[:r] > 0
+        P.append(extend_basis_exactly(factors["P"][e], p_t[:, :r][:, real], factors["U_start"][e], r))
+        Q.append(extend_basis_exactly(factors["Q"][e], q_t[:, :r][:, real], factors["V_start"][e].t(), r))
+        total = float(sigma.square().sum())
+        kept.append(float(sigma[:r].square().sum()) / total if total > 0 else 1.0)
+    update = EnergyRank(r, min(kept), any(k.cap_bound for k in ranks))
+    return ModuleFold(P=torch.stack(P).float(), Q=torch.stack(Q).float(), added_left=r, added_right=r,
+                      update=update, inputs=None, expert_ranks=tuple(k.rank for k in ranks))

@@ -16,7 +16,8 @@ Every OSFT module is built here, on one of three paths with one layout rule (eac
   no SVD; the values come from the checkpoint.
 
 Fused MoE experts (:mod:`.experts`) go the same three ways: each bank (E×N×M) is one target whose
-E SVDs are one batched call (:func:`.decomposition.thin_svd`), and the experts module is replaced
+E SVDs are one batched call (:func:`.decomposition.thin_svd`), or, with protected bases (E×N×p,
+E×M×p), one :func:`.decomposition.protected_svd` per expert, and the experts module is replaced
 by an :class:`.experts.OSFTExperts` holding its banks.
 """
 
@@ -32,14 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .decomposition import OSFTLinear, dense_from_factors, protected_svd, thin_svd
+from .decomposition import OSFTLinear, dense_from_factors, protected_svd
 from .experts import ExpertLayout, OSFTExperts
 from .plan import ModulePlan
 from .protect import no_bases
 from .settings import OSFTSettings
 from .targets import find_expert_banks, find_target_modules, weight_matrix
 
-#: Protected bases by module name: (P: N×p_L, Q: M×p_R), see :mod:`.protect`.
+#: Protected bases by module name: (P: N×p_L, Q: M×p_R; a bank's E×N×p, E×M×p), see :mod:`.protect`.
 Bases = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
 #: The thin SVD (U: N×R, S: R, Vh: R×M) of one target, see :func:`.decomposition.protected_svd`.
@@ -67,8 +68,9 @@ class Target:
     """One OSFT target of a model before the surgery: its full ``name``, its weight as ``matrix``
     (N×M out×in, a view; E×N×M for an expert bank), its ``bias`` (N, E×N or None), whether the
     module stores the weight transposed (``transposed``, GPT-2 ``Conv1D``), its layout ``plan``, its
-    protected bases ``protected`` = (P: N×p_L, Q: M×p_R) of earlier runs (None: nothing protected)
-    and, for a bank, the name of its ``experts`` module (None for a linear module)."""
+    protected bases ``protected`` = (P: N×p_L, Q: M×p_R; a bank's E×N×p, E×M×p) of earlier runs
+    (None: nothing protected) and, for a bank, the name of its ``experts`` module (None for a
+    linear module)."""
 
     name: str
     matrix: torch.Tensor
@@ -79,11 +81,13 @@ class Target:
     experts: str | None = None
 
 
-def _weights(model: nn.Module, settings: OSFTSettings
-             ) -> list[tuple[str, torch.Tensor, torch.Tensor | None, bool, str | None]]:
-    """``(name, matrix, bias, transposed, experts module)`` of every target: the linear modules of
-    :func:`.targets.find_target_modules`, then the banks of :func:`.targets.find_expert_banks`."""
-    model_type, patterns = model.config.model_type, settings.target_patterns
+def target_weights(model: nn.Module, patterns: Sequence[str] | None
+                   ) -> list[tuple[str, torch.Tensor, torch.Tensor | None, bool, str | None]]:
+    """``(name, matrix, bias, transposed, experts module)`` of every target of ``patterns``
+    (``--osft-target-patterns``, None: the model type's): the linear modules of
+    :func:`.targets.find_target_modules` (matrix N×M out×in, a view), then the banks of
+    :func:`.targets.find_expert_banks` (E×N×M). Works on a meta-device model."""
+    model_type = model.config.model_type
     out = []
     for name in find_target_modules(model, model_type, patterns):
         module = model.get_submodule(name)
@@ -109,17 +113,15 @@ def plan_targets(model: nn.Module, settings: OSFTSettings, urr_by_module: Mappin
 
     Raises:
         ValueError: from target matching or planning; with ``plans``, a target without a stored plan
-            or one whose shape differs from its plan; protected bases for an expert bank.
+            or one whose shape differs from its plan.
     """
     targets = []
-    for name, matrix, bias, transposed, experts in _weights(model, settings):
+    for name, matrix, bias, transposed, experts in target_weights(model, settings.target_patterns):
         n, m = matrix.shape[-2:]
         e = matrix.shape[0] if experts else 0
         protected = (bases or {}).get(name)
-        if experts and protected is not None:
-            raise ValueError(f"OSFT bank {name}: protected subspaces of expert banks are not supported")
         if plans is None:
-            p_left, p_right = (protected[0].shape[1], protected[1].shape[1]) if protected is not None else (0, 0)
+            p_left, p_right = (protected[0].shape[-1], protected[1].shape[-1]) if protected is not None else (0, 0)
             plan = settings.plan(n, m, p_left, p_right, urr=(urr_by_module or {}).get(name), experts=e)
         else:
             plan = plans.get(name)
@@ -206,11 +208,10 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _svd(weight: torch.Tensor, protected: tuple[torch.Tensor, torch.Tensor] | None) -> SVD:
-    """:func:`.decomposition.protected_svd` of an N×M weight with its protected bases (None: none);
-    the batched :func:`.decomposition.thin_svd` of an E×N×M bank."""
-    if weight.dim() == 3:
-        return thin_svd(weight)
-    return protected_svd(weight, *(protected or no_bases(*weight.shape, like=weight)))
+    """:func:`.decomposition.protected_svd` of an N×M weight or an E×N×M bank with its protected
+    bases (None: none; a bank without them is one batched :func:`.decomposition.thin_svd`)."""
+    lead = weight.shape[0] if weight.dim() == 3 else 0
+    return protected_svd(weight, *(protected or no_bases(*weight.shape[-2:], like=weight, experts=lead)))
 
 
 def _threaded_svds(targets: Sequence[Target]) -> Iterator[SVD]:

@@ -52,12 +52,6 @@ def weight_matrix(module: nn.Module) -> tuple[torch.Tensor, bool]:
     return (module.weight.t() if transposed else module.weight), transposed
 
 
-def weight_shape(module: nn.Module) -> tuple[int, int]:
-    """(N, M) = (out, in) of a linear-like module's weight (:func:`weight_matrix`)."""
-    n, m = weight_matrix(module)[0].shape
-    return int(n), int(m)
-
-
 def compile_patterns(model_type: str, patterns: Sequence[str] | None) -> list[re.Pattern]:
     """The target patterns of a model: ``patterns`` (``--osft-target-patterns``), or the built-in one
     of ``model_type`` when None, compiled.
