@@ -50,6 +50,11 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_checkpoint.json"
 ASYNC_OUT = REPO / "benchmarks" / "results" / "bench_checkpoint_async.json"
 TINY = {"tiny_h128_l2": (128, 2), "tiny_h256_l4": (256, 4), "tiny_h512_l6": (512, 6)}
 URR = 0.25
+#: How to read part 3 (``--async-cost``) on a machine whose CPUs other jobs keep busy.
+SHARED_NOTE = ("one run per mode, in turn; when the machine is shared (machine_shared: a load average above its CPU "
+               "count) step times vary by tens of percent between runs, and the writer thread's CPU time comes out of "
+               "training's: blocking_s is what the training thread waited for, cost_per_checkpoint_s what the run "
+               "lost in all (noise included)")
 
 
 def disk_write_mb_per_s(directory: Path, mib: int = 512) -> float:
@@ -220,8 +225,10 @@ def _async_main(quick: bool) -> dict:
         name, model = ("SmolLM2-135M-Instruct", demo) if demo else ("tiny_h128_l2", tiny_model(work / "tiny", *TINY["tiny_h128_l2"]))
         load = os.getloadavg()[0]
         result = async_cost(model, data, work, *((6, 2) if quick else (12, 3)))
+    after = os.getloadavg()[0]
     return {"benchmark": "bench_checkpoint_async", "model": name, "urr": URR, "quick": quick, **result,
-            "load_avg_1min_before": load, "load_avg_1min_after": os.getloadavg()[0], "machine": machine_info()}
+            "load_avg_1min_before": load, "load_avg_1min_after": after,
+            "machine_shared": max(load, after) > (os.cpu_count() or 1), "note": SHARED_NOTE, "machine": machine_info()}
 
 
 def _write(out: Path, result: dict) -> dict:
