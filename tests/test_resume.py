@@ -258,6 +258,11 @@ def test_async_checkpoints_let_training_go_on_a_stop_waits_and_the_resume_is_bit
     assert saved[4]["seconds"] >= 3 > saved[4]["blocking_s"] > 0  # training went on during the slow write
     assert all(0 < r["blocking_s"] <= r["seconds"] for r in saved.values())
     assert "SIGTERM: served by the complete checkpoint of step 4" in output
+    for step in (3, 4):  # every file of every rank is in the manifest (listed once it was on disk)
+        ckpt = out / "full_state_checkpoints" / f"step_{step}"
+        listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
+        assert listed == {str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file()} - {"manifest.json"}
+        assert {"model/.metadata", "model/__1_0.distcp", "optimizer_rank1.pt", "rng_rank0.pt", "trainer_state.json"} <= listed
     assert_same_steps_upto(out, reference, 4)
     code, output = train(job, out, "--resume", *flags, env=job_env)
     assert code == 0, output

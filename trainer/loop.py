@@ -12,6 +12,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -487,7 +488,7 @@ class Trainer:
         saved = pending.result()
         self._checkpoint_complete(saved, None if claimed is None else lambda: self.poller.served(claimed))
 
-    def _checkpoint_complete(self, saved: SavedCheckpoint, serve) -> None:
+    def _checkpoint_complete(self, saved: SavedCheckpoint, serve: Callable[[], None] | None) -> None:
         """A checkpoint is complete: remember it, serve its requests (``serve``, or None), log it."""
         self._saved = (saved.step, str(saved.path))
         if serve is not None:

@@ -334,7 +334,8 @@ class Checkpointer:
         r = self.env.rank
         final = self.root / f"step_{step}"
         try:
-            report: dict | str = describe_files(tmp, self._my_files(tmp, "model") + write(), r)
+            written = write()  # first: the DCP shards are listed once they are on disk
+            report: dict | str = describe_files(tmp, self._my_files(tmp, "model") + written, r)
         except Exception as exc:  # every rank learns it below, so none writes a manifest or waits alone
             report = f"rank {r}: {type(exc).__name__}: {exc}"
         reports = self._gather(report, group)
