@@ -224,7 +224,7 @@ def _async_main(quick: bool) -> dict:
         demo = None if quick else demo_model()
         name, model = ("SmolLM2-135M-Instruct", demo) if demo else ("tiny_h128_l2", tiny_model(work / "tiny", *TINY["tiny_h128_l2"]))
         load = os.getloadavg()[0]
-        result = async_cost(model, data, work, *((6, 2) if quick else (12, 3)))
+        result = async_cost(model, data, work, *((6, 2) if quick else (10, 3)))
     after = os.getloadavg()[0]
     return {"benchmark": "bench_checkpoint_async", "model": name, "urr": URR, "quick": quick, **result,
             "load_avg_1min_before": load, "load_avg_1min_after": after,
