@@ -17,10 +17,20 @@ Part 2 (startup): wall time from starting ``osft-train`` to the first ``step`` r
 Models: tiny random Llamas of growing size (built here) and, when present, the demo model
 SmolLM2-135M-Instruct (``$OSFT_DEMO_DIR`` or the ``osft-train fetch-demo`` cache).
 
+``--async-cost`` (alone, its own results file): the step-time cost of a checkpoint without and with
+``--async-checkpoint``, side by side on one model (SmolLM2 when present): three one-rank runs of the
+same steps, no checkpoint, synchronous and asynchronous checkpoints every ``EVERY`` steps, in turn.
+The window from the step after the first checkpoint (which also writes the frozen store, on the
+training thread in both modes) to the last step holds the checkpoints compared; a checkpoint's cost
+is the window's wall time (between the ``step`` records) minus that of the run without
+checkpoints, per checkpoint: what training lost, the writer thread's competition for the CPU
+included. Next to it, ``seconds`` and ``blocking_s`` of each ``checkpoint_saved`` record.
+
 Usage::
 
     python benchmarks/bench_checkpoint.py            # -> benchmarks/results/bench_checkpoint.json
     python benchmarks/bench_checkpoint.py --quick --out /tmp/c.json   # one tiny model, one round (CI)
+    python benchmarks/bench_checkpoint.py --async-cost   # -> benchmarks/results/bench_checkpoint_async.json
 """
 
 from __future__ import annotations
@@ -37,8 +47,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_checkpoint.json"
+ASYNC_OUT = REPO / "benchmarks" / "results" / "bench_checkpoint_async.json"
 TINY = {"tiny_h128_l2": (128, 2), "tiny_h256_l4": (256, 4), "tiny_h512_l6": (512, 6)}
 URR = 0.25
+#: How to read part 3 (``--async-cost``) on a machine whose CPUs other jobs keep busy.
+SHARED_NOTE = ("one run per mode, in turn; when the machine is shared (machine_shared: a load average above its CPU "
+               "count) step times vary by tens of percent between runs, and the writer thread's CPU time comes out of "
+               "training's: blocking_s is what the training thread waited for, cost_per_checkpoint_s what the run "
+               "lost in all (noise included)")
 
 
 def disk_write_mb_per_s(directory: Path, mib: int = 512) -> float:
@@ -125,14 +141,47 @@ def startup_round(model: Path, data: Path, work: Path, tag: str) -> tuple[float,
     return fresh, resume
 
 
+def async_cost(model: Path, data: Path, work: Path, steps: int, every: int) -> dict:
+    """Part 3: the runs without, with synchronous and with asynchronous checkpoints every ``every``
+    steps (``steps`` in all); returns each run's window and checkpoints, and each mode's cost."""
+    modes = {"none": (), "sync": ("--checkpoint-every-steps", str(every)),
+             "async": ("--checkpoint-every-steps", str(every), "--async-checkpoint")}
+    first = every + 1  # the window starts after the first checkpoint (it writes the frozen store too)
+    runs = {}
+    for mode, flags in modes.items():
+        records, _ = train(model, data, work / f"async_{mode}", "--max-steps", str(steps), *flags)
+        ts = {r["step"]: r["ts"] for r in records if r["event"] == "step"}
+        saved = [{k: r[k] for k in ("step", "seconds", "blocking_s")} for r in records
+                 if r["event"] == "checkpoint_saved" and first <= r["step"] < steps]
+        times = [r["step_time_s"] for r in records if r["event"] == "step" and r["step"] > first]
+        runs[mode] = {"window_s": ts[steps] - ts[first], "checkpoints": saved,
+                      "median_step_time_s": statistics.median(times)}
+        print(f"{mode:>6}: steps {first}-{steps} in {runs[mode]['window_s']:.2f} s, median step "
+              f"{runs[mode]['median_step_time_s']:.2f} s, checkpoints "
+              + (", ".join(f"step {c['step']}: {c['seconds']:.2f} s, blocking {c['blocking_s']:.2f} s" for c in saved)
+                 or "none"), flush=True)
+    for mode in ("sync", "async"):
+        n = len(runs[mode]["checkpoints"])
+        runs[mode]["cost_per_checkpoint_s"] = (runs[mode]["window_s"] - runs["none"]["window_s"]) / n
+        runs[mode]["mean_blocking_s"] = statistics.mean(c["blocking_s"] for c in runs[mode]["checkpoints"])
+    print(f"step-time cost per checkpoint: sync {runs['sync']['cost_per_checkpoint_s']:.2f} s, "
+          f"async {runs['async']['cost_per_checkpoint_s']:.2f} s")
+    return {"steps": steps, "every": every, "window": [first, steps], "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smallest tiny model, one startup round (pipeline check)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved fresh/resume rounds")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--async-cost", action="store_true",
+                        help="only part 3: step-time cost of a checkpoint, synchronous vs --async-checkpoint")
+    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} ({ASYNC_OUT} with --async-cost)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import QA, chat, write_jsonl
+
+    if args.async_cost:
+        return _write(args.out or ASYNC_OUT, _async_main(args.quick))
 
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         work = Path(tmp)
@@ -161,9 +210,31 @@ def main(argv: list[str] | None = None) -> dict:
         "startup": {"model": startup_model[0], "rounds": [{"fresh_s": f, "resume_s": r} for f, r in rounds],
                     "fresh_s": fresh, "resume_s": resume, "resume_over_fresh": resume / fresh},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    return _write(args.out or DEFAULT_OUT, result)
+
+
+def _async_main(quick: bool) -> dict:
+    """Part 3 on SmolLM2 when present (a tiny model with ``quick``), and the machine it ran on."""
+    from helpers import QA, chat, write_jsonl
+    from machine import machine_info
+
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_async_") as tmp:
+        work = Path(tmp)
+        data = write_jsonl(work / "train.jsonl", [chat(q, a) for q, a in QA] * 8)
+        demo = None if quick else demo_model()
+        name, model = ("SmolLM2-135M-Instruct", demo) if demo else ("tiny_h128_l2", tiny_model(work / "tiny", *TINY["tiny_h128_l2"]))
+        load = os.getloadavg()[0]
+        result = async_cost(model, data, work, *((6, 2) if quick else (10, 3)))
+    after = os.getloadavg()[0]
+    return {"benchmark": "bench_checkpoint_async", "model": name, "urr": URR, "quick": quick, **result,
+            "load_avg_1min_before": load, "load_avg_1min_after": after,
+            "machine_shared": max(load, after) > (os.cpu_count() or 1), "note": SHARED_NOTE, "machine": machine_info()}
+
+
+def _write(out: Path, result: dict) -> dict:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return result
 
 

@@ -3,6 +3,8 @@ loading and generator states (no torchrun; the worker-group tests are in test_re
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import pickle
 import random
@@ -14,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from osft.trainer.checkpoint.full_state import capture_rng, restore_rng
+from helpers import QA, chat, write_jsonl
+from osft.trainer.checkpoint.full_state import CheckpointWriteError, capture_rng, restore_rng
 from osft.trainer.checkpoint.manifest import (
     CheckpointError,
     describe_files,
@@ -36,6 +39,7 @@ from osft.trainer.checkpoint.store import (
     newest_complete,
     verify_checkpoint,
 )
+from osft.trainer.cli import main
 
 
 @pytest.fixture()
@@ -77,6 +81,61 @@ def test_poller_agrees_on_the_strongest_request_and_forgets_served_ones(trigger,
     assert (request.action, request.signal) == (Action.CHECKPOINT, "control")
     poller.served()
     assert not (tmp_path / "checkpoint").exists()
+
+
+def test_a_claimed_request_is_passed_over_by_every_rank_until_its_checkpoint_is_complete(trigger, tmp_path):
+    """--async-checkpoint: the requests a checkpoint written in the background serves stay pending
+    (their files remain) but are not agreed again, also by a rank that had not seen them yet."""
+    rank0 = RequestPoller(trigger, tmp_path, "checkpoint", rank=0)
+    rank1 = RequestPoller(trigger, None, "checkpoint", rank=1)
+    trigger.record(signal.SIGUSR1)
+    (tmp_path / "checkpoint").touch()
+    assert rank0.poll("after_step", 3).action is Action.CHECKPOINT
+    claimed = rank0.claim()
+    assert rank0.poll("before_forward", 4) is None and rank1.poll("before_forward", 4) is None
+    trigger.record(signal.SIGTERM)  # arrives while the checkpoint is written: a request of its own
+    assert rank0.poll("before_forward", 4).signal == "SIGTERM"
+    assert [p.name.split(".")[0] for p in claimed[0]] == [f"claimed-sig{int(signal.SIGUSR1)}"]
+    rank0.served(claimed)
+    assert [t.signum for t in trigger.files()] == [signal.SIGTERM]
+    assert not (tmp_path / "checkpoint").exists() and not list(trigger.path.glob("claimed-*"))
+
+
+def test_a_failed_background_write_leaves_no_manifest_and_fails_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """--async-checkpoint: a rank file that cannot be written (a full disk, injected) fails the
+    checkpoint on the writer thread; the run fails on the training thread with the error, and the
+    checkpoint never gets a manifest (so --resume never picks it). In process the error is raised;
+    under torchrun the worker logs it as an ``error`` record and exits 1."""
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if "optimizer_rank" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]] * 3)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointWriteError) as failed:
+        main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data), "--output-dir", str(out),
+              "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "3",
+              "--checkpoint-every-steps", "2", "--async-checkpoint"])
+    root = out / "full_state_checkpoints"
+    (cut,) = root.glob("step_2.tmp-*")
+    assert str(failed.value) == ("checkpoint step_2 was not written (rank 0: OSError: [Errno 28] No space left on "
+                                 f"device); it has no manifest.json, so it is never resumed from: {cut} is left for inspection")
+    assert not (root / "step_2").exists() and not (cut / "manifest.json").exists()
+    assert newest_complete(root)[0] is None
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"
+    assert not [line for line in (out / "metrics" / "node0.jsonl").read_text().splitlines() if "checkpoint_saved" in line]
+
+
+def test_async_checkpoint_needs_checkpoints_to_write(tiny_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]])
+    assert main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data),
+                 "--output-dir", str(tmp_path / "run"), "--async-checkpoint"]) == 2
+    assert ("--async-checkpoint writes periodic and on-demand checkpoints in the background: it needs "
+            "--checkpoint-every-steps N or --on-demand-checkpointing") in capsys.readouterr().err
 
 
 def test_requests_older_than_the_job_are_stale(trigger, tmp_path):

@@ -62,6 +62,7 @@ osft: false
 data_cache: false
 train_on_all: true
 on_demand_checkpointing: yes
+async_checkpoint: true
 osft_target_patterns:
   - q_proj$
   - o_proj$
@@ -72,6 +73,7 @@ data_cache_dir: 2024-01-01
     cfg = resolve(["--config", str(path)])
     assert (cfg.learning_rate, cfg.eps, cfg.weight_decay, cfg.seed) == (1e-5, 1e-7, 0.0, -3)
     assert (cfg.osft, cfg.data_cache, cfg.train_on_all, cfg.on_demand_checkpointing) == (False, False, True, True)
+    assert cfg.async_checkpoint is True
     assert cfg.osft_target_patterns == ["q_proj$", "o_proj$"] and cfg.max_steps is None
     assert cfg.data_cache_dir == "2024-01-01"
 

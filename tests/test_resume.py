@@ -231,6 +231,54 @@ def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference
     assert_same_steps(again, reference, saved["step"] + 1)
 
 
+def test_async_checkpoints_let_training_go_on_a_stop_waits_and_the_resume_is_bit_identical(job, reference, tmp_path):
+    """``--async-checkpoint``: periodic checkpoints (every 2 steps) and a SIGUSR1 checkpoint (after
+    step 3) are written in the background with a manifest each; the trajectory is the reference's.
+    Step 4's write is slowed (test hook: 3 s before its manifest), and a SIGTERM agreed before the
+    forward of step 5 waits for it: the stop is served by that very checkpoint (same step), exit 75.
+    The resume from it, with async periodic checkpoints again (the last one in flight during the
+    final export), goes on bit for bit."""
+    out = tmp_path / "run"
+    job_env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12]}
+    flags = ("--async-checkpoint", "--checkpoint-every-steps", "2")
+    code, output = train(job, out, *flags, env={**job_env, "OSFT_TEST_SAVE_DELAY_S": "3@4",
+                                                "OSFT_TEST_SIGNAL_AT": "3:after_step:0:SIGUSR1,5:before_forward:0:SIGTERM"})
+    assert code == EXIT_STOPPED, output
+    assert complete_checkpoints(out) == ["step_2", "step_3", "step_4"]
+    assert not list((out / "full_state_checkpoints").glob("step_*.tmp-*"))
+    events = [(r["event"], r["step"], r.get("signal")) for r in records(out)
+              if r["event"] in ("checkpoint_requested", "checkpoint_saved", "run_finished")]
+    assert [e for e in events if e[0] == "checkpoint_requested"] == [("checkpoint_requested", 3, "SIGUSR1"),
+                                                                     ("checkpoint_requested", 4, "SIGTERM")]
+    assert [e[1] for e in events if e[0] == "checkpoint_saved"] == [2, 3, 4]
+    # the stop was agreed while step 4 was still being written, and waited for it
+    assert events.index(("checkpoint_requested", 4, "SIGTERM")) < events.index(("checkpoint_saved", 4, None))
+    assert events[-1] == ("run_finished", 4, "SIGTERM")
+    saved = {r["step"]: r for r in records(out, "checkpoint_saved")}
+    assert saved[4]["seconds"] >= 3 > saved[4]["blocking_s"] > 0  # training went on during the slow write
+    assert all(0 < r["blocking_s"] <= r["seconds"] for r in saved.values())
+    assert "SIGTERM: served by the complete checkpoint of step 4" in output
+    for step in (3, 4):  # every file of every rank is in the manifest (listed once it was on disk)
+        ckpt = out / "full_state_checkpoints" / f"step_{step}"
+        listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
+        assert listed == {str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file()} - {"manifest.json"}
+        assert {"model/.metadata", "model/__1_0.distcp", "optimizer_rank1.pt", "rng_rank0.pt", "trainer_state.json"} <= listed
+    assert_same_steps_upto(out, reference, 4)
+    code, output = train(job, out, "--resume", *flags, env=job_env)
+    assert code == 0, output
+    assert [r["from_step"] for r in records(out, "resumed")] == [4]
+    assert_same_steps(out, reference, 5)
+    assert complete_checkpoints(out) == ["step_2", "step_3", "step_4", "step_6", "step_8"]
+    assert [r["step"] for r in records(out, "checkpoint_saved")] == [2, 3, 4, 6, 8]
+
+
+def assert_same_steps_upto(run, reference, last):
+    got = {r["step"]: r for r in records(run, "step")}
+    want = {r["step"]: r for r in records(reference, "step")}
+    assert sorted(got) == list(range(1, last + 1))
+    assert all(got[s][k] == want[s][k] for s in got for k in COMPARED)
+
+
 def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
     ref = tmp_path / "ref"
     assert train(job, ref, "--no-osft")[0] == 0

@@ -12,7 +12,7 @@ from osft.tui.app import OsftTui
 from osft.tui.components.lines import LineView
 from osft.tui.components.modals import SearchPrompt
 from osft.tui.reader import Update
-from osft.tui.run_state import Event, RunModel
+from osft.tui.run_state import Event, RunModel, describe
 from rich.text import Text
 from textual.app import App, ComposeResult
 
@@ -92,3 +92,11 @@ def test_search_and_level_filter_choose_the_lines_shown(tmp_path):
         assert [s.text for s in view.lines] == ["rank 0 started"] and "matching 'STARTED'" in str(view.border_title)
 
     on_an_idle_dashboard(tmp_path, check)
+
+
+def test_a_checkpoint_written_in_the_background_shows_how_long_training_was_blocked():
+    saved = {"event": "checkpoint_saved", "ts": 1.0, "step": 6, "path": "/r/step_6", "bytes": 2_000_000, "seconds": 8.5}
+    assert describe({**saved, "blocking_s": 0.5}).text == ("checkpoint of step 6 written to /r/step_6 (2.0 MB in 8.5 s, "
+                                                           "training blocked 0.5 s)")
+    assert describe({**saved, "blocking_s": 8.5}).text == "checkpoint of step 6 written to /r/step_6 (2.0 MB in 8.5 s)"
+    assert describe(saved).text == "checkpoint of step 6 written to /r/step_6 (2.0 MB in 8.5 s)"  # an older run

@@ -93,6 +93,7 @@ class TrainConfig:
     checkpoint_keep_last: int = 0
     checkpoint_grace_seconds: int = 300
     sigusr1_action: str = "checkpoint"
+    async_checkpoint: bool = False
     # evaluation, forgetting budget, early stopping, divergence (README "Evaluation and forgetting")
     eval_data_path: str | None = None
     eval_split: float | None = None
@@ -355,6 +356,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="also save a full-state checkpoint every N optimizer steps (0: never)")
     g.add_argument("--checkpoint-keep-last", type=non_negative_int, default=d.checkpoint_keep_last,
                    help="keep only the newest K complete checkpoints (0: keep all; the newest is never removed)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write periodic and SIGUSR1 checkpoints in the background while training goes on (the "
+                   "training thread only copies the state to CPU memory); a checkpoint counts once its manifest "
+                   "is written, a stop waits for the write in flight")
     g.add_argument("--checkpoint-grace-seconds", type=positive_int, default=d.checkpoint_grace_seconds,
                    help="after a stop request, how long the launcher waits for the checkpoint before it kills the ranks, s")
     g.add_argument("--resume-from-full-state-checkpoint", metavar="STEP_DIR", default=None,
@@ -443,8 +448,9 @@ def check_config(cfg: TrainConfig) -> None:
         ValueError: a sample could not fit into one micro-batch, an input path is missing,
             ``--freeze-non-target`` with ``--no-osft``, a ``--report-to`` tracker is not installed,
             protection settings outside their ranges, ``--osft-min-frozen-ratio`` exceeds
-            ``--osft-max-frozen-ratio``, ``--osft-rank-schedule importance`` goes with ``--no-osft``, or
-            an evaluation flag does not fit the others (:func:`check_eval_config`).
+            ``--osft-max-frozen-ratio``, ``--osft-rank-schedule importance`` goes with ``--no-osft``,
+            ``--async-checkpoint`` without periodic or on-demand checkpoints, or an evaluation flag
+            does not fit the others (:func:`check_eval_config`).
     """
     if cfg.freeze_non_target and not cfg.osft:
         raise ValueError("--freeze-non-target with --no-osft would leave nothing to train: it freezes every "
@@ -469,6 +475,9 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.chat_template is not None and not Path(cfg.chat_template).is_file():
         raise ValueError(f"--chat-template {cfg.chat_template}: no such file")
     check_eval_config(cfg)
+    if cfg.async_checkpoint and not cfg.checkpointing:
+        raise ValueError("--async-checkpoint writes periodic and on-demand checkpoints in the background: it needs "
+                         "--checkpoint-every-steps N or --on-demand-checkpointing")
     if cfg.resume and cfg.resume_from_full_state_checkpoint:
         raise ValueError("--resume and --resume-from-full-state-checkpoint exclude each other: pick one")
     if cfg.resume_from_full_state_checkpoint and not Path(cfg.resume_from_full_state_checkpoint).is_dir():

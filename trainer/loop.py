@@ -12,6 +12,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +26,17 @@ from rich.table import Table
 from torch import nn
 
 from .activation_checkpointing import enable_activation_checkpointing
+from .checkpoint.background import BackgroundWriter
 from .checkpoint.full_state import (
     Checkpointer,
+    PendingSave,
+    SavedCheckpoint,
     capture_rng,
     local_tensor,
     restore_rng,
 )
 from .checkpoint.hf_export import save_hf_model, source_generation_config
-from .checkpoint.requests import Request, RequestPoller
+from .checkpoint.requests import Request, RequestPoller, Seen
 from .checkpoint.signals import (
     Action,
     TriggerDir,
@@ -196,7 +200,9 @@ class Trainer:
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
         self.checkpointer: Checkpointer | None = None
-        self._saved: tuple[int, str] | None = None  # (step, path) of this run's newest checkpoint
+        self._saved: tuple[int, str] | None = None  # (step, path) of this run's newest complete checkpoint
+        #: the checkpoint being written in the background (--async-checkpoint) and the requests it serves
+        self._writing: tuple[PendingSave, Seen | None] | None = None
         self.rank_plan: RankPlan | None = None
         self.monitor = RunMonitor(self)
 
@@ -339,7 +345,8 @@ class Trainer:
         root = RunDir(cfg.output_dir).checkpoints
         # Always: a divergence or an evaluation rule that ends the run checkpoints it.
         self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft,
-                                         keep_last=cfg.checkpoint_keep_last)
+                                         keep_last=cfg.checkpoint_keep_last,
+                                         writer=BackgroundWriter(self.device) if cfg.async_checkpoint else None)
         if cfg.checkpointing:
             check_shared(root, self.dist.rank, self.dist.hostname)
         if resume is not None:
@@ -449,26 +456,59 @@ class Trainer:
 
     def checkpoint(self, step: int, request: Request | None) -> str:
         """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective;
-        the checkpointer applies retention), log it, and return its path. A request for the step this run last saved
+        the checkpointer applies retention) and return its path. A request for the step this run last saved
         (it arrived while that checkpoint was written) or resumed from is served by that
-        checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`)."""
+        checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`).
+
+        With ``--async-checkpoint`` the write in flight is waited for first (at most one), and a
+        periodic or plain checkpoint request is staged here and written in the background
+        (:meth:`.checkpoint.full_state.Checkpointer.save_async`): it is logged, and serves its
+        requests, once complete (:meth:`check_checkpoint`). A stop request's checkpoint is written
+        before this returns."""
         if request is not None:
             self.metrics.log(Event.CHECKPOINT_REQUESTED, signal=request.signal, step=step, point=request.point)
+        self.check_checkpoint(wait=True)
+        if request is not None:
             if self._saved and self._saved[0] == step and Path(self._saved[1]).is_dir():
                 self.poller.served()
                 self._say(f"{request.signal}: served by the complete checkpoint of step {step}: {self._saved[1]}")
                 return self._saved[1]
             self._say(f"{request.signal}: saving a full-state checkpoint of step {step} (requested {request.point.replace('_', ' ')})")
+        if self.cfg.async_checkpoint and (request is None or request.action is Action.CHECKPOINT):
+            pending = self.checkpointer.save_async(step, self._trainer_state(step), capture_rng())
+            self._writing = (pending, self.poller.claim() if request is not None else None)
+            self._say(f"checkpoint: writing {pending.path} in the background (training blocked {pending.blocking_s:.2f} s)")
+            return str(pending.path)
         saved = self.checkpointer.save(step, self._trainer_state(step), capture_rng())
-        self._saved = (step, str(saved.path))
-        if request is not None:
-            self.poller.served()
-        self.metrics.log(Event.CHECKPOINT_SAVED, step=step, path=str(saved.path), bytes=saved.bytes, seconds=saved.seconds,
-                         frozen_bytes=saved.frozen_bytes)
+        self._checkpoint_complete(saved, self.poller.served if request is not None else None)
+        return str(saved.path)
+
+    def check_checkpoint(self, wait: bool = False) -> None:
+        """Finish the checkpoint written in the background, if any, once it is complete (with
+        ``wait``: wait for it): log it and serve the requests it was written for. Not collective
+        without ``wait``; every rank waits before anything that depends on the newest checkpoint.
+
+        Raises:
+            CheckpointWriteError: its write failed on some rank (it has no manifest).
+        """
+        if self._writing is None or not (wait or self._writing[0].done()):
+            return
+        pending, claimed = self._writing
+        self._writing = None
+        saved = pending.result()
+        self._checkpoint_complete(saved, None if claimed is None else lambda: self.poller.served(claimed))
+
+    def _checkpoint_complete(self, saved: SavedCheckpoint, serve: Callable[[], None] | None) -> None:
+        """A checkpoint is complete: remember it, serve its requests (``serve``, or None), log it."""
+        self._saved = (saved.step, str(saved.path))
+        if serve is not None:
+            serve()
+        self.metrics.log(Event.CHECKPOINT_SAVED, step=saved.step, path=str(saved.path), bytes=saved.bytes,
+                         seconds=saved.seconds, blocking_s=saved.blocking_s, frozen_bytes=saved.frozen_bytes)
         for path in saved.removed:  # rank 0's list; empty on the other ranks
             self._say(f"checkpoint retention: removed {path}")
-        self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s)")
-        return str(saved.path)
+        blocked = f"; training blocked {saved.blocking_s:.2f} s" if saved.blocking_s < saved.seconds else ""
+        self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s{blocked})")
 
     def _micro_batch_loss(self, batch: dict | None, float64_sum: bool = False) -> torch.Tensor:
         """Summed token loss of one packed micro-batch (float32 scalar, on the device; with
@@ -708,6 +748,10 @@ class Trainer:
         return found
 
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
+        """End the run: wait for the checkpoint written in the background (a stop never leaves one
+        half-written), log ``run_finished``, close the metrics and leave the process group."""
+        self.check_checkpoint(wait=True)
+        self.checkpointer.close()
         self.metrics.log(Event.RUN_FINISHED, reason=reason, exit_code=exit_code, step=step, **fields)
         self.metrics.close()
         restore_handlers(self._handlers)
@@ -729,6 +773,7 @@ class Trainer:
         self.monitor.start(step)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
+                self.check_checkpoint()  # a failed background write ends the run here
                 position = self.monitor.position(step + 1)
                 epoch = position // self.sampler.steps_per_epoch
                 rng_at_start = capture_rng()
@@ -739,6 +784,7 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     restore_rng(rng_at_start)
                     if isinstance(cut, Diverged):
+                        self.check_checkpoint(wait=True)  # a rollback picks the newest complete checkpoint
                         outcome = self.monitor.on_divergence(cut, step)
                         if isinstance(outcome, RunEnd):
                             return self._end_early(step, last_loss, outcome)
@@ -794,6 +840,7 @@ class Trainer:
         """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state
         checkpoint of that step (unless one was just written), the final export when ``end`` asks
         for it, its message and ``run_finished`` with its reason and exit code."""
+        self.check_checkpoint(wait=True)
         if self._saved and self._saved[0] == step:
             checkpoint = self._saved[1]  # written (or resumed from) at this very state
         else:

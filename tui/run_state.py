@@ -157,8 +157,10 @@ def describe(record: dict) -> Event | None:
     if ev == MetricsEvent.CHECKPOINT_REQUESTED:
         return Event(ts, "info", f"checkpoint requested at step {record.get('step')} ({record.get('signal')}, {record.get('point', 'safe point')})")
     if ev == MetricsEvent.CHECKPOINT_SAVED:
+        seconds, blocking = float(record.get("seconds") or 0), record.get("blocking_s")
+        blocked = f", training blocked {float(blocking):.1f} s" if blocking is not None and blocking < seconds else ""
         return Event(ts, "info", f"checkpoint of step {record.get('step')} written to {record.get('path')} "
-                                 f"({fmt_bytes(record.get('bytes'))} in {float(record.get('seconds') or 0):.1f} s)")
+                                 f"({fmt_bytes(record.get('bytes'))} in {seconds:.1f} s{blocked})")
     if ev == MetricsEvent.RESUMED:
         return Event(ts, "info", f"resumed from step {record.get('from_step')} ({record.get('path')})")
     if ev in (MetricsEvent.WARNING, MetricsEvent.ERROR):

@@ -26,6 +26,8 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
+from .background import BackgroundWriter
 from .safe_load import SafeFileSystemReader, load_plain
 from .store import apply_retention, versions
 from .trainer_state import TRAINER_STATE, TrainerState
@@ -120,15 +123,48 @@ def with_run_hyperparameters(saved: dict, optimizer: torch.optim.Optimizer) -> d
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """A checkpoint just written: its directory, its size (bytes, frozen factors excluded) and the
-    time the save took (s), the bytes of the frozen factors written with it (0 when reused), and
+    """A complete checkpoint just written: its step and directory, its size (bytes, frozen factors
+    excluded), the time from the start of the save to its manifest (s), how long the training
+    thread was blocked by it (s; ``seconds`` for a synchronous save, the staging time with
+    ``--async-checkpoint``), the bytes of the frozen factors written with it (0 when reused), and
     what retention removed after it (rank 0; empty elsewhere)."""
 
+    step: int
     path: Path
     bytes: int
     seconds: float
+    blocking_s: float
     frozen_bytes: int
     removed: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A checkpoint being written in the background (:meth:`Checkpointer.save_async`): its step,
+    its final directory (which exists only once it is complete), how long the training thread was
+    blocked staging it (s), and the write's future (a :class:`SavedCheckpoint`)."""
+
+    step: int
+    path: Path
+    blocking_s: float
+    future: Future
+
+    def done(self) -> bool:
+        """True once the write has finished, complete or failed (never blocks)."""
+        return self.future.done()
+
+    def result(self) -> SavedCheckpoint:
+        """Wait for the write to finish.
+
+        Raises:
+            CheckpointWriteError: a rank's write failed; the checkpoint has no manifest.
+        """
+        return self.future.result()
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a rank's file, DCP shard or the manifest failed); it got
+    no manifest, so it is never resumed from. The message names the checkpoint and every rank's error."""
 
 
 class Checkpointer:
@@ -140,11 +176,13 @@ class Checkpointer:
         model: the (FSDP2-sharded or plain) model. optimizer, scheduler: AdamW and its LR schedule.
         osft: the OSFT modules (None with ``--no-osft``).
         keep_last: ``--checkpoint-keep-last``: complete checkpoints kept after each save (0: all).
+        writer: what :meth:`save_async` writes with (``--async-checkpoint``); None: synchronous saves only.
     """
 
     def __init__(self, root: Path, env: DistEnv, job_id: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, osft: OSFTModel | None, keep_last: int = 0) -> None:
+                 scheduler: Any, osft: OSFTModel | None, keep_last: int = 0, writer: BackgroundWriter | None = None) -> None:
         self.root = root
+        self.writer = writer
         self.keep_last = keep_last
         self.env = env
         self.job_id = job_id
@@ -170,12 +208,13 @@ class Checkpointer:
             names.append(".metadata")
         return [f"{sub}/{n}" if sub else n for n in names]
 
-    def _gather(self, entries: dict) -> dict:
+    def _gather(self, obj: Any, group: dist.ProcessGroup | None = None) -> list:
+        """Every rank's ``obj``, in rank order (collective over ``group``, default: the job's)."""
         if not is_distributed():
-            return entries
-        everything: list[dict | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, entries)
-        return {k: v for e in everything for k, v in e.items()}
+            return [obj]
+        everything: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, obj, group=group)
+        return everything
 
     def _write_frozen(self, frozen: dict) -> int:
         """Write this run's frozen factors once, to a new ``frozen_<job_id>-<token>`` (never over a
@@ -187,7 +226,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         barrier()
         dcp.save(frozen, checkpoint_id=tmp, no_dist=not is_distributed())
-        files = self._gather(describe_files(tmp, self._my_files(tmp), self.env.rank))
+        files = {k: v for e in self._gather(describe_files(tmp, self._my_files(tmp), self.env.rank)) for k, v in e.items()}
         if self.env.rank == 0:
             write_manifest(tmp, files, kind="frozen_osft_factors", job_id=self.job_id, keys=sorted(frozen))
             os.replace(tmp, final)
@@ -199,52 +238,143 @@ class Checkpointer:
     def save(self, step: int, trainer_state: TrainerState, rng: dict[str, Any]) -> SavedCheckpoint:
         """Write ``step_<step>`` (temporary directory, shards, per-rank files, manifest, rename),
         then, on rank 0, apply retention (:func:`.store.apply_retention` with ``keep_last`` and
-        this run's frozen store).
+        this run's frozen store). Collective; returns once the checkpoint is complete.
 
         Args:
             trainer_state: the state for ``trainer_state.json`` (written by rank 0).
             rng: this rank's generator states (:func:`capture_rng`) at the saved point.
+
+        Raises:
+            CheckpointWriteError: on every rank when a rank's write failed (no manifest is written).
         """
         start = time.perf_counter()
+        rest, frozen_bytes, tmp = self._begin(step)
+
+        def write() -> list[str]:
+            dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
+            return self._write_rank_files(tmp, self._optimizer_state(), rng, trainer_state)
+
+        return self._complete(step, tmp, write, None, start, None, frozen_bytes)
+
+    def save_async(self, step: int, trainer_state: TrainerState, rng: dict[str, Any]) -> PendingSave:
+        """Stage ``step_<step>`` on this thread and write it on the writer's thread (collective,
+        ``--async-checkpoint``): the model shards through DCP's ``async_save``, this rank's optimizer
+        and generator states as CPU copies, ``trainer_state.json`` as a copy of ``trainer_state``;
+        the files, the manifest (once every rank's files are on disk), the rename and the retention
+        then follow as in :meth:`save`. Training may change the model and optimizer as soon as this
+        returns. The caller waits for the previous save's :class:`PendingSave` first (at most one in
+        flight); :meth:`PendingSave.result` raises :class:`CheckpointWriteError` when a write failed.
+
+        The frozen OSFT factors of a run's first save are still written on this thread (once per run).
+        """
+        start = time.perf_counter()
+        rest, frozen_bytes, tmp = self._begin(step)
+        model = self.writer.save_model(rest, tmp / "model")
+        staged = self.writer.stage({"optimizer": self._optimizer_state(), "rng": rng})
+        state = TrainerState.from_json(trainer_state.to_json())  # a copy: to_json copies every container
+        blocking = time.perf_counter() - start
+
+        def write() -> list[str]:
+            model.result()
+            return self._write_rank_files(tmp, staged["optimizer"], staged["rng"], state)
+
+        future = self.writer.submit(lambda: self._complete(step, tmp, write, self.writer.group, start, blocking,
+                                                           frozen_bytes))
+        return PendingSave(step, self.root / f"step_{step}", blocking, future)
+
+    def close(self) -> None:
+        """Free what asynchronous saves hold (after the last one has finished)."""
+        if self.writer is not None:
+            self.writer.close()
+
+    def _begin(self, step: int) -> tuple[dict, int, Path]:
+        """The model state to save (frozen factors left out, and written once per run first), its
+        frozen bytes written now, and the new empty temporary directory (collective)."""
         rest, frozen = self._model_state()
         frozen_bytes = self._write_frozen(frozen) if frozen and self.frozen_dir is None else 0
-        final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp-{self.job_id}"
         if self.env.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "model").mkdir(parents=True)
         barrier()
-        dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
-        r = self.env.rank
+        return rest, frozen_bytes, tmp
+
+    def _optimizer_state(self) -> dict:
+        """This rank's AdamW state dict with its local shards of the moments (no DTensors)."""
         optim = self.optimizer.state_dict()
         optim["state"] = {i: {k: local_tensor(v) for k, v in s.items()} for i, s in optim["state"].items()}
+        return optim
+
+    def _write_rank_files(self, tmp: Path, optim: dict, rng: dict[str, Any], trainer_state: TrainerState) -> list[str]:
+        """Write this rank's optimizer and generator files (and, on rank 0, ``trainer_state.json``)
+        to ``tmp`` and flush them to disk (``os.fsync``; DCP syncs its shards itself); returns their names."""
+        r = self.env.rank
         torch.save(optim, tmp / f"optimizer_rank{r}.pt")
         torch.save(rng, tmp / f"rng_rank{r}.pt")
-        mine = self._my_files(tmp, "model") + [f"optimizer_rank{r}.pt", f"rng_rank{r}.pt"]
-        files = self._gather(describe_files(tmp, mine, r))
-        if delay := _test_save_delay(step):
-            time.sleep(delay)
         if r == 0:
             trainer_state.write(tmp)
-            files.update(describe_files(tmp, [TRAINER_STATE], 0))
-            frozen_ref = None
-            if self.frozen_dir:
-                digest = hashlib.sha256((self.root / self.frozen_dir / MANIFEST).read_bytes()).hexdigest()
-                frozen_ref = {"dir": self.frozen_dir, "manifest_sha256": digest}
-            write_manifest(tmp, files, kind="full_state", step=step, world_size=self.env.world_size,
-                           job_id=self.job_id, created=time.time(), frozen=frozen_ref, versions=versions())
-            if final.exists():  # the same step saved again (e.g. stopped right after a resume)
-                old = self.root / f"step_{step}.replaced-{self.job_id}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-        barrier()
-        size = sum(f["size"] for f in files.values()) if r == 0 else 0
+        names = [f"optimizer_rank{r}.pt", f"rng_rank{r}.pt"] + ([TRAINER_STATE] if r == 0 else [])
+        for name in names:
+            fd = os.open(tmp / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return names
+
+    def _complete(self, step: int, tmp: Path, write: Callable[[], list[str]], group: dist.ProcessGroup | None,
+                  start: float, blocking_s: float | None, frozen_bytes: int) -> SavedCheckpoint:
+        """Run this rank's ``write`` (returns the names of the files it wrote besides the DCP
+        shards), gather every rank's file entries (or error) over ``group``, and, when no rank
+        failed, let rank 0 write the manifest, rename ``tmp`` to ``step_<step>`` and apply retention.
+
+        Raises:
+            CheckpointWriteError: on every rank, naming each rank's error, when a write failed.
+        """
+        r = self.env.rank
+        final = self.root / f"step_{step}"
+        try:
+            written = write()  # first: the DCP shards are listed once they are on disk
+            report: dict | str = describe_files(tmp, self._my_files(tmp, "model") + written, r)
+        except Exception as exc:  # every rank learns it below, so none writes a manifest or waits alone
+            report = f"rank {r}: {type(exc).__name__}: {exc}"
+        reports = self._gather(report, group)
+        errors = [e for e in reports if isinstance(e, str)]
+        outcome = [None]
+        if r == 0 and not errors:
+            try:
+                self._write_manifest(step, tmp, final, {k: v for e in reports for k, v in e.items()})
+            except OSError as exc:
+                outcome = [f"rank 0: {type(exc).__name__}: {exc}"]
+        if is_distributed():
+            dist.broadcast_object_list(outcome, src=0, group=group)
+        errors += [outcome[0]] if outcome[0] else []
+        if errors:
+            raise CheckpointWriteError(f"checkpoint {final.name} was not written ({'; '.join(errors)}); it has no "
+                                       f"{MANIFEST}, so it is never resumed from: {tmp} is left for inspection")
+        size = sum(f["size"] for e in reports for f in e.values()) if r == 0 else 0
         seconds = time.perf_counter() - start
         removed = tuple(apply_retention(self.root, self.keep_last, self.frozen_dir)) if r == 0 else ()
-        return SavedCheckpoint(final, size, seconds, frozen_bytes, removed)
+        return SavedCheckpoint(step, final, size, seconds, seconds if blocking_s is None else blocking_s,
+                               frozen_bytes, removed)
+
+    def _write_manifest(self, step: int, tmp: Path, final: Path, files: dict[str, dict]) -> None:
+        """Rank 0: the manifest (last, after every rank's files are on disk), then ``tmp`` renamed to ``final``."""
+        if delay := _test_save_delay(step):
+            time.sleep(delay)
+        frozen_ref = None
+        if self.frozen_dir:
+            digest = hashlib.sha256((self.root / self.frozen_dir / MANIFEST).read_bytes()).hexdigest()
+            frozen_ref = {"dir": self.frozen_dir, "manifest_sha256": digest}
+        write_manifest(tmp, files, kind="full_state", step=step, world_size=self.env.world_size,
+                       job_id=self.job_id, created=time.time(), frozen=frozen_ref, versions=versions())
+        if final.exists():  # the same step saved again (e.g. stopped right after a resume)
+            old = self.root / f"step_{step}.replaced-{self.job_id}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
 
     # -- load ----------------------------------------------------------------------------------
     def load(self, step_dir: Path) -> tuple[TrainerState, dict[str, Any]]:

@@ -20,7 +20,11 @@ The rule (README, "Checkpoints, signals and resume"):
   written (on request or periodic) stays pending and is served at the next safe point by that
   same checkpoint, since the state has not changed: the same step is never saved twice. Only the
   files a rank saw when the request was agreed are removed (:meth:`RequestPoller.served`), so a
-  request recorded meanwhile is never lost.
+  request recorded meanwhile is never lost. With ``--async-checkpoint`` training goes on while a
+  checkpoint is written: the requests it serves are set aside (:meth:`RequestPoller.claim`) and
+  removed once it is complete; a request agreed meanwhile first waits for that write, and is served
+  by it when the step has not changed since, else by a new checkpoint. A stop request's checkpoint
+  is written before the run exits (after the write in flight).
 - **Exit code**: a served checkpoint-and-exit request (every stop signal; SIGUSR1 only with
   ``--sigusr1-action checkpoint-and-exit``; ``control/checkpoint-and-exit``) ends the run right
   after that checkpoint with exit code 75; a plain checkpoint request (SIGUSR1,
@@ -48,6 +52,9 @@ from ..distributed import control_group, is_distributed
 from .signals import CONTROL_ACTIONS, Action, TriggerDir, action_for_signal, request_files, signal_name
 
 SAFE_POINTS = ("before_forward", "before_backward", "after_backward", "after_step")
+
+#: The requests a rank saw at an agreed poll: trigger files, and (control file, mtime) pairs.
+Seen = tuple[list[Path], list[tuple[Path, float]]]
 
 #: Test-only hook: "STEP:POINT:MICRO:SIGNAL[,...]" makes rank 0 send SIGNAL (to $OSFT_LAUNCHER_PID
 #: when set, else to itself) at that safe point of that step and micro-batch (0-based; ignored for
@@ -82,7 +89,9 @@ class RequestPoller:
         self.trigger = trigger
         self.control_dir = control_dir if rank == 0 else None
         self.sigusr1_action = sigusr1_action
-        self._seen: tuple[list[Path], list[tuple[Path, float]]] = ([], [])
+        self._seen: Seen = ([], [])
+        #: (control file, mtime) pairs handed to a checkpoint written in the background (:meth:`claim`)
+        self._claimed: set[tuple[Path, float]] = set()
         specs = os.environ.get(TEST_SIGNAL_ENV, "") if rank == 0 else ""
         self._test_hooks = [spec.split(":") for spec in specs.split(",") if spec]
 
@@ -100,7 +109,8 @@ class RequestPoller:
                 finished (``after_step``). micro: micro-batch index within the step (0-based).
         """
         self._maybe_test_signal(point, step, micro)
-        triggers, controls = self.trigger.files(), self._control_files()
+        triggers = self.trigger.files()
+        controls = [c for c in self._control_files() if (c[0], c[2]) not in self._claimed]
         code = max([int(action_for_signal(t.signum, self.sigusr1_action)) * 256 + t.signum for t in triggers]
                    + [int(action) * 256 for _path, action, _mtime in controls], default=0)
         if is_distributed():
@@ -112,12 +122,24 @@ class RequestPoller:
         self._seen = ([t.path for t in triggers], [(path, mtime) for path, _action, mtime in controls])
         return Request(Action(code // 256), code % 256, point)
 
-    def served(self) -> None:
-        """Remove the requests this rank saw when the last request was agreed (it has been served
-        by a complete checkpoint). A signal recorded since is a file of its own and stays pending;
-        a control file written again since is kept."""
-        triggers, controls = self._seen
-        self._seen = ([], [])
+    def claim(self) -> Seen:
+        """Hand the requests this rank saw when the last request was agreed to a checkpoint written
+        in the background (``--async-checkpoint``): later polls of every rank pass over them while
+        it is written (trigger files are renamed, :meth:`.signals.TriggerDir.claim`: a peer that
+        did not see one yet never agrees it again), and ``served(claimed)`` removes them once it is
+        complete. Returns what was claimed."""
+        (triggers, controls), self._seen = self._seen, ([], [])
+        self._claimed.update(controls)
+        return self.trigger.claim(triggers), controls
+
+    def served(self, claimed: Seen | None = None) -> None:
+        """Remove the requests this rank saw when the last request was agreed (or the ``claimed``
+        ones of :meth:`claim`): a complete checkpoint has served them. A signal recorded since is
+        a file of its own and stays pending; a control file written again since is kept."""
+        if claimed is None:
+            claimed, self._seen = self._seen, ([], [])
+        triggers, controls = claimed
+        self._claimed.difference_update(controls)
         for path in triggers:
             path.unlink(missing_ok=True)
         for path, mtime in controls:

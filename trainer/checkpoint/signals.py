@@ -86,6 +86,10 @@ def request_files(directory: Path | None) -> list[tuple[str, Path, float]]:
     return found
 
 
+#: Name prefix of a trigger file claimed by a checkpoint being written (:meth:`TriggerDir.claim`).
+CLAIMED_PREFIX = "claimed-"
+
+
 class TriggerDir:
     """The per-job trigger directory ``<trigger_root>/<job_id>`` (mode 0700).
 
@@ -119,6 +123,20 @@ class TriggerDir:
                 found.append(Trigger(int(number), path, mtime))
         return sorted(found, key=lambda t: t.mtime)
 
+    def claim(self, triggers: list[Path]) -> list[Path]:
+        """Rename ``triggers`` to ``claimed-<name>``: no process of the job reads them as requests
+        any more (a checkpoint written in the background serves them). Returns the new paths of
+        those this process renamed (another rank of the node may have renamed one first)."""
+        claimed = []
+        for path in triggers:
+            target = path.with_name(f"{CLAIMED_PREFIX}{path.name}")
+            try:
+                os.rename(path, target)
+            except FileNotFoundError:
+                continue
+            claimed.append(target)
+        return claimed
+
     def remove_stale(self, job_start: float) -> list[str]:
         """Delete triggers older than ``job_start`` (unix s); return their signal names."""
         stale = [t for t in self.files() if t.mtime < job_start]
@@ -127,9 +145,9 @@ class TriggerDir:
         return list(dict.fromkeys(signal_name(t.signum) for t in stale))
 
     def remove(self) -> None:
-        """Delete the directory and what is left in it (end of the job)."""
-        for t in self.files():
-            t.path.unlink(missing_ok=True)
+        """Delete the directory and what is left in it, claimed requests included (end of the job)."""
+        for _name, path, _mtime in request_files(self.path):
+            path.unlink(missing_ok=True)
         try:
             self.path.rmdir()
         except OSError:
