@@ -69,6 +69,15 @@ def test_bound_grows_with_a_basis_that_is_not_orthonormal():
     assert projector.deviation_bound() >= exact
 
 
+def test_a_nan_parameter_rules_nothing_out():
+    mod = modules(torch.float32)[0]
+    with torch.no_grad():
+        mod.V_low[0, 0] = float("nan")
+    projector = Projector([("m", mod)])
+    projector.project_parameters()
+    assert projector.deviation_bound() == 90.0
+
+
 def test_gram_v_projection_has_no_bound():
     projector = Projector([("m", modules(torch.float32)[0])], "gram")
     projector.project_parameters()

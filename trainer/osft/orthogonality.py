@@ -107,10 +107,11 @@ def projection_bound(coef_norm: torch.Tensor, stored_norm: torch.Tensor, n: int,
         keep: the side stores the complement basis. param_dtype: the parameter's dtype.
 
     Returns:
-        float64 bounds of the same shape; +inf where none holds (ε ≥ 1, a zero vector).
+        float64 bounds of the same shape; +inf where none holds (ε ≥ 1, a zero vector with a nonzero
+        bound), NaN where a norm is NaN.
     """
     if eps >= 1:
-        return torch.full(coef_norm.shape, math.inf, dtype=torch.float64)
+        return torch.full(coef_norm.shape, math.inf, dtype=torch.float64, device=coef_norm.device)
     u, u_p = matmul_unit_roundoff(), (0.0 if param_dtype == torch.float32 else unit_roundoff(param_dtype))
     c_up = coef_norm.double() / (1 - gamma(k + 2, u))
     s = stored_norm.double()
@@ -126,4 +127,4 @@ def projection_bound(coef_norm: torch.Tensor, stored_norm: torch.Tensor, n: int,
         x = x_prime + beta * c_up + g + h
         frozen = (eps * c_up + gamma(n, u) * math.sqrt(k) * beta * x + beta * (g + h)) / math.sqrt(1 - eps)
     bound = (frozen + cast) / s_lo
-    return torch.where(s_lo > 0, bound, torch.where(frozen + cast > 0, math.inf, 0.0))
+    return torch.where(s_lo == 0, torch.where(frozen + cast == 0, 0.0, math.inf), bound)  # NaN stays NaN

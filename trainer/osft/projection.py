@@ -20,6 +20,10 @@ Under FSDP2 every factor is a DTensor sharded by rows (``Shard(0)``), possibly u
 - V side, Gram: the M×M Gram matrix is a sum of per-rank partial Gram matrices (one all-reduce
   of M² numbers per module).
 
+Between full checks, :meth:`Projector.deviation_bound` bounds the orthogonality deviation from the
+coefficient norms :meth:`Projector.project_parameters` kept (see :mod:`.orthogonality`): the
+U-side column norms of all modules go through one all-reduce, the result through an all-reduce(MAX).
+
 The forgetting indicators (:meth:`Projector.indicators`, see :mod:`.indicators`) use the same
 pattern: the U-side Gram matrices of all modules go through one all-reduce, the V side is gathered.
 
@@ -33,7 +37,9 @@ All products are computed in float32, also for bf16 factors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -193,8 +199,9 @@ class Projector:
         first call also all-reduces the Gram matrices and gathers uncached V bases).
 
         Returns:
-            The bound in degrees (the same on every rank), or None where no bound is available: before
-            the first :meth:`project_parameters`, or with ``v_projection="gram"``.
+            The bound in degrees (the same on every rank; 90 when a norm is NaN or infinite), or None
+            where no bound is available: before the first :meth:`project_parameters`, or with
+            ``v_projection="gram"``.
         """
         if self._coef_norms is None or self.v_projection == "gram":
             return None
@@ -203,8 +210,8 @@ class Projector:
         stored_u = self._sum_row_parts([_local(m.U_low).float().square().sum(-2) for m in self.modules])
         worst = []
         for m, (u_coef, v_coef), u_sq, (eps_u, eps_v) in zip(self.modules, self._coef_norms, stored_u, self._basis_eps):
-            bound = torch.zeros((), dtype=torch.float64)
             plan, dtype = m.plan, m.U_low.dtype
+            bound = torch.zeros((), dtype=torch.float64, device=u_sq.device)
             if u_coef is not None:
                 sides = projection_bound(u_coef, u_sq.sqrt(), plan.n, plan.u_basis_cols, eps_u, m.u_keep, dtype)
                 bound = torch.maximum(bound, _max_or_zero(sides).double())
@@ -216,7 +223,8 @@ class Projector:
         worst_t = torch.stack(worst).max() if worst else torch.zeros((), dtype=torch.float64)
         if self._sharded and dist.get_world_size() > 1:
             dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
-        return fraction_to_degrees(float(worst_t))
+        value = float(worst_t)
+        return fraction_to_degrees(1.0 if math.isnan(value) else value)  # a NaN parameter rules nothing out
 
     def _basis_errors(self) -> list[tuple[float, float]]:
         """(ε_U, ε_V) per module: :func:`.orthogonality.basis_error` of its U and V basis from
