@@ -16,13 +16,15 @@ Part 2 (``--part e2e``): end-to-end tokens/s of SmolLM2-135M OSFT on 2 ranks (``
 Part 3 (``--projection-only``, one process, no model): the per-step projection work of OSFT on
 SmolLM2-135M's 210 target shapes (30 blocks × q, k, v, o, gate, up, down at URR 0.25, random
 orthonormal bases, random factors and gradients), each variant timed in interleaved rounds:
-``per_module`` is today's step (``project_gradients``, ``project_parameters``, full ``check``),
-``batched`` the same with both projections run as one ``torch.bmm`` per group of same-shaped
+``per_module`` is the trainer's projection of gradients and parameters (``project_gradients``,
+``project_parameters``), ``batched`` the same as one ``torch.bmm`` pair per group of same-shaped
 modules (bases stacked once at set-up, factors stacked and copied back per call; the candidate of
-issue 19, here only), ``bound`` the step between full checks (``deviation_bound`` instead of
-``check``). Reported: median seconds per variant, the median of the per-round ratios to
-``per_module``, the one-time cost of the bound's basis Gram matrices, the bound and the measured
-deviation (degrees), and the largest difference of the batched results from the per-module ones.
+issue 19, kept here only: not faster on CPU), ``check`` the full orthogonality check, ``indicators`` the forgetting indicators (both on the
+steps of a full check) and ``bound`` :meth:`Projector.deviation_bound` (the other steps), each after
+the per-module projection. Reported: median seconds, medians of the per-round ratios (batched /
+per-module projection; projection + bound over projection + check, and over projection + check +
+indicators: the OSFT work of a step between full checks against one with them; bound / check), the one-time cost of the bound's basis Gram matrices, the bound and the measured deviation
+(degrees), and the largest difference of the batched results from the per-module ones.
 
 Shapes: SmolLM2's (576×576, 1536×576, 576×1536) and Llama-8B's square and down_proj shapes scaled
 by 1/4 per side (1024×1024, 1024×3584: same M/k_high ratios, 16× less memory), URR 0.5.
@@ -239,41 +241,56 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
     def per_module() -> None:
         projector.project_gradients()
         projector.project_parameters()
-        projector.check(1.0)
 
-    def batched_step() -> None:
+    def batched_projection() -> None:
         with torch.no_grad():
             batched.project(lambda x: (x.U_low.grad, x.V_low.grad))
             batched.project(lambda x: (x.U_low, x.V_low))
-        projector.check(1.0)
 
-    def bound() -> None:
-        projector.project_gradients()
-        projector.project_parameters()
-        projector.deviation_bound()
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
 
-    variants = {"per_module": per_module, "batched": batched_step, "bound": bound}
     reset()
     projector.project_parameters()
-    start = time.perf_counter()
-    projector.deviation_bound()  # forms the bases' Gram matrices once
-    gram_s = time.perf_counter() - start
-    outputs, times = {}, {name: [] for name in variants}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for name, fn in variants.items():
-            reset()
-            start = time.perf_counter()
-            fn()
-            if r:
-                times[name].append(time.perf_counter() - start)
-            outputs[name] = [t.detach().clone() for x in mods for t in (x.U_low, x.V_low, x.U_low.grad, x.V_low.grad)]
+    gram_s = timed(projector.deviation_bound)  # forms the bases' Gram matrices once
+    times = {name: [] for name in ("per_module", "batched", "check", "indicators", "bound")}
+    outputs = {}
+    def run_batched() -> dict:
+        reset()
+        spent = {"batched": timed(batched_projection)}
+        outputs["batched"] = [t.detach().clone() for x in mods for t in (x.U_low, x.V_low, x.U_low.grad, x.V_low.grad)]
+        return spent
+
+    def run_per_module() -> dict:
+        reset()
+        spent = {"per_module": timed(per_module)}
+        outputs["per_module"] = [t.detach().clone() for x in mods for t in (x.U_low, x.V_low, x.U_low.grad, x.V_low.grad)]
+        spent["check"] = timed(lambda: projector.check(1.0))
+        spent["indicators"] = timed(projector.indicators)
+        spent["bound"] = timed(projector.deviation_bound)
+        return spent
+
+    for r in range(args.rounds + 1):  # round 0 warms up; the order alternates
+        spent = {**run_batched(), **run_per_module()} if r % 2 else {**run_per_module(), **run_batched()}
+        if r:
+            for name in times:
+                times[name].append(spent[name])
     diff = max((a - b).abs().max().item() for a, b in zip(outputs["batched"], outputs["per_module"]))
-    ratios = {name: statistics.median(t / p for t, p in zip(times[name], times["per_module"])) for name in variants}
+    rounds = list(zip(*times.values()))
+    ratios = {  # medians of the per-round ratios
+        "batched_vs_per_module_projection": statistics.median(b / p for p, b, _, _, _ in rounds),
+        "projection_and_bound_vs_projection_and_check": statistics.median((p + d) / (p + c) for p, _, c, _, d in rounds),
+        "projection_and_bound_vs_projection_check_and_indicators":
+            statistics.median((p + d) / (p + c + i) for p, _, c, i, d in rounds),
+        "bound_vs_check": statistics.median(d / c for _, _, c, _, d in rounds),
+    }
     return {
         "benchmark": "bench_v_proj --projection-only", "modules": len(mods), "urr": args.urr,
         "threads": torch.get_num_threads(), "rounds": args.rounds, "cpu_count": os.cpu_count(),
         "time_s_median": {name: statistics.median(t) for name, t in times.items()},
-        "ratio_vs_per_module_median": ratios, "time_s_all": times,
+        "ratio_median": ratios, "time_s_all": times,
         "bound_gram_setup_s": gram_s, "bound_deg": projector.deviation_bound(),
         "measured_max_dev_deg": projector.check(1.0).max_dev_deg,
         "batched_max_abs_diff_vs_per_module": diff,
@@ -307,8 +324,8 @@ def main() -> None:
         out = Path(args.out or PROJECTION_OUT)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        print("  ".join(f"{k} {v:.3f} s ({result['ratio_vs_per_module_median'][k]:.2f}x)"
-                        for k, v in result["time_s_median"].items()))
+        print("  ".join(f"{k} {v:.3f} s" for k, v in result["time_s_median"].items()))
+        print("  ".join(f"{k} {v:.3f}x" for k, v in result["ratio_median"].items()))
         print(f"bound {result['bound_deg']:.3g} deg, measured {result['measured_max_dev_deg']:.3g} deg; "
               f"bound set-up {result['bound_gram_setup_s']:.2f} s; wrote {out}")
         return
