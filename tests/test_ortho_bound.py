@@ -85,14 +85,14 @@ def test_gram_v_projection_has_no_bound():
 
 
 def test_steps_between_full_checks_use_the_bound(tiny_model_dir, tmp_path):
-    """--ortho-check-every 3: steps 1 and 2 run the full check only when the bound cannot rule out a
-    deviation above the margin (1° here: it can; 1e-6°, from step 4: it cannot); the forgetting
-    indicators stay on the scheduled steps."""
+    """--ortho-check-every 3: full checks on steps 1 and 3; step 2 runs it only when the bound cannot
+    rule out a deviation above the margin (1° here: it can; 1e-6°, on step 4: it cannot); the
+    forgetting indicators stay on the scheduled steps."""
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 7)
     trainer = prepared(tiny_model_dir, data, tmp_path / "run", "--ortho-check-every", "3")
     records = [trainer.train_step(step, trainer.sampler.batch(0, step - 1)) for step in (1, 2, 3)]
     trainer.cfg.ortho_margin_deg = 1e-6
     records.append(trainer.train_step(4, trainer.sampler.batch(0, 3)))
-    assert [r["ortho_max_dev_deg"] is not None for r in records] == [False, False, True, True]
-    assert [r["osft_dw_rel_max"] is not None for r in records] == [False, False, True, False]
+    assert [r["ortho_max_dev_deg"] is not None for r in records] == [True, False, True, True]
+    assert [r["osft_dw_rel_max"] is not None for r in records] == [True, False, True, False]
     assert [r["ortho_violations"] for r in records[:3]] == [0, 0, 0]

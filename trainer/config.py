@@ -301,9 +301,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
                    help="a deviation from 90 degrees above this is an orthogonality violation")
     g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every,
-                   help="steps between full orthogonality checks (and forgetting indicators); every other step "
-                        "bounds the deviation from the projection's own numbers and runs the full check only "
-                        "when that bound exceeds --ortho-margin-deg")
+                   help="steps between full orthogonality checks and forgetting indicators (also on step 1); every "
+                        "other step bounds the deviation from the projection's own numbers and runs the full "
+                        "check only when that bound exceeds --ortho-margin-deg")
 
     g = p.add_argument_group("protected subspaces (chained OSFT runs; see README 'Chaining runs')")
     g.add_argument("--no-osft-protect-subspaces", dest="osft_protect_subspaces", action="store_false",

@@ -550,7 +550,7 @@ class Trainer:
         if self.projector:
             self.projector.project_parameters()
         violations, max_dev, forgetting = 0, None, dict.fromkeys(INDICATOR_FIELDS)
-        scheduled = step % cfg.ortho_check_every == 0
+        scheduled = step == 1 or step % cfg.ortho_check_every == 0
         if self.projector and (scheduled or self._bound_exceeds_margin()):
             report = self.projector.check(cfg.ortho_margin_deg)
             violations, max_dev = report.violations, report.max_dev_deg
