@@ -13,7 +13,7 @@ resolve only about 0.5° (8 significant bits), so keep the margin ≥ 1° for bf
 Between full checks, :func:`projection_bound` (used by
 :meth:`.projection.Projector.deviation_bound`) bounds the same deviation right after a parameter
 projection from numbers that projection already computed: a rounding-error analysis of the
-projection itself (below), no matrix product. On SmolLM2-135M's targets in float32 it gives about
+projection itself (derived in its docstring), no matrix product. On SmolLM2-135M's targets in float32 it gives about
 0.2°, below the default margin, so a step whose bound is under the margin cannot hold a violation;
 above it, the trainer runs the full check.
 """
@@ -39,29 +39,6 @@ class OrthoReport:
     violations: int
     max_dev_deg: float
     violating: list[str] = field(default_factory=list)
-
-
-# -- a bound on the deviation after a parameter projection, from the numbers it computed ------------
-#
-# Notation (one trainable vector x, a column of U_low or a row of V_low; B the stored basis of its
-# side, n×k with n the side's dimension, N or M, and k its columns; u the unit roundoff of the
-# float32 products, u_p that of the parameter's dtype; γ_j = j·u/(1 − j·u), Higham 2002, §3.1 and
-# §3.5: for any summation order, |fl(AB) − AB| ≤ γ_j·|A|·|B| elementwise with j the inner dimension).
-# ε ≥ ‖BᵀB − I‖₂ (:func:`basis_error`), so ‖B‖₂ ≤ β = √(1 + ε), ‖B‖_F ≤ √k·β, σ_min(B) ≥ √(1 − ε).
-# The projection stored x_s = fl_p(x′) with the coefficients c = fl(Bᵀx) = Bᵀx + f,
-# ‖f‖ ≤ γ_n·√k·β·‖x‖, and
-#
-# - remove mode: x′ = fl(x − fl(B·c)), fl(B·c) = B·c + g with ‖g‖ ≤ γ_k·√k·β·‖c‖, x′ = x − B·c − g + h
-#   with ‖h‖ ≤ u/(1 − u)·‖x′‖. Then Bᵀx′ = (I − BᵀB)·c − f − Bᵀg + Bᵀh, so
-#   ‖Bᵀx′‖ ≤ ε‖c‖ + γ_n√kβ‖x‖ + β‖g‖ + β‖h‖, with ‖x‖ ≤ ‖x′‖ + β‖c‖ + ‖g‖ + ‖h‖ (x itself is
-#   overwritten); the frozen component is the projection P x′ on span(B), ‖P x′‖ ≤ ‖Bᵀx′‖/√(1 − ε).
-# - keep mode (B is the complement of the frozen basis): x′ = B·c + g, so the frozen component
-#   (I − P)·x′ = (I − P)·g and ‖(I − P)x′‖ ≤ ‖g‖.
-#
-# The cast to the parameter's dtype adds ‖x_s − x′‖ ≤ u_p/(1 − u_p)·‖x_s‖ (0 for float32 parameters),
-# and the deviation's sine is ‖frozen component of x_s‖/‖x_s‖ (:func:`fraction_to_degrees`). The
-# norms ‖c‖ and ‖x_s‖ are themselves computed in float32 (relative error ≤ γ_{j+2} for j terms);
-# each is widened by that before use. Everything else is float64 arithmetic on these norms.
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -98,7 +75,29 @@ def basis_error(gram: torch.Tensor, n: int) -> float:
 def projection_bound(coef_norm: torch.Tensor, stored_norm: torch.Tensor, n: int, k: int, eps: float, keep: bool,
                      param_dtype: torch.dtype) -> torch.Tensor:
     """Upper bound on the sine of every vector's deviation from 90° right after
-    :meth:`.projection.Projector.project_parameters` (the derivation is in the comment above).
+    :meth:`.projection.Projector.project_parameters`, from numbers that projection computed.
+
+    Derivation. One trainable vector x (a column of U_low or a row of V_low); B the stored basis of
+    its side, n×k (n the side's dimension, N or M; k its vectors); u the unit roundoff of the
+    float32 products (:func:`matmul_unit_roundoff`), u_p that of the parameter's dtype;
+    γ_j = j·u/(1 − j·u) (Higham 2002, §3.1, §3.5: for any summation order
+    |fl(AB) − AB| ≤ γ_j·|A|·|B| elementwise, j the inner dimension). ε ≥ ‖BᵀB − I‖₂
+    (:func:`basis_error`), so ‖B‖₂ ≤ β = √(1 + ε), ‖B‖_F ≤ √k·β and σ_min(B) ≥ √(1 − ε). The
+    projection computed c = fl(Bᵀx) = Bᵀx + f with ‖f‖ ≤ γ_n·√k·β·‖x‖, then
+
+    - remove mode: x′ = fl(x − fl(B·c)) with fl(B·c) = B·c + g, ‖g‖ ≤ γ_k·√k·β·‖c‖, and
+      x′ = x − B·c − g + h, ‖h‖ ≤ u/(1 − u)·‖x′‖. Then Bᵀx′ = (I − BᵀB)·c − f − Bᵀg + Bᵀh, so
+      ‖Bᵀx′‖ ≤ ε‖c‖ + γ_n√kβ‖x‖ + β(‖g‖ + ‖h‖), with ‖x‖ ≤ ‖x′‖ + β‖c‖ + ‖g‖ + ‖h‖ (x itself
+      is overwritten). The frozen component is P·x′, P the orthogonal projector on span(B):
+      ‖P·x′‖ ≤ ‖Bᵀx′‖/√(1 − ε).
+    - keep mode (B spans the complement of the frozen basis): x′ = B·c + g, so the frozen
+      component (I − P)·x′ = (I − P)·g and ‖(I − P)·x′‖ ≤ ‖g‖.
+
+    The stored x_s = fl_p(x′) adds ‖x_s − x′‖ ≤ u_p/(1 − u_p)·‖x_s‖ (u_p = 0 for float32
+    parameters); the sine is ‖frozen component of x_s‖/‖x_s‖ (:func:`fraction_to_degrees`). ‖c‖ and
+    ‖x_s‖ are computed in float32 (relative error ≤ γ_{j+2} for j terms) and widened by that;
+    the rest is float64 arithmetic on these norms. Under FSDP2 the row-sharded sums are the same
+    sums in another order, so the same γ_j hold.
 
     Args:
         coef_norm: ‖c‖ of each vector's coefficients in the basis, as computed (float32, any shape).
