@@ -13,9 +13,9 @@ resolve only about 0.5° (8 significant bits), so keep the margin ≥ 1° for bf
 Between full checks, :func:`projection_bound` (used by
 :meth:`.projection.Projector.deviation_bound`) bounds the same deviation right after a parameter
 projection from numbers that projection already computed: a rounding-error analysis of the
-projection itself (derived in its docstring), no matrix product. On SmolLM2-135M's targets in float32 it gives about
-0.2°, below the default margin, so a step whose bound is under the margin cannot hold a violation;
-above it, the trainer runs the full check.
+projection itself (derived in its docstring), no matrix product. On SmolLM2-135M's targets in
+float32 it gives about 0.2°, below the default margin, so a step whose bound is under the margin
+cannot hold a violation; above it, the trainer runs the full check.
 """
 
 from __future__ import annotations
