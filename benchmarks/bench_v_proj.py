@@ -13,6 +13,19 @@ ratio Gram/factored is M/k_high: 2× for a square weight at URR 0.5, 7× for Lla
 Part 2 (``--part e2e``): end-to-end tokens/s of SmolLM2-135M OSFT on 2 ranks (``osft-train
 --nproc-per-node 2``) with each mode, from the runs' metrics (median over the timed steps).
 
+Part 3 (``--projection-only``, one process, no model): the per-step projection work of OSFT on
+SmolLM2-135M's 210 target shapes (30 blocks × q, k, v, o, gate, up, down at URR 0.25, random
+orthonormal bases, random factors and gradients), each variant timed in interleaved rounds:
+``per_module`` is the trainer's projection of gradients and parameters (``project_gradients``,
+``project_parameters``), ``batched`` the same as one ``torch.bmm`` pair per group of same-shaped
+modules (bases stacked once at set-up, factors stacked and copied back per call; the candidate of
+issue 19, kept here only: not faster on CPU), ``check`` the full orthogonality check, ``indicators`` the forgetting indicators (both on the
+steps of a full check) and ``bound`` :meth:`Projector.deviation_bound` (the other steps), each after
+the per-module projection. Reported: median seconds, medians of the per-round ratios (batched /
+per-module projection; projection + bound over projection + check, and over projection + check +
+indicators: the OSFT work of a step between full checks against one with them; bound / check), the one-time cost of the bound's basis Gram matrices, the bound and the measured deviation
+(degrees), and the largest difference of the batched results from the per-module ones.
+
 Shapes: SmolLM2's (576×576, 1536×576, 576×1536) and Llama-8B's square and down_proj shapes scaled
 by 1/4 per side (1024×1024, 1024×3584: same M/k_high ratios, 16× less memory), URR 0.5.
 
@@ -20,6 +33,7 @@ Usage::
 
     python benchmarks/bench_v_proj.py                  # both parts -> results/bench_v_proj.json
     python benchmarks/bench_v_proj.py --part proj --quick --out /tmp/v.json
+    python benchmarks/bench_v_proj.py --projection-only --rounds 10   # -> results/bench_projection.json
 """
 
 from __future__ import annotations
@@ -36,6 +50,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_v_proj.json"
+PROJECTION_OUT = REPO / "benchmarks" / "results" / "bench_projection.json"
+#: SmolLM2-135M's targets of one decoder block (out×in) and the number of blocks.
+SMOLLM2_BLOCK = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
+                 "gate_proj": (1536, 576), "up_proj": (1536, 576), "down_proj": (576, 1536)}
+SMOLLM2_BLOCKS = 30
 SHAPES = {
     "smollm2_q_proj": (576, 576),
     "smollm2_gate_proj": (1536, 576),
@@ -166,16 +185,131 @@ def run_e2e(args) -> dict:
     return out
 
 
+class _Batched:
+    """The candidate batched projection: one ``torch.bmm`` pair per group of modules whose U and V
+    sides have the same shapes and modes, the bases stacked once here."""
+
+    def __init__(self, mods) -> None:
+        import torch
+
+        groups = {}
+        for mod in mods:
+            key = (tuple(mod.U_basis.shape), tuple(mod.V_basis.shape), mod.u_keep, mod.v_keep)
+            groups.setdefault(key, []).append(mod)
+        self.groups = [(g, torch.stack([m.U_basis for m in g]), torch.stack([m.V_basis for m in g]))
+                       for g in groups.values()]
+
+    def project(self, tensors) -> None:
+        """Project ``tensors(module)`` = (U-side tensor, V-side tensor) of every module in place."""
+        import torch
+
+        for mods, u_basis, v_basis in self.groups:
+            pairs = [tensors(m) for m in mods]
+            u = torch.stack([p[0] for p in pairs])
+            c = torch.bmm(u_basis.mT, u)
+            u = torch.bmm(u_basis, c) if mods[0].u_keep else u.sub_(torch.bmm(u_basis, c))
+            v = torch.stack([p[1] for p in pairs])
+            c = torch.bmm(v, v_basis.mT)
+            v = torch.bmm(c, v_basis) if mods[0].v_keep else v.sub_(torch.bmm(c, v_basis))
+            for (pu, pv), nu, nv in zip(pairs, u.unbind(), v.unbind()):
+                pu.copy_(nu)
+                pv.copy_(nv)
+
+
+def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
+    """Part 3 (see the module docstring) on ``blocks`` decoder blocks' targets, in this process."""
+    import torch
+
+    from osft.trainer.osft.projection import Projector
+
+    mods = []
+    for seed, (n, m) in enumerate(SMOLLM2_BLOCK.values()):
+        made, _ = _modules(n, m, args.urr, blocks, seed=seed)
+        mods += made
+    gen = torch.Generator().manual_seed(1)
+    grads = [(torch.randn(x.U_low.shape, generator=gen), torch.randn(x.V_low.shape, generator=gen)) for x in mods]
+    params = [(x.U_low.detach().clone(), x.V_low.detach().clone()) for x in mods]
+    projector, batched = Projector([(f"m{i}", x) for i, x in enumerate(mods)]), _Batched(mods)
+
+    def reset() -> None:
+        with torch.no_grad():
+            for x, (gu, gv), (pu, pv) in zip(mods, grads, params):
+                x.U_low.grad, x.V_low.grad = gu.clone(), gv.clone()
+                x.U_low.copy_(pu)
+                x.V_low.copy_(pv)
+
+    def per_module() -> None:
+        projector.project_gradients()
+        projector.project_parameters()
+
+    def batched_projection() -> None:
+        with torch.no_grad():
+            batched.project(lambda x: (x.U_low.grad, x.V_low.grad))
+            batched.project(lambda x: (x.U_low, x.V_low))
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    reset()
+    projector.project_parameters()
+    gram_s = timed(projector.deviation_bound)  # forms the bases' Gram matrices once
+    times = {name: [] for name in ("per_module", "batched", "check", "indicators", "bound")}
+    outputs = {}
+    def run_batched() -> dict:
+        reset()
+        spent = {"batched": timed(batched_projection)}
+        outputs["batched"] = [t.detach().clone() for x in mods for t in (x.U_low, x.V_low, x.U_low.grad, x.V_low.grad)]
+        return spent
+
+    def run_per_module() -> dict:
+        reset()
+        spent = {"per_module": timed(per_module)}
+        outputs["per_module"] = [t.detach().clone() for x in mods for t in (x.U_low, x.V_low, x.U_low.grad, x.V_low.grad)]
+        spent["check"] = timed(lambda: projector.check(1.0))
+        spent["indicators"] = timed(projector.indicators)
+        spent["bound"] = timed(projector.deviation_bound)
+        return spent
+
+    for r in range(args.rounds + 1):  # round 0 warms up; the order alternates
+        spent = {**run_batched(), **run_per_module()} if r % 2 else {**run_per_module(), **run_batched()}
+        if r:
+            for name in times:
+                times[name].append(spent[name])
+    diff = max((a - b).abs().max().item() for a, b in zip(outputs["batched"], outputs["per_module"]))
+    rounds = list(zip(*times.values()))
+    ratios = {  # medians of the per-round ratios
+        "batched_vs_per_module_projection": statistics.median(b / p for p, b, _, _, _ in rounds),
+        "projection_and_bound_vs_projection_and_check": statistics.median((p + d) / (p + c) for p, _, c, _, d in rounds),
+        "projection_and_bound_vs_projection_check_and_indicators":
+            statistics.median((p + d) / (p + c + i) for p, _, c, i, d in rounds),
+        "bound_vs_check": statistics.median(d / c for _, _, c, _, d in rounds),
+    }
+    return {
+        "benchmark": "bench_v_proj --projection-only", "modules": len(mods), "urr": args.urr,
+        "threads": torch.get_num_threads(), "rounds": args.rounds, "cpu_count": os.cpu_count(),
+        "time_s_median": {name: statistics.median(t) for name, t in times.items()},
+        "ratio_median": ratios, "time_s_all": times,
+        "bound_gram_setup_s": gram_s, "bound_deg": projector.deviation_bound(),
+        "measured_max_dev_deg": projector.check(1.0).max_dev_deg,
+        "batched_max_abs_diff_vs_per_module": diff,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["all", "proj", "e2e"], default="all")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--modules", type=int, default=4, help="modules per shape (projected together)")
-    p.add_argument("--urr", type=float, default=0.5)
+    p.add_argument("--urr", type=float, help="unfreeze rank ratio (default 0.5; 0.25, the trainer's, with --projection-only)")
     p.add_argument("--e2e-steps", type=int, default=4)
     p.add_argument("--demo-dir", default=os.environ.get("OSFT_DEMO_DIR"))
-    p.add_argument("--quick", action="store_true", help="one small shape, 1 round, no e2e (pipeline check)")
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--quick", action="store_true",
+                   help="one small shape, 1 round, no e2e, part 3 on one block (pipeline check)")
+    p.add_argument("--projection-only", action="store_true",
+                   help="part 3 only: one process, SmolLM2's 210 target shapes (default --out results/bench_projection.json)")
+    p.add_argument("--out")
     p.add_argument("--proj-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -184,6 +318,18 @@ def main() -> None:
 
         proj_worker(args)
         exit_rank(0)  # no interpreter finalization: it can race gloo's threads
+    if args.projection_only:
+        args.urr = args.urr or 0.25
+        result = run_projection_only(args)
+        out = Path(args.out or PROJECTION_OUT)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print("  ".join(f"{k} {v:.3f} s" for k, v in result["time_s_median"].items()))
+        print("  ".join(f"{k} {v:.3f}x" for k, v in result["ratio_median"].items()))
+        print(f"bound {result['bound_deg']:.3g} deg, measured {result['measured_max_dev_deg']:.3g} deg; "
+              f"bound set-up {result['bound_gram_setup_s']:.2f} s; wrote {out}")
+        return
+    args.out, args.urr = args.out or str(DEFAULT_OUT), args.urr or 0.5
     if args.quick:
         args.rounds, args.part = 1, "proj"
     result = {"benchmark": "bench_v_proj", "urr": args.urr, "cpu_count": os.cpu_count()}
@@ -191,6 +337,8 @@ def main() -> None:
         result["projection"] = run_proj(args)
     if args.part in ("all", "e2e"):
         result["end_to_end_smollm2_2_ranks"] = run_e2e(args)
+    if args.quick:
+        result["projection_only_one_block"] = run_projection_only(args, blocks=1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for name, r in result.get("projection", {}).get("shapes", {}).items():

@@ -25,3 +25,7 @@ def test_bench_v_proj_quick_measures_three_modes_that_agree(tmp_path):
     assert r["v_bytes_per_projection"]["cached"] == 0
     assert set(r["time_s_median"]) == {"gram", "factored", "cached"} and all(t > 0 for t in r["time_s_median"].values())
     assert max(r["max_abs_diff_vs_factored"].values()) < 1e-4
+    local = json.loads(out.read_text())["projection_only_one_block"]  # part 3 on one SmolLM2 block
+    assert local["modules"] == 7 and set(local["time_s_median"]) == {"per_module", "batched", "check", "indicators", "bound"}
+    assert local["batched_max_abs_diff_vs_per_module"] < 1e-5
+    assert local["measured_max_dev_deg"] <= local["bound_deg"] < 1.0

@@ -45,7 +45,8 @@ def test_demo_osft_run_exports_a_model_that_chats(demo_run):
     steps = _step_records(out)
     assert [r["step"] for r in steps] == [1, 2]
     assert all(0.5 < r["loss"] < 10 and r["ortho_violations"] == 0 for r in steps)
-    assert all(r["ortho_max_dev_deg"] < 0.01 for r in steps)
+    # step 1: full check; step 2: SmolLM2's deviation bound (about 0.2°) rules out a violation, no full check
+    assert steps[0]["ortho_max_dev_deg"] < 0.01 and steps[1]["ortho_max_dev_deg"] is None
     report = json.loads((out / "data_report.json").read_text())
     assert report["kept"] > 10000 and report["kept"] + len(report["dropped_overlong"]) == report["rows"]
 
@@ -100,7 +101,7 @@ def test_demo_model_on_two_ranks_matches_one_rank(demo_assets, demo_run, tmp_pat
                  "--output-dir", str(two), "--learning-rate", str(DEMO_DEFAULTS["learning_rate"]),
                  "--lr-scheduler", DEMO_DEFAULTS["lr_scheduler"], *DEMO_FLAGS, "--nproc-per-node", "2"]) == 0
     one = _step_records(demo_run[0])
-    assert len(_step_records(two)) == 2
+    assert [r["ortho_max_dev_deg"] is None for r in _step_records(two)] == [False, True]  # the bound, on 2 ranks
     for a, b in zip(one, _step_records(two)):
         assert b["num_tokens"] == a["num_tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 

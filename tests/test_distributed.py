@@ -111,6 +111,11 @@ def test_uneven_shards_give_the_single_process_projection(tmp_path, ranks):
         for mode, r in per_rank.items():
             assert r["diff"] < 1e-5, mode
             assert r["max_dev_deg"] == pytest.approx(r["ref_max_dev_deg"], abs=1e-4), mode
+            if mode == "gram":  # no coefficients, no bound
+                assert r["bound_deg"] is None and r["ref_bound_deg"] is None
+            else:  # the sharded bound (norms summed over ranks) is the single-process one, and bounds the check
+                assert r["bound_deg"] == pytest.approx(r["ref_bound_deg"], rel=1e-3), mode
+                assert r["max_dev_deg"] <= r["bound_deg"] < 1.0, mode
     v_rows = [r["factored"]["local_rows"][0] for r in results]  # module 0's V_high: 7 rows over the ranks
     assert sum(v_rows) == 7 and len(set(v_rows)) > 1  # uneven shards
 

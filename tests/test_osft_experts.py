@@ -123,6 +123,7 @@ def test_projection_keeps_every_experts_update_orthogonal_to_its_frozen_subspace
             assert max(frozen_parts(m) for _, m in banks) < 1e-5
     report = projector.check(margin_deg=1.0)
     assert report.violations == 0 and report.max_dev_deg < 1e-3
+    assert report.max_dev_deg <= projector.deviation_bound() < 1.0  # the bound over every bank's experts
     fields = projector.indicators().fields()
     assert fields["osft_dw_rel_max"] > 0 and fields["osft_gap_max"] > 0
 

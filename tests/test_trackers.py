@@ -31,8 +31,9 @@ def test_tensorboard_gets_the_jsonl_steps_and_events_and_a_resume_replaces_the_r
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    assert tiny_run(tiny_model_dir, chat_file, out, "--checkpoint-every-steps", "2") == 0
-    assert tiny_run(tiny_model_dir, chat_file, out, "--resume") == 0  # from step 2: step 3 is replayed
+    every = ("--ortho-check-every", "1")  # orthogonality and indicator values on every step
+    assert tiny_run(tiny_model_dir, chat_file, out, "--checkpoint-every-steps", "2", *every) == 0
+    assert tiny_run(tiny_model_dir, chat_file, out, "--resume", *every) == 0  # from step 2: step 3 is replayed
     records, problems = read_records(out / "metrics" / "node0.jsonl")
     assert not problems
     steps = [r for r in records if r["event"] == "step"]

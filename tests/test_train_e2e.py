@@ -43,7 +43,9 @@ def test_tiny_osft_run_learns_without_violations_and_exports(tiny_model_dir, cha
     first, last = sum(r["loss"] for r in steps[:4]) / 4, sum(r["loss"] for r in steps[-4:]) / 4
     assert last < 0.7 * first, (first, last)
     assert steps[-1]["ortho_violations_total"] == 0
-    assert max(r["ortho_max_dev_deg"] for r in steps) < 0.01
+    # full checks on step 1 and every 10 steps (the default); between them the bound ruled out any violation
+    checked = {r["step"]: r["ortho_max_dev_deg"] for r in steps if r["ortho_max_dev_deg"] is not None}
+    assert set(checked) == {1, 10, 20} and max(checked.values()) < 0.01
     assert all(r["num_samples"] == 4 and r["num_loss_tokens"] > 0 for r in steps)
     assert [r["event"] for r in records][-1] == "run_finished"
 

@@ -65,7 +65,7 @@ class TrainConfig:
     osft_min_frozen_ratio: float = 0.5
     osft_max_frozen_ratio: float = 0.9
     ortho_margin_deg: float = 1.0
-    ortho_check_every: int = 1
+    ortho_check_every: int = 10
     # protected subspaces of earlier OSFT runs (sequential OSFT)
     osft_protect_subspaces: bool = True
     osft_protect_energy: float = 0.9
@@ -301,7 +301,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="frozen fraction (1 - URR) of the block whose output stays closest to its input (importance schedule)")
     g.add_argument("--ortho-margin-deg", type=_float_in(0, 90, lo_open=True), default=d.ortho_margin_deg,
                    help="a deviation from 90 degrees above this is an orthogonality violation")
-    g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every, help="steps between checks")
+    g.add_argument("--ortho-check-every", type=positive_int, default=d.ortho_check_every,
+                   help="steps between full orthogonality checks and forgetting indicators (also on step 1); every "
+                        "other step bounds the deviation from the projection's own numbers and runs the full "
+                        "check only when that bound exceeds --ortho-margin-deg")
 
     g = p.add_argument_group("protected subspaces (chained OSFT runs; see README 'Chaining runs')")
     g.add_argument("--no-osft-protect-subspaces", dest="osft_protect_subspaces", action="store_false",

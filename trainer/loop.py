@@ -603,12 +603,14 @@ class Trainer:
         if self.projector:
             self.projector.project_parameters()
         violations, max_dev, forgetting = 0, None, dict.fromkeys(INDICATOR_FIELDS)
-        if self.projector and step % cfg.ortho_check_every == 0:
+        scheduled = step == 1 or step % cfg.ortho_check_every == 0
+        if self.projector and (scheduled or self._bound_exceeds_margin()):
             report = self.projector.check(cfg.ortho_margin_deg)
             violations, max_dev = report.violations, report.max_dev_deg
             if report.violating:
                 self._warn(f"step {step}: orthogonality violations in {report.violating}")
-            forgetting = self.projector.indicators().fields()
+            if scheduled:
+                forgetting = self.projector.indicators().fields()
         elapsed = time.perf_counter() - start
         global_tokens = sum(tokens_by_rank)
         node_tokens = sum(t for t, node in zip(tokens_by_rank, self.node_of_rank) if node == self.dist.node_rank)
@@ -628,6 +630,13 @@ class Trainer:
             ortho_max_dev_deg=max_dev,
             **forgetting,
         )
+
+    def _bound_exceeds_margin(self) -> bool:
+        """Between the full checks: whether :meth:`.osft.projection.Projector.deviation_bound` fails
+        to rule out a deviation above ``--ortho-margin-deg`` (then the step runs the full check);
+        False where no bound is available (``--osft-v-projection gram``). Collective."""
+        bound = self.projector.deviation_bound()
+        return bound is not None and bound > self.cfg.ortho_margin_deg
 
     def state_sha256(self) -> str:
         """SHA-256 over every rank's local parameter shards and optimizer state, in a fixed order

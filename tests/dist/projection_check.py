@@ -41,19 +41,19 @@ def project(named, v_projection, cache):
     projector.project_gradients()
     projector.project_parameters()
     projector.project_parameters()  # second call uses the cached bases when caching
-    return projector.check(margin_deg=1.0)
+    return projector.check(margin_deg=1.0), projector.deviation_bound()
 
 
 def check(v_projection, cache):
     reference = modules()
-    ref_report = project([(f"m{i}", m) for i, m in enumerate(reference)], v_projection, cache)
+    ref_report, ref_bound = project([(f"m{i}", m) for i, m in enumerate(reference)], v_projection, cache)
     sharded = modules()
     grads = [(m.U_low.grad, m.V_low.grad) for m in sharded]
     fully_shard(nn.Sequential(*sharded))  # one FSDP2 root over the modules
     for m, (gu, gv) in zip(sharded, grads):  # grads as FSDP would leave them: sharded like the params
         m.U_low.grad = distribute_tensor(gu, m.U_low.device_mesh, m.U_low.placements)
         m.V_low.grad = distribute_tensor(gv, m.V_low.device_mesh, m.V_low.placements)
-    report = project([(f"m{i}", m) for i, m in enumerate(sharded)], v_projection, cache)
+    report, bound = project([(f"m{i}", m) for i, m in enumerate(sharded)], v_projection, cache)
     return {
         "diff": max(max((a.U_low.grad - b.U_low.grad.full_tensor()).abs().max().item(),
                         (a.V_low.grad - b.V_low.grad.full_tensor()).abs().max().item(),
@@ -62,6 +62,8 @@ def check(v_projection, cache):
                     for a, b in zip(reference, sharded)),
         "max_dev_deg": report.max_dev_deg,
         "ref_max_dev_deg": ref_report.max_dev_deg,
+        "bound_deg": bound,
+        "ref_bound_deg": ref_bound,
         "local_rows": [m.V_basis.to_local().shape[0] for m in sharded] + [m.U_basis.to_local().shape[0] for m in sharded],
     }
 

@@ -20,6 +20,10 @@ Under FSDP2 every factor is a DTensor sharded by rows (``Shard(0)``), possibly u
 - V side, Gram: the M×M Gram matrix is a sum of per-rank partial Gram matrices (one all-reduce
   of M² numbers per module).
 
+Between full checks, :meth:`Projector.deviation_bound` bounds the orthogonality deviation from the
+coefficient norms :meth:`Projector.project_parameters` kept (see :mod:`.orthogonality`): the
+U-side column norms of all modules go through one all-reduce, the result through an all-reduce(MAX).
+
 The forgetting indicators (:meth:`Projector.indicators`, see :mod:`.indicators`) use the same
 pattern: the U-side Gram matrices of all modules go through one all-reduce, the V side is gathered.
 
@@ -33,14 +37,16 @@ All products are computed in float32, also for bf16 factors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from . import indicators
 from .decomposition import OSFTLinear
 from .indicators import IndicatorReport
-from .orthogonality import OrthoReport, fraction_to_degrees
+from .orthogonality import OrthoReport, basis_error, fraction_to_degrees, projection_bound
 from .settings import VProjection
 
 
@@ -95,6 +101,10 @@ class Projector:
         self._banks = [i for i, m in enumerate(self.modules) if m.plan.experts]
         #: Whether the trainable factors are FSDP2 shards (set once the model is wrapped, before this).
         self._sharded = any(_is_sharded(m.U_low) for m in self.modules)
+        #: Coefficient norms of the last :meth:`project_parameters`, for :meth:`deviation_bound`.
+        self._coef_norms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+        #: (ε_U, ε_V) of every module's bases, formed at the first :meth:`deviation_bound`.
+        self._basis_eps: list[tuple[float, float]] | None = None
 
     # -- pieces -----------------------------------------------------------------------------
     def _v_basis(self, i: int) -> torch.Tensor:
@@ -125,28 +135,38 @@ class Projector:
         k_b×k_low each (E_local×k_b×k_low for a bank)."""
         return self._sum_row_parts([_local(m.U_basis).float().mT @ x.float() for m, x in zip(self.modules, xs)])
 
-    def _project_v(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Projected local rows of V_low (or its gradient) of module ``i`` (float32)."""
+    def _project_v(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Projected local rows of V_low (or its gradient) of module ``i`` (float32), and the norm of
+        each row's coefficients in the basis (None in Gram form, which forms no coefficients)."""
         m, xf = self.modules[i], x.float()
         if self.v_projection == "gram":
             local = _local(m.V_basis).float()
             gram = local.mT @ local
             if not m.plan.experts:
                 gram = _sum_across_ranks(gram, _is_sharded(m.V_basis))
-            return xf @ gram if m.v_keep else xf - xf @ gram
+            return (xf @ gram if m.v_keep else xf - xf @ gram), None
         basis = _local(m.V_basis).float() if m.plan.experts else self._v_basis(i)
         coeff = xf @ basis.mT
-        return coeff @ basis if m.v_keep else xf - coeff @ basis
+        return (coeff @ basis if m.v_keep else xf - coeff @ basis), coeff.norm(dim=-1)
 
     @torch.no_grad()
-    def _project(self, us: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+    def _project(self, us: list[torch.Tensor], vs: list[torch.Tensor]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Project ``us`` (local rows of each module's U_low or its gradient) and ``vs`` (V_low's) in
+        place; returns per module the norms of the coefficients of every column of U and row of V
+        in its basis (None for a side without a basis, or the V side in Gram form)."""
         coeffs = self._u_coefficients(us)
+        norms = []
         for i, (m, u, v, c) in enumerate(zip(self.modules, us, vs, coeffs)):
+            u_norm = v_norm = None
             if m.plan.u_basis_cols > 0:
                 basis = _local(m.U_basis).float()
                 u.copy_(basis @ c if m.u_keep else u.float() - basis @ c)
+                u_norm = c.norm(dim=-2)
             if m.plan.v_basis_rows > 0:
-                v.copy_(self._project_v(i, v))
+                projected, v_norm = self._project_v(i, v)
+                v.copy_(projected)
+            norms.append((u_norm, v_norm))
+        return norms
 
     # -- public -----------------------------------------------------------------------------
     def project_gradients(self) -> None:
@@ -161,8 +181,65 @@ class Projector:
         self._project([_local(m.U_low.grad) for m in self.modules], [_local(m.V_low.grad) for m in self.modules])
 
     def project_parameters(self) -> None:
-        """Re-project ``U_low`` and ``V_low`` in place; call after ``optimizer.step()``."""
-        self._project([_local(m.U_low) for m in self.modules], [_local(m.V_low) for m in self.modules])
+        """Re-project ``U_low`` and ``V_low`` in place; call after ``optimizer.step()``. Keeps the
+        norms of the coefficients it computed for :meth:`deviation_bound`."""
+        self._coef_norms = self._project([_local(m.U_low) for m in self.modules], [_local(m.V_low) for m in self.modules])
+
+    @torch.no_grad()
+    def deviation_bound(self) -> float | None:
+        """An upper bound (degrees) on every module's deviation from 90° (:meth:`check`'s measure)
+        right after :meth:`project_parameters`, from the coefficient norms that call computed, the
+        norms of the stored U_low columns and V_low rows, and each basis's distance from
+        orthonormality (:func:`.orthogonality.projection_bound`, derivation in
+        :mod:`.orthogonality`). Costs O(N·k_low + k_low·M) per module instead of the check's
+        matrix products; the bases' k×k Gram matrices (float64) are formed once, at the first call.
+
+        Call it right after :meth:`project_parameters` with the parameters untouched since; every
+        rank must call it (one all-reduce of the U-side column norms, one all-reduce(MAX); the
+        first call also all-reduces the Gram matrices and gathers uncached V bases).
+
+        Returns:
+            The bound in degrees (the same on every rank; 90 when a norm is NaN or infinite), or None
+            where no bound is available: before the first :meth:`project_parameters`, or with
+            ``v_projection="gram"``.
+        """
+        if self._coef_norms is None or self.v_projection == "gram":
+            return None
+        if self._basis_eps is None:
+            self._basis_eps = self._basis_errors()
+        stored_u = self._sum_row_parts([_local(m.U_low).float().square().sum(-2) for m in self.modules])
+        worst = []
+        for m, (u_coef, v_coef), u_sq, (eps_u, eps_v) in zip(self.modules, self._coef_norms, stored_u, self._basis_eps):
+            plan, dtype = m.plan, m.U_low.dtype
+            bound = torch.zeros((), dtype=torch.float64, device=u_sq.device)
+            if u_coef is not None:
+                sides = projection_bound(u_coef, u_sq.sqrt(), plan.n, plan.u_basis_cols, eps_u, m.u_keep, dtype)
+                bound = torch.maximum(bound, _max_or_zero(sides).double())
+            if v_coef is not None:
+                sides = projection_bound(v_coef, _local(m.V_low).float().norm(dim=-1), plan.m, plan.v_basis_rows, eps_v,
+                                         m.v_keep, dtype)
+                bound = torch.maximum(bound, _max_or_zero(sides).double())
+            worst.append(bound)
+        worst_t = torch.stack(worst).max() if worst else torch.zeros((), dtype=torch.float64)
+        if self._sharded and dist.get_world_size() > 1:
+            dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+        value = float(worst_t)
+        return fraction_to_degrees(1.0 if math.isnan(value) else value)  # a NaN parameter rules nothing out
+
+    def _basis_errors(self) -> list[tuple[float, float]]:
+        """(ε_U, ε_V) per module: :func:`.orthogonality.basis_error` of its U and V basis from
+        float64 Gram matrices (the U side's summed over row shards; a bank's local experts, the
+        largest over them). Collective under FSDP2."""
+        grams = [_local(m.U_basis).double().mT @ _local(m.U_basis).double() for m in self.modules]
+        grams = self._sum_row_parts(grams)
+        out = []
+        for i, (m, g_u) in enumerate(zip(self.modules, grams)):
+            eps_v = 0.0
+            if m.plan.v_basis_rows > 0:
+                basis = (_local(m.V_basis) if m.plan.experts else self._v_basis(i)).double()
+                eps_v = basis_error(basis @ basis.mT, m.plan.m)
+            out.append((basis_error(g_u, m.plan.n), eps_v))
+        return out
 
     @torch.no_grad()
     def check(self, margin_deg: float) -> OrthoReport:
