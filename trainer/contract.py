@@ -12,7 +12,7 @@ import enum
 import json
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 from .exit_codes import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
@@ -107,8 +107,7 @@ VERIFIED_CHECKPOINT_ENV = "OSFT_VERIFIED_CHECKPOINT"
 AGENT_FAILURES_ENV = "OSFT_AGENT_FAILURES"
 
 
-@dataclass
-class JsonlBatch:
+class JsonlBatch(NamedTuple):
     """Records read from metrics JSONL lines.
 
     Attributes:
@@ -116,8 +115,8 @@ class JsonlBatch:
         problems: one message per malformed complete line, naming the file and line number.
     """
 
-    records: list[dict] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    records: list[dict]
+    problems: list[str]
 
 
 def parse_lines(lines: Sequence[bytes], path: str | Path, first_line: int = 1) -> JsonlBatch:
@@ -130,7 +129,7 @@ def parse_lines(lines: Sequence[bytes], path: str | Path, first_line: int = 1) -
         path: the file, for the messages.
         first_line: the 1-based line number of ``lines[0]`` in the file.
     """
-    batch = JsonlBatch()
+    batch = JsonlBatch([], [])
     for number, line in enumerate(lines, start=first_line):
         if not line.strip():
             continue

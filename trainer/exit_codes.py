@@ -7,7 +7,7 @@ One table for code, README and the generated jobs; a new exit code is added here
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Training completed: every step trained and the final HF export written; or the run ended itself
 #: by a rule the user set (``--max-forgetting``, ``--early-stopping-patience``: ``run_finished``
@@ -29,8 +29,7 @@ EXIT_STOPPED = 75
 EXIT_SIGNAL_BASE = 128
 
 
-@dataclass(frozen=True)
-class ExitCode:
+class ExitCode(NamedTuple):
     """One row of :data:`EXIT_CODES`: the code (a text for the 128 + N range), what it means, and
     what the generated SLURM script and Kubernetes Job do on it."""
 

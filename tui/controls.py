@@ -13,9 +13,8 @@ import json
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from osft.trainer.contract import EXIT_STOPPED, ended_well
 from osft.trainer.rundir import RunDir
@@ -39,8 +38,7 @@ if TYPE_CHECKING:
 STOP_MARGIN_S = 30.0
 
 
-@dataclass(frozen=True)
-class Control:
+class Control(NamedTuple):
     """One dashboard control.
 
     Attributes:
@@ -111,8 +109,7 @@ def help_screen() -> HelpScreen:
     return HelpScreen([(c.key, c.help) for c in CONTROLS] + list(TEXTUAL_KEYS), notes)
 
 
-@dataclass(frozen=True)
-class Started:
+class Started(NamedTuple):
     """A launcher this dashboard started.
 
     Attributes:

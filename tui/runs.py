@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from osft.trainer.contract import Event, parse_lines
 from osft.trainer.rundir import RunDir
@@ -19,8 +19,7 @@ from osft.trainer.rundir import RunDir
 TAIL_BYTES = 256 * 1024
 
 
-@dataclass
-class RunSummary:
+class RunSummary(NamedTuple):
     """One run directory, as the browser lists it.
 
     Attributes:

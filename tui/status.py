@@ -8,7 +8,7 @@ never writes the file at all. :func:`judge` weighs the file against what the das
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from osft.trainer.contract import LIVE_STATES, RunState
 
@@ -22,8 +22,7 @@ STALL_MIN_S = 10.0
 FAILURE_LINES = 8
 
 
-@dataclass(frozen=True)
-class LaunchFailure:
+class LaunchFailure(NamedTuple):
     """A launcher started by this dashboard that ended with an error before the run ended.
 
     Attributes:
@@ -39,8 +38,7 @@ class LaunchFailure:
     lines: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Status:
+class Status(NamedTuple):
     """The run line's facts.
 
     Attributes:
