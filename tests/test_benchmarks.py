@@ -1,9 +1,11 @@
-"""The step benchmark's pipeline (``benchmarks/bench_step.py --quick``): it runs and writes its JSON.
+"""The benchmarks' pipelines (``bench_step.py --quick`` and others): each runs and writes its JSON.
 
 Speed is never asserted here; the numbers on a shared CI machine mean nothing.
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +75,22 @@ def test_bench_activation_checkpointing_quick_measures_both_settings(tmp_path):
         assert r["step_time_s"] > 0 and r["step_peak_rss_bytes"] >= r["rss_before_step_bytes"] > 0
         assert r["process_peak_rss_bytes"] >= r["step_peak_rss_bytes"] * 0.99  # ru_maxrss: kB granularity
     assert osft["ratios_on_vs_off"]["step_peak_rss"] == on["step_peak_rss_bytes"] / off["step_peak_rss_bytes"]
+
+
+@pytest.mark.bench
+def test_bench_startup_compares_this_checkout_with_a_baseline(tmp_path):
+    """Against itself: every ratio near 1; without valgrind on PATH no instruction counts."""
+    bin_dir = tmp_path / "bin"  # git only: valgrind (a minute of the suite) stays out of reach
+    bin_dir.mkdir()
+    (bin_dir / "git").symlink_to(shutil.which("git"))
+    out = tmp_path / "startup.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_startup.py"), "--baseline", str(REPO),
+                           "--rounds", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PATH=str(bin_dir)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["revisions"]["this"] == result["revisions"]["baseline"]
+    assert set(result["commands"]) == {"import osft.tui.app", "import osft.trainer.cli", "osft-train --help"}
+    for name, row in result["commands"].items():
+        assert row["this"]["instructions"] is None and set(row["ratio"]) == {"wall_s", "cpu_s"}, name
+        assert row["this"]["cpu_s"] > 0 and 0.2 < row["ratio"]["cpu_s"] < 5, name
