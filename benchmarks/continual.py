@@ -31,6 +31,10 @@ Usage::
     python benchmarks/continual.py --quick --out /tmp/c.json --plot /tmp/c.png
     python benchmarks/continual.py --pilot               # results/continual_pilot.json
     python benchmarks/continual.py --arms full_ft osft_same --seeds 0
+    # the two seeds side by side, one core each, then one result:
+    OMP_NUM_THREADS=1 python benchmarks/continual.py --seeds 0 --out s0.json --plot s0.png &
+    OMP_NUM_THREADS=1 python benchmarks/continual.py --seeds 1 --out s1.json --plot s1.png; wait
+    python benchmarks/continual.py --merge s0.json s1.json
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="task B learning rates the pilot tries for every arm but full FT")
     p.add_argument("--from-json", type=Path, default=None,
                    help="redraw the table and plot of an earlier run's JSON (writes only --plot and --markdown)")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="combine the JSONs of runs of the same settings on different --seeds (run side by side, "
+                        "one per core) into one result: --out, --plot, --markdown")
     return p
 
 
@@ -282,6 +289,40 @@ def run(args, console) -> dict:
     return dict(result, timing=_timing(phases, evals), **_summary(result))
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from the JSONs of runs that differ only in their seeds (e.g. two processes with
+    ``OMP_NUM_THREADS=1``, one per core, which finish sooner than one process with two threads).
+
+    Raises:
+        ValueError: the runs differ in anything but their seeds (model, data, sizes, arms, rates,
+            settings, the base model's evaluation), share a seed, or one is a pilot.
+    """
+    parts = [json.loads(p.read_text()) for p in paths]
+    first = parts[0]
+    ignored = {"seeds", "out", "plot", "markdown", "work_dir", "merge"}
+    for path, part in zip(paths[1:], parts[1:]):
+        for key in ("benchmark", "model", "data", "sizes", "task_a_runs", "arms"):
+            if part[key] != first[key]:
+                raise ValueError(f"{path}: {key} differs from {paths[0]}'s")
+        settings = {k: v for k, v in part["settings"].items() if k not in ignored}
+        if settings != {k: v for k, v in first["settings"].items() if k not in ignored}:
+            raise ValueError(f"{path}: settings differ from {paths[0]}'s")
+        if {k: v for k, v in part["evals"]["base"].items() if k != "eval_s"} != \
+                {k: v for k, v in first["evals"]["base"].items() if k != "eval_s"}:
+            raise ValueError(f"{path}: the base model's evaluation differs from {paths[0]}'s")
+    if first["benchmark"] != "continual":
+        raise ValueError(f"{paths[0]}: only full runs merge, not {first['benchmark']}")
+    seeds = [s for part in parts for s in part["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"the runs share a seed: {seeds}")
+    evals = {"base": first["evals"]["base"], **{s: part["evals"][s] for part in parts for s in part["seeds"]}}
+    phases = {s: part["phases"][s] for part in parts for s in part["seeds"]}
+    result = dict(first, seeds=seeds, evals=evals, phases=phases, created_unix=min(p["created_unix"] for p in parts),
+                  wall_s=max(p["created_unix"] + p["wall_s"] for p in parts) - min(p["created_unix"] for p in parts),
+                  settings=dict(first["settings"], seeds=[int(s) for s in seeds]), merged_from=[str(p) for p in paths])
+    return dict(result, timing=_timing(phases, evals), **_summary(result))
+
+
 def _choose_rates(pilot: dict) -> dict:
     """Per arm, the tried rate whose learning of B is closest to full FT's (full FT keeps its own)."""
     target = next(iter(pilot["full_ft"].values())) if "full_ft" in pilot else None
@@ -325,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     if args.from_json:
         result = json.loads(args.from_json.read_text())
+    elif args.merge:
+        result = merge(args.merge)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     else:
         result = run(args, console)
         args.out.parent.mkdir(parents=True, exist_ok=True)

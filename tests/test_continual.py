@@ -284,6 +284,25 @@ def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets):
     assert all(len(g["checks"]) == 7 for g in protected.values())
     assert result["timing"]["task_a_s"] > 0 and result["timing"]["eval_s"] > 0
 
+    # --merge: the same run as two one-seed runs (side by side, one per core) gives the same result
+    from continual import merge
+
+    halves = []
+    for seed in seeds:
+        half = dict(result, seeds=[seed], evals={"base": result["evals"]["base"], seed: result["evals"][seed]},
+                    phases={seed: result["phases"][seed]}, settings=dict(result["settings"], seeds=[int(seed)]))
+        halves.append(tmp_path / f"seed{seed}.json")
+        halves[-1].write_text(json.dumps(half))
+    merged = merge(halves)
+    assert merged["seeds"] == seeds and merged["summary"] == result["summary"] and merged["goals"] == result["goals"]
+    other = json.loads(halves[1].read_text())
+    other["settings"]["steps_b"] += 1
+    halves[1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="settings differ"):
+        merge(halves)
+    with pytest.raises(ValueError, match="share a seed"):
+        merge([halves[0], halves[0]])
+
 
 def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
     from continual import _choose_rates
