@@ -57,16 +57,17 @@ _control: dist.ProcessGroup | None = None
 
 
 def init_distributed(env: DistEnv, device: torch.device) -> None:
-    """Join the job's process group when ``world_size > 1``: NCCL for CUDA devices, gloo on CPU;
-    with NCCL also a gloo group over the same ranks for the control collectives
-    (:func:`control_group`). No-op for one rank."""
+    """Join the job's process group when ``world_size > 1`` (NCCL for CUDA devices, gloo on CPU)
+    unless one is up already; with any backend but gloo also a gloo group over the same ranks for
+    the control collectives (:func:`control_group`). No-op for one rank."""
     global _control
-    if env.world_size == 1 or dist.is_initialized():
+    if env.world_size == 1:
         return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
-    if device.type == "cuda":
+    if not dist.is_initialized():  # else a caller's group (``torch.distributed`` set up before the trainer)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    if _control is None and dist.get_backend() != "gloo":
         _control = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
 
 
