@@ -477,10 +477,17 @@ class Trainer:
         if self.cfg.async_checkpoint and (request is None or request.action is Action.CHECKPOINT):
             pending = self.checkpointer.save_async(step, self._trainer_state(step), capture_rng())
             self._writing = (pending, self.poller.claim() if request is not None else None)
+            if request is not None:
+                barrier()  # see below
             self._say(f"checkpoint: writing {pending.path} in the background (training blocked {pending.blocking_s:.2f} s)")
             return str(pending.path)
         saved = self.checkpointer.save(step, self._trainer_state(step), capture_rng())
         self._checkpoint_complete(saved, self.poller.served if request is not None else None)
+        if request is not None:
+            # Every rank has removed (or claimed) the trigger files it saw before any rank polls
+            # again: a rank that read the node's trigger directory before a peer's removal would
+            # otherwise agree the same request once more.
+            barrier()
         return str(saved.path)
 
     def check_checkpoint(self, wait: bool = False) -> None:
