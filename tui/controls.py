@@ -234,6 +234,7 @@ class Controls:
             return
         step = d.run.step
         self.pending.steps[kind] = step
+        d.offer_controls()  # dimmed at once, not at the next once-a-second redraw
         message = f"{kind} requested at step {step if step is not None else 0}: {what}"
         d.log_event(message, "bold cyan")
         d.notify(message, title=kind)

@@ -205,9 +205,9 @@ class Dashboard(Screen):
         for record in update.checkpoint_records if update else []:
             self.controls.answer(record)
         if slow:
-            self._offer_controls()
+            self.offer_controls()
 
-    def _offer_controls(self) -> None:
+    def offer_controls(self) -> None:
         """Dim the buttons that cannot act now, with the reason as their tooltip: checkpoint and
         stop while a request of their kind waits for its checkpoint, checkpoint, stop and kill
         while no process of the run is alive here (the keys say why when pressed)."""
