@@ -75,8 +75,8 @@ def control_group() -> dist.ProcessGroup | None:
     """The group for control collectives: small CPU tensors and objects every rank must agree on
     (checkpoint and evaluation requests, token counts, node ranks, rank 0's decisions), never
     model data. Under NCCL it is a gloo group, so a control collective costs no CUDA
-    synchronisation and waits only for the other ranks' host threads (the training step keeps its
-    one host sync: :meth:`.loop.Trainer.train_step`); on CPU it is the default (gloo) group: None,
+    synchronisation and waits only for the other ranks' host threads (the training step reads the
+    device only for its loss, grad norm and orthogonality bound: :meth:`.loop.Trainer.train_step`); on CPU it is the default (gloo) group: None,
     as ``group=`` of ``torch.distributed`` takes it."""
     return _control
 

@@ -599,7 +599,8 @@ class Trainer:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        # The step's one host sync: the divergence check needs the loss and the grad norm before the update.
+        # The step's one host sync before the update: the divergence check needs the loss and the grad norm
+        # (after it, a step between full orthogonality checks reads the bound: _bound_exceeds_margin).
         *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
         loss = sum(losses) / total_loss_tokens  # the ranks' sums added in rank order, as global_sums does
         self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))

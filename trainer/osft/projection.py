@@ -136,8 +136,8 @@ class Projector:
         return self._sum_row_parts([_local(m.U_basis).float().mT @ x.float() for m, x in zip(self.modules, xs)])
 
     def _project_v(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Projected local rows of V_low (or its gradient) of module ``i`` (float32), and the norm of
-        each row's coefficients in the basis (None in Gram form, which forms no coefficients)."""
+        """Projected local rows of V_low (or its gradient) of module ``i`` (float32), and each row's
+        coefficients in the basis (None in Gram form, which forms no coefficients)."""
         m, xf = self.modules[i], x.float()
         if self.v_projection == "gram":
             local = _local(m.V_basis).float()
@@ -147,13 +147,15 @@ class Projector:
             return (xf @ gram if m.v_keep else xf - xf @ gram), None
         basis = _local(m.V_basis).float() if m.plan.experts else self._v_basis(i)
         coeff = xf @ basis.mT
-        return (coeff @ basis if m.v_keep else xf - coeff @ basis), coeff.norm(dim=-1)
+        return (coeff @ basis if m.v_keep else xf - coeff @ basis), coeff
 
     @torch.no_grad()
-    def _project(self, us: list[torch.Tensor], vs: list[torch.Tensor]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    def _project(self, us: list[torch.Tensor], vs: list[torch.Tensor],
+                 norms_wanted: bool = False) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Project ``us`` (local rows of each module's U_low or its gradient) and ``vs`` (V_low's) in
-        place; returns per module the norms of the coefficients of every column of U and row of V
-        in its basis (None for a side without a basis, or the V side in Gram form)."""
+        place. Returns per module the norms of the coefficients of every column of U and row of V in
+        its basis, with ``norms_wanted`` only (the parameters, for :meth:`deviation_bound`); None
+        for a side without a basis, the V side in Gram form, or without ``norms_wanted``."""
         coeffs = self._u_coefficients(us)
         norms = []
         for i, (m, u, v, c) in enumerate(zip(self.modules, us, vs, coeffs)):
@@ -161,10 +163,11 @@ class Projector:
             if m.plan.u_basis_cols > 0:
                 basis = _local(m.U_basis).float()
                 u.copy_(basis @ c if m.u_keep else u.float() - basis @ c)
-                u_norm = c.norm(dim=-2)
+                u_norm = c.norm(dim=-2) if norms_wanted else None
             if m.plan.v_basis_rows > 0:
-                projected, v_norm = self._project_v(i, v)
+                projected, v_coeff = self._project_v(i, v)
                 v.copy_(projected)
+                v_norm = v_coeff.norm(dim=-1) if norms_wanted and v_coeff is not None else None
             norms.append((u_norm, v_norm))
         return norms
 
@@ -183,7 +186,8 @@ class Projector:
     def project_parameters(self) -> None:
         """Re-project ``U_low`` and ``V_low`` in place; call after ``optimizer.step()``. Keeps the
         norms of the coefficients it computed for :meth:`deviation_bound`."""
-        self._coef_norms = self._project([_local(m.U_low) for m in self.modules], [_local(m.V_low) for m in self.modules])
+        self._coef_norms = self._project([_local(m.U_low) for m in self.modules], [_local(m.V_low) for m in self.modules],
+                                         norms_wanted=True)
 
     @torch.no_grad()
     def deviation_bound(self) -> float | None:
