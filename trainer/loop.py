@@ -613,6 +613,10 @@ class Trainer:
         violations, max_dev, forgetting = 0, None, dict.fromkeys(INDICATOR_FIELDS)
         scheduled = step == 1 or step % cfg.ortho_check_every == 0
         if self.projector and (scheduled or self._bound_exceeds_margin()):
+            # The check gathers whole factors (DTensor.full_tensor, functional collectives); one ran
+            # beside a background checkpoint's collectives and crashed rank 0 (SIGSEGV) once in a
+            # fresh-clone suite: the write in flight finishes first (every --ortho-check-every steps).
+            self.check_checkpoint(wait=True)
             report = self.projector.check(cfg.ortho_margin_deg)
             violations, max_dev = report.violations, report.max_dev_deg
             if report.violating:
