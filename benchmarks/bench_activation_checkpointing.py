@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step import _prepare_smollm2, _prepare_tiny
+from bench_step import prepare_smollm2, prepare_tiny
 from machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,9 +119,9 @@ def bench(args: argparse.Namespace, root: Path) -> dict:
     """Every method with activation checkpointing off and on, one worker each: one after the other
     (with ``--quick`` all at once: their times then overlap, their memory does not)."""
     if args.quick:
-        model_dir, data_path, model_info = _prepare_tiny(root, seed=0)
+        model_dir, data_path, model_info = prepare_tiny(root, seed=0)
     else:
-        model_dir, data_path, model_info = _prepare_smollm2(root, args.demo_dir, args.data_lines)
+        model_dir, data_path, model_info = prepare_smollm2(root, args.demo_dir, args.data_lines)
     specs = [dict(model_dir=str(model_dir), data_path=str(data_path), run_dir=str(root / f"run-{method}-{setting}"),
                   cache_dir=str(root / f"cache-{method}-{setting}"), tokens=args.tokens, method=method,
                   setting=setting, activation_checkpointing=setting == "on")

@@ -69,6 +69,7 @@ from .flops import Utilization, flop_model
 from .matmul_peak import measure_matmul_peak
 from .metrics import MetricsLogger
 from .model_build import build_model, load_protected_bases
+from .packed_attention import BOUNDS_KWARG, sample_bounds, use_packed_attention
 from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import RunEnd, RunMonitor
 from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
@@ -308,6 +309,9 @@ class Trainer:
                 self._report_rank_plan()
         if self.osft and self.dist.rank == 0:
             self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
+        # each packed sample attends within itself (no T x T mask); compiled blocks keep transformers'
+        # SDPA, whose graph does not depend on where the samples of a row start
+        self.packed_attention = not cfg.compile and use_packed_attention(self.model)
         if cfg.activation_checkpointing:
             self._say(f"activation checkpointing: {enable_activation_checkpointing(self.model)} decoder blocks "
                       "recompute their activations in the backward pass")
@@ -534,11 +538,13 @@ class Trainer:
         # The positions are found on the host, where collate_packed made the labels: a nonzero()
         # on the device would wait for it once per micro-batch.
         keep = (batch["labels"][0] != IGNORE_INDEX).nonzero().squeeze(1)
+        bounds = {BOUNDS_KWARG: sample_bounds(batch["position_ids"])} if self.packed_attention else {}
         out = self.model(
             input_ids=batch["input_ids"].to(self.device),
             position_ids=batch["position_ids"].to(self.device),
             use_cache=False,
             logits_to_keep=keep.to(self.device),
+            **bounds,
         )
         logits = out.logits
         losses = F.cross_entropy(

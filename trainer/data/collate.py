@@ -4,7 +4,8 @@ The samples are concatenated into a single row without padding; ``position_ids``
 every sample. With ``attention_mask=None`` (and no KV cache: call the model with
 ``use_cache=False``), transformers detects the restarts in ``position_ids`` and builds a
 block-diagonal causal mask (sdpa, eager; flash-attention uses the same position ids), so no sample
-attends to another.
+attends to another. The trainer goes further on SDPA models: :mod:`..packed_attention` runs each
+sample's attention on its own (the sample bounds come from these ``position_ids``), with no mask.
 
 Labels come out already shifted for next-token prediction, within each sample: ``labels[j]`` is
 token ``j+1`` of the same sample if that token is trained, else -100, and the last position of
