@@ -104,6 +104,14 @@ def test_the_help_text_wraps_to_its_dialog(tmp_path, monkeypatch):
             for line, after in zip(lines, lines[1:]):
                 if line.strip() and after.strip():
                     assert len(line) + 1 + len(after.split()[0]) > width, (line, after, width)
+        # closed and opened again: the same screen, not a new one built (its building was most of
+        # a press's latency under a flood, bench_tui)
+        first = app.screen
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen), 10, "the help to close")
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 10, "the help again")
+        assert app.screen is first
 
     on_dashboard(tmp_path, monkeypatch, check)
 

@@ -99,6 +99,10 @@ def offered(readonly: bool) -> list[Control]:
     return [c for c in CONTROLS if not (readonly and c.acts)]
 
 
+#: The name the help screen is installed under (:meth:`Controls.help`).
+HELP_SCREEN = "osft-help"
+
+
 def help_screen() -> HelpScreen:
     """The help screen: one line per control and Textual key, then how requests reach a run."""
     acting = [c.key for c in CONTROLS if c.acts]
@@ -465,8 +469,13 @@ class Controls:
         d.notify(path, title=f"copied the {what} path")
 
     def help(self) -> None:
-        """The keys."""
-        self.dashboard.app.push_screen(help_screen())
+        """The keys: one help screen per app, built at its first opening and installed
+        (``App.install_screen``), so that later openings only lay it out again (under a flood of
+        records the building was most of a ``?`` press's latency)."""
+        app = self.dashboard.app
+        if not app.is_screen_installed(HELP_SCREEN):
+            app.install_screen(help_screen(), HELP_SCREEN)
+        app.push_screen(HELP_SCREEN)
 
     def request_quit(self) -> None:
         """Quit; with a live run, ask whether to detach, checkpoint and stop, or kill."""
