@@ -92,6 +92,7 @@ class PeftTrainer:
         from osft.trainer.data.mixture import tokenize_for_run
         from osft.trainer.loop import seed_everything, shifted_loss_tokens
         from osft.trainer.model_loading import load_model, load_tokenizer
+        from osft.trainer.packed_attention import use_packed_attention
 
         self.cfg = cfg
         seed_everything(cfg.seed)
@@ -101,6 +102,7 @@ class PeftTrainer:
         self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
         model = load_model(cfg.model_name_or_path, torch.float32, "cpu")
         model.train()
+        self.packed_attention = use_packed_attention(model)  # the trainer's attention: speed compares OSF itself
         peft_config = make_config(model)
         start = time.perf_counter()
         self.model = get_peft_model(model, peft_config)
@@ -127,6 +129,7 @@ class PeftTrainer:
         from osft.trainer.data.collate import collate_packed
         from osft.trainer.data.packing import plan_micro_batches
         from osft.trainer.data.tokenize import IGNORE_INDEX
+        from osft.trainer.packed_attention import BOUNDS_KWARG, sample_bounds
 
         start = time.perf_counter()
         idx = np.asarray(indices, dtype=np.int64)
@@ -136,8 +139,9 @@ class PeftTrainer:
         lr = self.scheduler.get_last_lr()[0]
         for micro in plan:
             batch = collate_packed([self.data[int(idx[i])] for i in micro])
+            bounds = {BOUNDS_KWARG: sample_bounds(batch["position_ids"])} if self.packed_attention else {}
             logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                use_cache=False).logits
+                                use_cache=False, **bounds).logits
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch["labels"].view(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
             (loss / total_loss_tokens).backward()
