@@ -16,7 +16,8 @@ categories by ATen op name, so what is not matmul shows at a glance:
 - ``elementwise``: the remaining arithmetic and activation ops outside the optimizer;
 - ``other``.
 
-Results (per method: step wall time, the category shares and the top ops) go to
+Results (per method: step wall time, the achieved model FLOP/s and MFU against the fp32 GEMM peak
+measured in the same process, the category shares and the top ops) go to
 ``results/profile_step.json``; ``--trace DIR`` also writes each method's Chrome trace.
 
 Usage::
@@ -128,11 +129,11 @@ def profile_method(method: str, spec: dict, steps: int, top: int, trace_dir: Pat
         trace_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_dir / f"{method}.json"))
     summary = summarize(prof.events(), steps, top)
-    num_tokens = sum(int(runner.lengths[i]) for i in indices)
+    lengths = [int(runner.lengths[i]) for i in indices]
     del runner, prof
     gc.collect()
     return dict(label=METHOD_LABELS[method], step_wall_s=walls, torch_threads=torch.get_num_threads(),
-                num_tokens=num_tokens, **summary)
+                sample_lengths=lengths, **summary)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from osft.trainer.flops import flop_model, mfu
+    from osft.trainer.model_loading import load_config
+
     console = Console()
     started = time.time()
     result = dict(benchmark="profile_step", created_unix=started, machine=machine_info(), load_avg_start=os.getloadavg(),
@@ -178,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"\\[{name}] profiling {METHOD_LABELS[method]} ...")
                 m = section["methods"][method] = profile_method(method, spec, args.steps, args.top,
                                                                 args.trace / name if args.trace else None)
+                # achieved model FLOP/s and MFU of the profiled steps (the profiler's overhead included)
+                step_flops = flop_model(load_config(model_dir)).step_flops(m["sample_lengths"])
+                m["flops_per_s"] = step_flops * len(m["step_wall_s"]) / sum(m["step_wall_s"])
+                m["mfu"] = mfu(step_flops, sum(m["step_wall_s"]) / len(m["step_wall_s"]), section["gemm_peak_flops_per_s"])
                 table = Table(title=f"{name}, {m['label']}: {sum(m['step_wall_s']) / len(m['step_wall_s']):.2f} s "
-                                    f"per step, ATen self CPU {m['aten_self_cpu_ms_per_step']:.0f} ms per step")
+                                    f"per step (MFU {m['mfu']:.1%} under the profiler), ATen self CPU "
+                                    f"{m['aten_self_cpu_ms_per_step']:.0f} ms per step")
                 for col in ("category / op", "ms per step", "share"):
                     table.add_column(col, justify="left" if col.startswith("cat") else "right")
                 for cat, c in m["categories"].items():
