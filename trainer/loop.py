@@ -69,7 +69,6 @@ from .flops import Utilization, flop_model
 from .matmul_peak import measure_matmul_peak
 from .metrics import MetricsLogger
 from .model_build import build_model, load_protected_bases
-from .packed_attention import BOUNDS_KWARG, sample_bounds, use_packed_attention
 from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import RunEnd, RunMonitor
 from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
@@ -82,6 +81,7 @@ from .osft.protect import ModuleFold, fold_bank, fold_module, no_bases
 from .osft.settings import OSFTSettings
 from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
+from .packed_attention import BOUNDS_KWARG, sample_bounds, use_packed_attention
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 from .schedule import build_scheduler

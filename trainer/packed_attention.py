@@ -12,8 +12,8 @@ does on GPUs (``flash_attn_varlen_func``) built from ``torch.nn.functional.scale
 It is registered with transformers' ``AttentionInterface`` (and the SDPA mask builder with
 ``AttentionMaskInterface``) under :data:`NAME`, and only a call that passes the row's sample bounds
 (:data:`BOUNDS_KWARG`: ``(start, end)`` token offsets, host ints) takes the per-sample path. Every
-other call (a padded batch, generation with a KV cache, a sliding window, attention sinks, a soft
-cap) is handed to transformers' own ``sdpa_attention_forward`` unchanged.
+other call (a padded batch, generation with a KV cache, non-causal attention, a sliding window,
+attention sinks, a soft cap) is handed to transformers' own ``sdpa_attention_forward`` unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     bounds = kwargs.get(BOUNDS_KWARG)
     plain = (bounds is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]
+             or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False
              or getattr(module, "sliding_window", None) is not None or kwargs.get("sliding_window") is not None
              or kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None
              or kwargs.get("position_bias") is not None)
