@@ -24,7 +24,10 @@ steps of a full check) and ``bound`` :meth:`Projector.deviation_bound` (the othe
 the per-module projection. Reported: median seconds, medians of the per-round ratios (batched /
 per-module projection; projection + bound over projection + check, and over projection + check +
 indicators: the OSFT work of a step between full checks against one with them; bound / check), the one-time cost of the bound's basis Gram matrices, the bound and the measured deviation
-(degrees), and the largest difference of the batched results from the per-module ones.
+(degrees), and the largest difference of the batched results from the per-module ones. Also the
+projection's matrix-product FLOPs (per module and side, 4 × dim × basis × k_low per call, two calls
+per step) and its achieved FLOP/s against the fp32 GEMM peak measured in the same process with
+the same threads, before and after the rounds (the higher kept).
 
 Shapes: SmolLM2's (576×576, 1536×576, 576×1536) and Llama-8B's square and down_proj shapes scaled
 by 1/4 per side (1024×1024, 1024×3584: same M/k_high ratios, 16× less memory), URR 0.5.
@@ -252,6 +255,13 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
         fn()
         return time.perf_counter() - start
 
+    from osft.trainer.matmul_peak import measure_matmul_peak
+
+    peaks = [measure_matmul_peak(torch.device("cpu"), torch.float32, repeats=5)]
+    # matrix products of one project_gradients + project_parameters: per side, X·basis (or basisᵀ·X)
+    # then the reconstruction, 2·dim·basis·k_low FLOPs each
+    step_flops = 2 * sum(4 * x.plan.k_low * (x.plan.n * x.plan.u_basis_cols + x.plan.m * x.plan.v_basis_rows)
+                         for x in mods)
     reset()
     projector.project_parameters()
     gram_s = timed(projector.deviation_bound)  # forms the bases' Gram matrices once
@@ -277,6 +287,7 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
         if r:
             for name in times:
                 times[name].append(spent[name])
+    peaks.append(measure_matmul_peak(torch.device("cpu"), torch.float32, repeats=5))
     diff = max((a - b).abs().max().item() for a, b in zip(outputs["batched"], outputs["per_module"]))
     rounds = list(zip(*times.values()))
     ratios = {  # medians of the per-round ratios
@@ -294,6 +305,10 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
         "bound_gram_setup_s": gram_s, "bound_deg": projector.deviation_bound(),
         "measured_max_dev_deg": projector.check(1.0).max_dev_deg,
         "batched_max_abs_diff_vs_per_module": diff,
+        "projection_flops_per_step": step_flops,
+        "gemm_peak_flops_per_s": max(peaks), "gemm_peak_samples_flops_per_s": peaks,
+        "projection_flops_per_s": step_flops / statistics.median(times["per_module"]),
+        "projection_share_of_gemm_peak": step_flops / statistics.median(times["per_module"]) / max(peaks),
     }
 
 
@@ -326,6 +341,9 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=2) + "\n")
         print("  ".join(f"{k} {v:.3f} s" for k, v in result["time_s_median"].items()))
         print("  ".join(f"{k} {v:.3f}x" for k, v in result["ratio_median"].items()))
+        print(f"projection {result['projection_flops_per_step'] / 1e9:.1f} GFLOP per step, "
+              f"{result['projection_flops_per_s'] / 1e9:.1f} GFLOP/s = {result['projection_share_of_gemm_peak']:.0%} "
+              f"of the {result['gemm_peak_flops_per_s'] / 1e9:.1f} GFLOP/s GEMM peak")
         print(f"bound {result['bound_deg']:.3g} deg, measured {result['measured_max_dev_deg']:.3g} deg; "
               f"bound set-up {result['bound_gram_setup_s']:.2f} s; wrote {out}")
         return
