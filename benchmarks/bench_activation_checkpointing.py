@@ -14,6 +14,9 @@ the worker, fp32 on CPU:
 - ``step_time_s``: wall time of the step (the first step of the process: forward, backward with
   the recompute, projections, AdamW).
 - ``loss`` and ``grad_norm``: equal with and without (the recompute changes no value).
+- ``flops_per_s`` and ``mfu``: the step record's model FLOP/s and MFU (``osft.trainer.flops``, PaLM
+  appendix B; the recompute's FLOPs are not model FLOPs) against the fp32 GEMM peak the trainer
+  measured in the same worker at start-up (``gemm_peak_flops_per_s``).
 
 Usage::
 
@@ -91,7 +94,9 @@ def worker_main(spec_path: str) -> int:
         step_time_s=step_time, step_peak_rss_bytes=peak, rss_before_step_bytes=rss_before,
         step_peak_increase_bytes=peak - rss_before,
         process_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        num_tokens=record["num_tokens"], num_samples=len(indices), loss=record["loss"], grad_norm=record["grad_norm"])))
+        num_tokens=record["num_tokens"], num_samples=len(indices), loss=record["loss"], grad_norm=record["grad_norm"],
+        model_flops=record["model_flops"], flops_per_s=record["flops_per_s"], mfu=record["mfu"],
+        gemm_peak_flops_per_s=sum(trainer.utilization.peaks))))
     return 0
 
 
@@ -133,7 +138,7 @@ def bench(args: argparse.Namespace, root: Path) -> dict:
         methods.setdefault(spec["method"], {})[spec["setting"]] = r
         print(f"{spec['method']}, activation checkpointing {spec['setting']}: step peak RSS "
               f"{r['step_peak_rss_bytes'] / 2**30:.2f} GiB (+{r['step_peak_increase_bytes'] / 2**30:.2f} GiB in the "
-              f"step), step {r['step_time_s']:.1f} s, {r['num_tokens']} tokens", flush=True)
+              f"step), step {r['step_time_s']:.1f} s (MFU {r['mfu']:.1%}), {r['num_tokens']} tokens", flush=True)
     for runs in methods.values():
         off, on = runs["off"], runs["on"]
         ratio = {key: on[f"{key}_bytes"] / off[f"{key}_bytes"] for key in ("step_peak_rss", "step_peak_increase")}
