@@ -78,6 +78,8 @@ def test_bench_activation_checkpointing_quick_measures_both_settings(tmp_path):
     for r in (off, on):
         assert r["step_time_s"] > 0 and r["step_peak_rss_bytes"] >= r["rss_before_step_bytes"] > 0
         assert r["process_peak_rss_bytes"] >= r["step_peak_rss_bytes"] * 0.99  # ru_maxrss: kB granularity
+        assert r["flops_per_s"] == pytest.approx(r["model_flops"] / r["step_time_s"], rel=0.25)  # timed inside the step
+        assert 0 < r["mfu"] == pytest.approx(r["flops_per_s"] / r["gemm_peak_flops_per_s"])
     assert osft["ratios_on_vs_off"]["step_peak_rss"] == on["step_peak_rss_bytes"] / off["step_peak_rss_bytes"]
 
 
