@@ -22,7 +22,8 @@ Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the fiel
 - ``messages_not_list``: ``"messages" must be a list, got <type>``
 - ``messages_empty``: ``"messages" is empty``
 - ``message_not_object``: ``messages[i] must be an object with role and content, got <type>``
-- ``role_missing``: ``missing role in messages[i].role``
+- ``role_missing``: ``missing role in messages[i].role`` (with `` (the message has "rol")`` when a
+  key close to ``role`` is there; the same for ``content``)
 - ``unknown_role``: ``unknown role "gpt" in messages[i].role (allowed: system, user, assistant, tool)``
 - ``content_missing``: ``missing content in messages[i].content``
 - ``content_not_string``: ``messages[i].content must be a string, got <type>``
@@ -45,6 +46,7 @@ A UTF-8 byte-order mark at the start of a JSON file is stripped (not an error). 
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -156,7 +158,7 @@ def check_row(row: Any, name: FieldName = messages_field) -> list[tuple[str | No
             continue
         role = msg.get("role")
         if "role" not in msg:
-            out.append((name(i, "role"), "role_missing", f"missing role in {name(i, 'role')}"))
+            out.append((name(i, "role"), "role_missing", f"missing role in {name(i, 'role')}{_misspelt(msg, 'role')}"))
         elif not isinstance(role, str) or role not in ALLOWED_ROLES:
             shown = json.dumps(role) if isinstance(role, str) else repr(role)
             out.append((name(i, "role"), "unknown_role",
@@ -172,7 +174,7 @@ def check_row(row: Any, name: FieldName = messages_field) -> list[tuple[str | No
         content = name(i, "content")
         if "content" not in msg or msg["content"] is None:
             if not (role == "assistant" and msg.get("tool_calls")):
-                out.append((content, "content_missing", f"missing content in {content}"))
+                out.append((content, "content_missing", f"missing content in {content}{_misspelt(msg, 'content')}"))
         elif not isinstance(msg["content"], str):
             out.append((content, "content_not_string",
                         f"{content} must be a string, got {_type_name(msg['content'])}"))
@@ -181,6 +183,13 @@ def check_row(row: Any, name: FieldName = messages_field) -> list[tuple[str | No
     if not has_assistant:
         out.append(("messages", "no_assistant", "no assistant turn in messages (nothing to train on)"))
     return out
+
+
+def _misspelt(msg: dict, key: str) -> str:
+    """`` (the message has "contents")`` when ``msg`` lacks ``key`` but holds a key close to it
+    (``difflib`` ratio >= 0.7: a typo such as ``contents`` or ``rol``), else ""."""
+    close = difflib.get_close_matches(key, [k for k in msg if isinstance(k, str) and k != key], n=1, cutoff=0.7)
+    return f' (the message has "{close[0]}")' if close else ""
 
 
 def _check_fields(msg: dict, role: Any, name) -> list[tuple[str, str, str]]:
