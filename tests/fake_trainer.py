@@ -644,24 +644,31 @@ class Rank:
             except FileNotFoundError:
                 pass
 
-    def pending_request(self) -> dict | None:
-        """The strongest pending request (triggers and control files), as ``RequestPoller`` encodes it."""
-        code = 0
+    def pending_request(self) -> tuple[dict | None, list[tuple[Path, float]]]:
+        """The strongest pending request (triggers and control files), as ``RequestPoller`` encodes
+        it, and the ``(file, mtime)`` pairs it was read from (:meth:`served` removes those only)."""
+        code, seen = 0, []
         for t in self.trigger.files():
             code = max(code, int(action_for_signal(t.signum, self.args.sigusr1_action)) * 256 + t.signum)
-        for _path, action, _mtime in self.control_files():
+            seen.append((t.path, t.mtime))
+        for path, action, mtime in self.control_files():
             code = max(code, int(action) * 256)
+            seen.append((path, mtime))
         if code == 0:
-            return None
-        return {"action": Action(code // 256).name, "signal": signal_name(code % 256), "point": "after_step"}
+            return None, seen
+        return {"action": Action(code // 256).name, "signal": signal_name(code % 256), "point": "after_step"}, seen
 
-    def served(self, until: float) -> None:
-        for t in self.trigger.files():
-            if t.mtime <= until:
-                t.path.unlink(missing_ok=True)
-        for path, _action, mtime in self.control_files():
-            if mtime <= until:
-                path.unlink(missing_ok=True)
+    @staticmethod
+    def served(seen: list[tuple[Path, float]]) -> None:
+        """Remove the request files a checkpoint served, unless written again since they were read.
+        A request that arrived while the checkpoint was written stays pending for the next step, as
+        in the trainer: a stop pressed during a checkpoint must still stop."""
+        for path, mtime in seen:
+            try:
+                if path.stat().st_mtime <= mtime:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
 
     def others_done(self) -> bool:
         for r in range(1, self.world):
@@ -673,7 +680,7 @@ class Rank:
     def sync_rank0(self) -> dict:
         """Wait until every rank finished this step, then decide (and serve) alone."""
         self.wait_for(self.others_done)
-        request = self.pending_request() if self.args.on_demand_checkpointing else None
+        request, seen = self.pending_request() if self.args.on_demand_checkpointing else (None, [])
         if request is None:
             decision = {"step": self.step, "phase": "done", "request": None, "saved": None, "stop": False}
             write_json_atomic(self.marker, decision)
@@ -683,7 +690,7 @@ class Rank:
         self.metrics.log("checkpoint_requested", signal=request["signal"], step=self.step, point=request["point"])
         print(f"{request['signal']}: saving a full-state checkpoint of step {self.step}")
         saved = self.save()
-        self.served(time.time())
+        self.served(seen)
         self.metrics.log("checkpoint_saved", **saved)
         print(f"checkpoint: {saved['path']} ({saved['bytes']} bytes in {saved['seconds']:.2f} s)")
         stop = request["action"] == Action.CHECKPOINT_AND_EXIT.name

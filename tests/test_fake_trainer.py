@@ -168,6 +168,25 @@ def test_sigusr1_checkpoints_and_continues(tmp_path, launch):
     assert not TriggerDir(run_json(out)["job_id"]).path.exists()
 
 
+def test_a_stop_sent_while_a_checkpoint_is_written_still_stops(tmp_path, launch):
+    """``c`` then ``s`` on the dashboard: the stop's trigger file appears while the first
+    checkpoint is written; it stays pending and stops the run at the next step (it was removed with
+    the served request before, and the run trained on: test_tui_keys timed out on it)."""
+    out = tmp_path / "run"
+    proc = launch(out, "--max-steps", "60", "--fake-step-seconds", STEP, "--on-demand-checkpointing",
+                  "--fake-save-seconds", "1.5")
+    wait_until(lambda: steps_of(out), what="the first step")
+    os.kill(proc.pid, signal.SIGUSR1)
+    wait_until(lambda: events(out, "checkpoint_requested"), what="the checkpoint being written")
+    assert not events(out, "checkpoint_saved")
+    os.kill(proc.pid, signal.SIGUSR2)
+    assert proc.wait(timeout=30) == EXIT_STOPPED
+    requested = [(r["signal"], r["step"]) for r in events(out, "checkpoint_requested")]
+    assert [sig for sig, _ in requested] == ["SIGUSR1", "SIGUSR2"] and requested[1][1] > requested[0][1]
+    (finished,) = events(out, "run_finished")
+    assert (finished["reason"], finished["signal"], finished["step"]) == ("stopped", "SIGUSR2", requested[1][1])
+
+
 def test_sigusr2_stops_then_resume(tmp_path, launch):
     out = tmp_path / "run"
     flags = ("--nproc-per-node", "2", "--fake-step-seconds", STEP, "--on-demand-checkpointing")
