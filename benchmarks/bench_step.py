@@ -211,6 +211,15 @@ class PlainHFRunner:
         return {"loss": float(loss.detach()), "num_tokens": int(sum(int(self.lengths[i]) for i in indices))}
 
 
+def make_runner(method: str, spec: dict) -> TrainerRunner | PeftRunner | PlainHFRunner:
+    """The runner of ``method`` (one of :data:`METHODS`), prepared on ``spec`` (model, data, batching)."""
+    if method == "peft_osf":
+        return PeftRunner(spec)
+    if method.startswith("hf_"):
+        return PlainHFRunner(spec, packed=method == "hf_packed")
+    return TrainerRunner(spec, osft=method == "osft")
+
+
 def _train_config_kwargs(spec: dict) -> dict:
     """TrainConfig fields shared by every method (all optimiser settings stay at their defaults)."""
     return dict(model_name_or_path=spec["model_dir"], data_path=spec["data_path"], output_dir=spec["run_dir"],
@@ -258,12 +267,7 @@ def worker_main(method: str, spec_path: str) -> int:
         torch.set_num_threads(int(spec["threads"]))
 
     t0 = time.perf_counter()
-    if method == "peft_osf":
-        runner = PeftRunner(spec)
-    elif method.startswith("hf_"):
-        runner = PlainHFRunner(spec, packed=method == "hf_packed")
-    else:
-        runner = TrainerRunner(spec, osft=method == "osft")
+    runner = make_runner(method, spec)
     prepare_s = time.perf_counter() - t0
     indices = pick_batch(runner.lengths, spec["batch_size"])
     t1 = time.perf_counter()

@@ -255,9 +255,9 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
         fn()
         return time.perf_counter() - start
 
-    from osft.trainer.matmul_peak import measure_matmul_peak
+    from bench_step import gemm_peak
 
-    peaks = [measure_matmul_peak(torch.device("cpu"), torch.float32, repeats=5)]
+    peaks = [gemm_peak(None)]  # with this process's threads
     # matrix products of one project_gradients + project_parameters: per side, X·basis (or basisᵀ·X)
     # then the reconstruction, 2·dim·basis·k_low FLOPs each
     step_flops = 2 * sum(4 * x.plan.k_low * (x.plan.n * x.plan.u_basis_cols + x.plan.m * x.plan.v_basis_rows)
@@ -287,7 +287,8 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
         if r:
             for name in times:
                 times[name].append(spent[name])
-    peaks.append(measure_matmul_peak(torch.device("cpu"), torch.float32, repeats=5))
+    peaks.append(gemm_peak(None))
+    medians = {name: statistics.median(t) for name, t in times.items()}
     diff = max((a - b).abs().max().item() for a, b in zip(outputs["batched"], outputs["per_module"]))
     rounds = list(zip(*times.values()))
     ratios = {  # medians of the per-round ratios
@@ -300,15 +301,15 @@ def run_projection_only(args, blocks: int = SMOLLM2_BLOCKS) -> dict:
     return {
         "benchmark": "bench_v_proj --projection-only", "modules": len(mods), "urr": args.urr,
         "threads": torch.get_num_threads(), "rounds": args.rounds, "cpu_count": os.cpu_count(),
-        "time_s_median": {name: statistics.median(t) for name, t in times.items()},
+        "time_s_median": medians,
         "ratio_median": ratios, "time_s_all": times,
         "bound_gram_setup_s": gram_s, "bound_deg": projector.deviation_bound(),
         "measured_max_dev_deg": projector.check(1.0).max_dev_deg,
         "batched_max_abs_diff_vs_per_module": diff,
         "projection_flops_per_step": step_flops,
         "gemm_peak_flops_per_s": max(peaks), "gemm_peak_samples_flops_per_s": peaks,
-        "projection_flops_per_s": step_flops / statistics.median(times["per_module"]),
-        "projection_share_of_gemm_peak": step_flops / statistics.median(times["per_module"]) / max(peaks),
+        "projection_flops_per_s": step_flops / medians["per_module"],
+        "projection_share_of_gemm_peak": step_flops / medians["per_module"] / max(peaks),
     }
 
 

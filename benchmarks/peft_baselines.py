@@ -129,7 +129,7 @@ class PeftTrainer:
         from osft.trainer.data.collate import collate_packed
         from osft.trainer.data.packing import plan_micro_batches
         from osft.trainer.data.tokenize import IGNORE_INDEX
-        from osft.trainer.packed_attention import BOUNDS_KWARG, sample_bounds
+        from osft.trainer.packed_attention import BOUNDS_KWARG
 
         start = time.perf_counter()
         idx = np.asarray(indices, dtype=np.int64)
@@ -139,7 +139,7 @@ class PeftTrainer:
         lr = self.scheduler.get_last_lr()[0]
         for micro in plan:
             batch = collate_packed([self.data[int(idx[i])] for i in micro])
-            bounds = {BOUNDS_KWARG: sample_bounds(batch["position_ids"])} if self.packed_attention else {}
+            bounds = {BOUNDS_KWARG: batch["sample_bounds"]} if self.packed_attention else {}
             logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                 use_cache=False, **bounds).logits
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch["labels"].view(-1),

@@ -36,8 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_step import (METHOD_LABELS, MODELS, PlainHFRunner, TrainerRunner, gemm_peak, pick_batch, prepare_smollm2,
-                        prepare_tiny)
+from bench_step import METHOD_LABELS, MODELS, gemm_peak, make_runner, pick_batch, prepare_smollm2, prepare_tiny
 from machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +64,7 @@ def category(name: str, in_optimizer: bool) -> str:
         return "loss"
     if in_optimizer:
         return "optimizer"
-    if any(name.startswith(m) or m in name for m in COPY_MARKERS):
+    if any(m in name for m in COPY_MARKERS):
         return "copies"
     if any(name.startswith(m) for m in ELEMENTWISE_MARKERS):
         return "elementwise"
@@ -115,8 +114,7 @@ def profile_method(method: str, spec: dict, steps: int, top: int, trace_dir: Pat
     from torch.profiler import ProfilerActivity, profile
 
     spec = dict(spec, method=method)
-    runner = PlainHFRunner(spec, packed=method == "hf_packed") if method.startswith("hf_") else \
-        TrainerRunner(spec, osft=method == "osft")
+    runner = make_runner(method, spec)
     indices = pick_batch(runner.lengths, spec["batch_size"])
     runner.step(1, indices)
     walls = []

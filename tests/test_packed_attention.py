@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 from osft.trainer.data.collate import collate_packed
-from osft.trainer.packed_attention import BOUNDS_KWARG, NAME, sample_bounds, use_packed_attention
+from osft.trainer.packed_attention import BOUNDS_KWARG, NAME, use_packed_attention
 
 VOCAB = 97
 
@@ -27,11 +27,6 @@ def _logits_and_grads(model, batch, **kwargs):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_sample_bounds_follow_the_position_restarts():
-    batch = _row([5, 1, 7])
-    assert sample_bounds(batch["position_ids"]) == ((0, 5), (5, 6), (6, 13))
-
-
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query (heads repeated) and plain multi-head attention
 def test_per_sample_attention_matches_the_block_mask(kv_heads):
     reference = tiny_llama(VOCAB, num_key_value_heads=kv_heads).train()
@@ -39,14 +34,14 @@ def test_per_sample_attention_matches_the_block_mask(kv_heads):
     assert use_packed_attention(packed) and packed.config._attn_implementation == NAME
     batch = _row([9, 3, 16, 1])
     want_logits, want_grads = _logits_and_grads(reference, batch)
-    got_logits, got_grads = _logits_and_grads(packed, batch, **{BOUNDS_KWARG: sample_bounds(batch["position_ids"])})
+    got_logits, got_grads = _logits_and_grads(packed, batch, **{BOUNDS_KWARG: batch["sample_bounds"]})
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     # the samples really are separated: a sample's logits do not change when the sample before it does
     other = _row([9, 3, 16, 1], seed=1)
     other["input_ids"][0, 12:] = batch["input_ids"][0, 12:]
-    shifted, _ = _logits_and_grads(packed, other, **{BOUNDS_KWARG: sample_bounds(other["position_ids"])})
+    shifted, _ = _logits_and_grads(packed, other, **{BOUNDS_KWARG: other["sample_bounds"]})
     torch.testing.assert_close(shifted[0, 12:], got_logits[0, 12:], rtol=0, atol=0)
 
 
@@ -72,7 +67,7 @@ def test_calls_without_bounds_and_sliding_windows_are_transformers_sdpa_bit_for_
     windowed = MistralForCausalLM(config).train()
     want, _ = _logits_and_grads(windowed, batch)
     assert use_packed_attention(windowed)
-    got, _ = _logits_and_grads(windowed, batch, **{BOUNDS_KWARG: sample_bounds(batch["position_ids"])})
+    got, _ = _logits_and_grads(windowed, batch, **{BOUNDS_KWARG: batch["sample_bounds"]})
     assert torch.equal(got, want)  # a sliding window keeps transformers' mask
 
 

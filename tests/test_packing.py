@@ -118,6 +118,7 @@ def test_collate_shapes_positions_and_shifted_labels():
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
     assert b["labels"].tolist() == [[-100, 12, 13, -100, 21, 22, -100, -100, -100]]
     assert (b["num_loss_tokens"], b["num_tokens"], b["num_samples"]) == (4, 9, 3)
+    assert b["sample_bounds"] == ((0, 4), (4, 7), (7, 9))  # where position_ids restart
     empty = collate_packed([])
     assert empty["input_ids"].shape == (1, 0) and empty["num_samples"] == 0
     with pytest.raises(ValueError, match="same, non-zero length"):

@@ -339,10 +339,12 @@ class Terminal:
         """The text inside the input beside ``label``: its text row is the label's row, or the row below
         it while Textual's scroll fast path has redrawn the focused input one row lower than its label
         (seen under load: the blinking cursor keeps redrawing the input, the label is not redrawn)."""
-        row = self._row(label)
-        for r in (row, row + 1):
-            value = self._value(r) if r < len(self.lines()) else None
-            if value is not None and value.strip("▔▁") != "" or value == "":
+        lines = self.lines()  # one capture: the screen may change between two
+        rows = [i for i, line in enumerate(lines) if line.strip().startswith(label)]
+        assert rows, f"no {label!r} on the screen\n" + "\n".join(lines)
+        for line in lines[rows[0]:rows[0] + 2]:
+            value = _input_text(line)
+            if value == "" or value and value.strip("▔▁"):  # not one of the input's border rows
                 return value
         return None
 
@@ -380,8 +382,13 @@ class Terminal:
         return rows[0]
 
     def _value(self, row: int) -> str | None:
-        parts = self.lines()[row].split("▊")
-        return parts[1].strip().rstrip("▎").strip() if len(parts) > 1 else None
+        return _input_text(self.lines()[row])
+
+
+def _input_text(line: str) -> str | None:
+    """The text between an input's left and right border on a screen line (None: no input there)."""
+    parts = line.split("▊")
+    return parts[1].strip().rstrip("▎").strip() if len(parts) > 1 else None
 
 
 def _reverse(params: str) -> bool:

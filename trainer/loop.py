@@ -81,7 +81,7 @@ from .osft.protect import ModuleFold, fold_bank, fold_module, no_bases
 from .osft.settings import OSFTSettings
 from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
-from .packed_attention import BOUNDS_KWARG, sample_bounds, use_packed_attention
+from .packed_attention import BOUNDS_KWARG, use_packed_attention
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 from .schedule import build_scheduler
@@ -538,7 +538,7 @@ class Trainer:
         # The positions are found on the host, where collate_packed made the labels: a nonzero()
         # on the device would wait for it once per micro-batch.
         keep = (batch["labels"][0] != IGNORE_INDEX).nonzero().squeeze(1)
-        bounds = {BOUNDS_KWARG: sample_bounds(batch["position_ids"])} if self.packed_attention else {}
+        bounds = {BOUNDS_KWARG: batch["sample_bounds"]} if self.packed_attention else {}
         out = self.model(
             input_ids=batch["input_ids"].to(self.device),
             position_ids=batch["position_ids"].to(self.device),

@@ -11,7 +11,8 @@ does on GPUs (``flash_attn_varlen_func``) built from ``torch.nn.functional.scale
 
 It is registered with transformers' ``AttentionInterface`` (and the SDPA mask builder with
 ``AttentionMaskInterface``) under :data:`NAME`, and only a call that passes the row's sample bounds
-(:data:`BOUNDS_KWARG`: ``(start, end)`` token offsets, host ints) takes the per-sample path. Every
+(:data:`BOUNDS_KWARG`: the ``sample_bounds`` of :func:`.data.collate.collate_packed`) takes the
+per-sample path. Every
 other call (a padded batch, generation with a KV cache, non-causal attention, a sliding window,
 attention sinks, a soft cap) is handed to transformers' own ``sdpa_attention_forward`` unchanged.
 """
@@ -86,11 +87,3 @@ def use_packed_attention(model: torch.nn.Module) -> bool:
     model.set_attn_implementation(NAME)
     return True
 
-
-def sample_bounds(position_ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """The ``(start, end)`` token offsets of the samples of a packed row, from its ``position_ids``
-    ([1, T] host tensor, restarting at 0 for every sample, as :func:`.data.collate.collate_packed`
-    makes them)."""
-    starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
-    ends = [*starts[1:], int(position_ids.shape[1])]
-    return tuple(zip(starts, ends))
