@@ -6,7 +6,7 @@ runner in this process, one method after the other, on the same batch: one warm-
 (us, summed over the threads torch ran the op on, as ``key_averages`` reports it) is grouped into
 categories by ATen op name, so what is not matmul shows at a glance:
 
-- ``matmul``: ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` (the GEMMs of every linear layer, the LM
+- ``matmul``: ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` and their in-place forms (the GEMMs of every linear layer, the LM
   head and the OSFT factors and projections);
 - ``attention``: the scaled-dot-product attention kernels and their backward;
 - ``loss``: log-softmax, NLL and cross-entropy, forward and backward;
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "profile_step.json"
 PROFILED = ("full_ft", "osft", "hf_unpacked", "hf_packed")
 
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
+MATMUL = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::_addmm_activation"}
 LOSS_MARKERS = ("log_softmax", "nll_loss", "cross_entropy")
 COPY_MARKERS = ("copy_", "aten::cat", "aten::index", "gather", "scatter", "aten::contiguous", "aten::to",
                 "aten::_to_copy", "aten::clone", "aten::fill_", "aten::zero_", "aten::empty", "aten::resize_")

@@ -69,6 +69,22 @@ def test_bound_grows_with_a_basis_that_is_not_orthonormal():
     assert projector.deviation_bound() >= exact
 
 
+def test_one_elementwise_call_bounds_each_vector_with_its_own_side():
+    from osft.trainer.osft.orthogonality import projection_bound
+
+    coef, stored = torch.tensor([1e-3, 1e-3, 1e-3, 0.0, 1e-3]), torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])
+    n, k = torch.tensor([96.0, 96.0, 96.0, 96.0, 96.0]), torch.tensor([48.0, 48.0, 48.0, 48.0, 48.0])
+    eps = torch.tensor([1e-6, 1e-6, 1.5, 1e-6, 1e-6])
+    keep = torch.tensor([True, False, False, False, True])
+    bounds = projection_bound(coef, stored, n, k, eps, keep, torch.zeros(5))
+    for i in (0, 1):  # each element equals the call with that element's numbers alone
+        alone = projection_bound(coef[i:i + 1], stored[i:i + 1], 96, 48, 1e-6, bool(keep[i]), 0.0)
+        torch.testing.assert_close(bounds[i], alone[0], rtol=1e-12, atol=0)
+    assert 0 < bounds[0] < bounds[1] < 1e-3  # keep mode bounds only the product's rounding
+    assert bounds[2] == math.inf  # ε ≥ 1: no bound for that side
+    assert bounds[3] == 0.0 and bounds[4] == math.inf  # a zero vector: 0 with nothing to bound, else none
+
+
 def test_a_nan_parameter_rules_nothing_out():
     mod = modules(torch.float32)[0]
     with torch.no_grad():

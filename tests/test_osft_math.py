@@ -86,6 +86,35 @@ def test_forward_and_gradients_match_dense_linear(form, transposed):
     assert mod.W_high.grad is None and mod.U_basis.grad is None
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("trainable", ["all", "input_only", "factors_only"])
+def test_split_linear_gives_autograd_values_of_its_four_ops(with_bias, trainable):
+    from osft.trainer.osft.split_linear import split_linear
+
+    g = torch.Generator().manual_seed(3)
+    x, w_high = torch.randn(2, 7, 40, generator=g), torch.randn(24, 40, generator=g)
+    u, s, v = torch.randn(24, 6, generator=g), torch.rand(6, generator=g) + 0.5, torch.randn(6, 40, generator=g)
+    b = torch.randn(24, generator=g) if with_bias else None
+    dy = torch.randn(2, 7, 24, generator=g)
+    grads = {"all": (True, True), "input_only": (True, False), "factors_only": (False, True)}[trainable]
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(grads[0] if i == 0 else grads[1]) if t is not None else None
+                  for i, t in enumerate((x, u, s, v, b))]
+        xl, ul, sl, vl, bl = leaves
+        y = fn(xl, ul, sl, vl, bl)
+        y.backward(dy)
+        return y.detach(), [t.grad if t is not None else None for t in leaves]
+
+    y, got = run(lambda xl, ul, sl, vl, bl: split_linear(xl, w_high, ul, sl, vl, bl))
+    y_ref, want = run(lambda xl, ul, sl, vl, bl: F.linear(xl, w_high, bl) + F.linear(F.linear(xl, vl) * sl, ul))
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-5)
+    for name, a, e in zip(("x", "U_low", "S_low", "V_low", "bias"), got, want):
+        assert (a is None) == (e is None), name
+        if e is not None:
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-5, msg=name)
+
+
 def test_forward_form_choice_by_flops():
     # Square q/o projections with many tokens: rebuilding W is cheaper than the low-rank path.
     assert choose_forward_form(576, 576, 144, 4096) == "dense"

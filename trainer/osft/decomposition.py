@@ -22,6 +22,7 @@ from torch import nn
 
 from .plan import ForwardForm, ModulePlan, plan_module
 from .protect import no_bases
+from .split_linear import split_linear
 
 
 #: Above this condition number σ_max/σ_min the Gram-matrix route loses accuracy (its eigenvalues,
@@ -148,13 +149,16 @@ def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: 
     - ``dense``: rebuild W = W_high + U_low·diag(S_low)·V_low once per micro-batch, then one dense
       linear. FLOPs ≈ 6·T·N·M (as full fine-tuning) + 6·N·M·k_low (the rebuild, and the two
       products that turn dW into dU_low and dV_low): the overhead shrinks as tokens T grow.
-    - ``split``: y = x·W_highᵀ + ((x·V_lowᵀ)·S_low)·U_lowᵀ. W_high needs no weight gradient, which
-      saves 2·T·N·M; the low-rank path costs 6·T·k_low·(N + M), counted with k_low +
-      :data:`LOW_RANK_GEMM_PENALTY` because thin GEMMs run below peak. Wins for non-square shapes.
+    - ``split``: y = x·W_highᵀ + ((x·V_lowᵀ)·S_low)·U_lowᵀ (:func:`.split_linear.split_linear`).
+      W_high needs no weight gradient, which saves 2·T·N·M; the low-rank path costs
+      6·T·k_low·(N + M), counted with k_low + :data:`LOW_RANK_GEMM_PENALTY` because thin GEMMs run
+      below peak. Wins for non-square shapes.
 
-    Measured on SmolLM2-135M's shapes at T = 1024 (forward + backward, relative to a dense
-    linear): 576×576 dense 1.08× / split 1.22×; 192×576 1.05× / 1.33×; 1536×576 1.14× / 1.11×;
-    576×1536 1.19× / 1.08×. The model picks the faster one for each.
+    Measured on SmolLM2-135M's shapes at T = 1024 (forward + backward at URR 0.25, median of 25
+    interleaved runs with 2 threads, relative to a dense linear with its weight gradient), split
+    form by :func:`.split_linear.split_linear`: 576×576 dense 1.17× / split 1.26×; 192×576
+    1.12× / 1.17×; 1536×576 1.16× / 1.05×; 576×1536 1.17× / 1.06×. The model picks the faster one
+    for each.
 
     Args:
         n, m: weight shape (out, in). k_low: trainable rank. max_tokens_per_micro_batch: T, the
@@ -375,11 +379,10 @@ class OSFTLinear(nn.Module):
         return dense_from_factors(self.W_high, self.U_low, self.S_low, self.V_low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., M) → (..., N)."""
+        """x: (..., M) → (..., N), by :attr:`forward_form` (see :func:`choose_forward_form`)."""
         if self.forward_form == "dense":
             return F.linear(x, self.dense_weight(), self.bias)
-        low = F.linear(F.linear(x, self.V_low) * self.S_low, self.U_low)
-        return F.linear(x, self.W_high, self.bias) + low
+        return split_linear(x, self.W_high, self.U_low, self.S_low, self.V_low, self.bias)
 
     def extra_repr(self) -> str:
         return (

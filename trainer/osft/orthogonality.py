@@ -53,8 +53,11 @@ def matmul_unit_roundoff() -> float:
                                                                                unit_roundoff(torch.bfloat16))
 
 
-def gamma(j: int, u: float) -> float:
-    """γ_j = j·u/(1 − j·u) (Higham 2002, Lemma 3.1); infinite when j·u ≥ 1."""
+def gamma(j, u: float):
+    """γ_j = j·u/(1 − j·u) (Higham 2002, Lemma 3.1); infinite when j·u ≥ 1. ``j`` a number (returns
+    a float) or a float64 tensor (returns one of its shape, elementwise)."""
+    if isinstance(j, torch.Tensor):
+        return torch.where(j * u < 1, j * u / (1 - j * u), math.inf)
     return j * u / (1 - j * u) if j * u < 1 else math.inf
 
 
@@ -72,10 +75,11 @@ def basis_error(gram: torch.Tensor, n: int) -> float:
     return (off + rounding) / (1 - rounding) if rounding < 1 else math.inf
 
 
-def projection_bound(coef_norm: torch.Tensor, stored_norm: torch.Tensor, n: int, k: int, eps: float, keep: bool,
-                     param_dtype: torch.dtype) -> torch.Tensor:
+def projection_bound(coef_norm: torch.Tensor, stored_norm: torch.Tensor, n, k, eps, keep, param_roundoff) -> torch.Tensor:
     """Upper bound on the sine of every vector's deviation from 90° right after
-    :meth:`.projection.Projector.project_parameters`, from numbers that projection computed.
+    :meth:`.projection.Projector.project_parameters`, from numbers that projection computed,
+    elementwise: the vectors of all modules and both sides are bounded in one call, each with its
+    own side's n, k, ε, mode and parameter dtype.
 
     Derivation. One trainable vector x (a column of U_low or a row of V_low); B the stored basis of
     its side, n×k (n the side's dimension, N or M; k its vectors); u the unit roundoff of the
@@ -103,27 +107,29 @@ def projection_bound(coef_norm: torch.Tensor, stored_norm: torch.Tensor, n: int,
         coef_norm: ‖c‖ of each vector's coefficients in the basis, as computed (float32, any shape).
         stored_norm: ‖x_s‖ of each stored vector, as computed in float32 (same shape).
         n: the side's dimension (inner dimension of Bᵀx). k: basis vectors. eps: :func:`basis_error`.
-        keep: the side stores the complement basis. param_dtype: the parameter's dtype.
+        keep: the side stores the complement basis. param_roundoff: u_p, the unit roundoff of the
+            parameter's dtype (:func:`unit_roundoff`; 0 for float32 parameters). Each a number or a
+            tensor of ``coef_norm``'s shape (float64; ``keep`` bool), one value per vector.
 
     Returns:
-        float64 bounds of the same shape; +inf where none holds (ε ≥ 1, a zero vector with a nonzero
-        bound), NaN where a norm is NaN.
+        float64 bounds of ``coef_norm``'s shape; +inf where none holds (ε ≥ 1, a zero vector with a
+        nonzero bound), NaN where a norm is NaN.
     """
-    if eps >= 1:
-        return torch.full(coef_norm.shape, math.inf, dtype=torch.float64, device=coef_norm.device)
-    u, u_p = matmul_unit_roundoff(), (0.0 if param_dtype == torch.float32 else unit_roundoff(param_dtype))
+    like = dict(dtype=torch.float64, device=coef_norm.device)
+    n, k, eps, u_p = (torch.as_tensor(v, **like) for v in (n, k, eps, param_roundoff))
+    keep = torch.as_tensor(keep, dtype=torch.bool, device=coef_norm.device)
+    u = matmul_unit_roundoff()
     c_up = coef_norm.double() / (1 - gamma(k + 2, u))
     s = stored_norm.double()
     s_lo, s_up = s / (1 + gamma(n + 2, u)), s / (1 - gamma(n + 2, u))
     cast = u_p / (1 - u_p) * s_up
-    beta = math.sqrt(1 + eps)
-    g = gamma(k, u) * math.sqrt(k) * beta * c_up
-    if keep:
-        frozen = g
-    else:
-        x_prime = s_up + cast
-        h = u / (1 - u) * x_prime
-        x = x_prime + beta * c_up + g + h
-        frozen = (eps * c_up + gamma(n, u) * math.sqrt(k) * beta * x + beta * (g + h)) / math.sqrt(1 - eps)
+    beta = (1 + eps).sqrt()
+    g = gamma(k, u) * k.sqrt() * beta * c_up
+    x_prime = s_up + cast
+    h = u / (1 - u) * x_prime
+    x = x_prime + beta * c_up + g + h
+    removed = (eps * c_up + gamma(n, u) * k.sqrt() * beta * x + beta * (g + h)) / (1 - eps).clamp_min(0).sqrt()
+    frozen = torch.where(keep, g, removed)
     bound = (frozen + cast) / s_lo
-    return torch.where(s_lo == 0, torch.where(frozen + cast == 0, 0.0, math.inf), bound)  # NaN stays NaN
+    bound = torch.where(s_lo == 0, torch.where(frozen + cast == 0, 0.0, math.inf), bound)  # NaN stays NaN
+    return torch.where(eps >= 1, math.inf, bound)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from . import indicators
 from .decomposition import OSFTLinear
 from .indicators import IndicatorReport
-from .orthogonality import OrthoReport, basis_error, fraction_to_degrees, projection_bound
+from .orthogonality import OrthoReport, basis_error, fraction_to_degrees, projection_bound, unit_roundoff
 from .settings import VProjection
 
 
@@ -120,10 +120,10 @@ class Projector:
         """``parts`` (one per module) with those of row-sharded modules summed over ranks by one
         all-reduce; a bank's own part is already complete (its rank holds whole experts)."""
         rows = self._rows
-        if not rows:
-            return parts
-        sharded = _is_sharded(self.modules[rows[0]].U_basis)
-        flat = _sum_across_ranks(torch.cat([parts[i].reshape(-1) for i in rows]), sharded)
+        if not rows or not (_is_sharded(self.modules[rows[0]].U_basis) and dist.get_world_size() > 1):
+            return parts  # nothing to sum: skip the flattening copy
+        flat = torch.cat([parts[i].reshape(-1) for i in rows])
+        dist.all_reduce(flat)
         out = list(parts)
         for i, c in zip(rows, flat.split([parts[i].numel() for i in rows])):
             out[i] = c.view_as(parts[i])
@@ -212,19 +212,29 @@ class Projector:
         if self._basis_eps is None:
             self._basis_eps = self._basis_errors()
         stored_u = self._sum_row_parts([_local(m.U_low).float().square().sum(-2) for m in self.modules])
-        worst = []
+        # Every vector of every module, both sides, bounded by one elementwise call: per side its
+        # coefficient norms, its stored squared norms and (n, k, ε, keep, u_p) repeated per vector.
+        coef, stored_sq, sides = [], [], []
         for m, (u_coef, v_coef), u_sq, (eps_u, eps_v) in zip(self.modules, self._coef_norms, stored_u, self._basis_eps):
             plan, dtype = m.plan, m.U_low.dtype
-            bound = torch.zeros((), dtype=torch.float64, device=u_sq.device)
+            u_p = 0.0 if dtype == torch.float32 else unit_roundoff(dtype)
             if u_coef is not None:
-                sides = projection_bound(u_coef, u_sq.sqrt(), plan.n, plan.u_basis_cols, eps_u, m.u_keep, dtype)
-                bound = torch.maximum(bound, _max_or_zero(sides).double())
+                coef.append(u_coef.reshape(-1))
+                stored_sq.append(u_sq.reshape(-1))
+                sides.append((u_coef.numel(), plan.n, plan.u_basis_cols, eps_u, m.u_keep, u_p))
             if v_coef is not None:
-                sides = projection_bound(v_coef, _local(m.V_low).float().norm(dim=-1), plan.m, plan.v_basis_rows, eps_v,
-                                         m.v_keep, dtype)
-                bound = torch.maximum(bound, _max_or_zero(sides).double())
-            worst.append(bound)
-        worst_t = torch.stack(worst).max() if worst else torch.zeros((), dtype=torch.float64)
+                coef.append(v_coef.reshape(-1))
+                stored_sq.append(_local(m.V_low).float().square().sum(-1).reshape(-1))
+                sides.append((v_coef.numel(), plan.m, plan.v_basis_rows, eps_v, m.v_keep, u_p))
+        if sides:
+            device = coef[0].device
+            per_side = torch.tensor([side[1:] for side in sides], dtype=torch.float64, device=device)
+            per_vector = per_side.repeat_interleave(torch.tensor([side[0] for side in sides], device=device), dim=0)
+            n, k, eps, keep, u_p = per_vector.unbind(1)
+            bounds = projection_bound(torch.cat(coef), torch.cat(stored_sq).sqrt(), n, k, eps, keep > 0, u_p)
+            worst_t = _max_or_zero(bounds).double()
+        else:
+            worst_t = torch.zeros((), dtype=torch.float64)
         if self._sharded and dist.get_world_size() > 1:
             dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
         value = float(worst_t)
