@@ -100,3 +100,21 @@ def test_bench_startup_compares_this_checkout_with_a_baseline(tmp_path):
     for name, row in result["commands"].items():
         assert row["this"]["instructions"] is None and set(row["ratio"]) == {"wall_s", "cpu_s"}, name
         assert row["this"]["cpu_s"] > 0 and 0.2 < row["ratio"]["cpu_s"] < 5, name
+
+
+@pytest.mark.bench
+def test_bench_forward_forms_quick_times_every_form_against_a_dense_linear(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_forward_forms
+
+    from osft.trainer.osft.decomposition import choose_forward_form
+
+    out = tmp_path / "forward_forms.json"
+    assert bench_forward_forms.main(["--quick", "--threads", "0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["n"], r["m"], r["tokens"]) for r in result["shapes"]] == [(48, 32, 64), (16, 32, 64)]
+    for r in result["shapes"]:
+        assert set(r["median_s"]) == {"linear", "dense", "hybrid", "split"} and all(t > 0 for t in r["median_s"].values())
+        assert r["vs_linear"]["hybrid"] == pytest.approx(r["median_s"]["hybrid"] / r["median_s"]["linear"])
+        assert r["fastest"] == min(r["vs_linear"], key=r["vs_linear"].get)
+        assert r["chosen"] == choose_forward_form(r["n"], r["m"], r["k_low"], r["tokens"])

@@ -13,8 +13,8 @@ from osft.trainer.osft.settings import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft
 
 
-@pytest.mark.parametrize("form,checkpointing", [("dense", False), ("split", False), ("split", True)],
-                         ids=["dense", "split", "split-activation-checkpointing"])
+@pytest.mark.parametrize("form,checkpointing", [("dense", False), ("hybrid", False), ("split", False), ("split", True)],
+                         ids=["dense", "hybrid", "split", "split-activation-checkpointing"])
 def test_osft_blocks_compile_without_graph_breaks(form, checkpointing):
     from torch._dynamo.utils import counters
 

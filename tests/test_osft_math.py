@@ -66,7 +66,7 @@ def test_keep_mode_chosen_only_when_cheaper_and_complete():
     assert not half.u_keep and not half.v_keep
 
 
-@pytest.mark.parametrize("form", ["dense", "split"])
+@pytest.mark.parametrize("form", ["dense", "hybrid", "split"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_forward_and_gradients_match_dense_linear(form, transposed):
     w = pretrained_like(24, 40)
@@ -86,10 +86,11 @@ def test_forward_and_gradients_match_dense_linear(form, transposed):
     assert mod.W_high.grad is None and mod.U_basis.grad is None
 
 
+@pytest.mark.parametrize("form", ["split", "hybrid"])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("trainable", ["all", "input_only", "factors_only"])
-def test_split_linear_gives_autograd_values_of_its_four_ops(with_bias, trainable):
-    from osft.trainer.osft.split_linear import split_linear
+def test_factored_backward_gives_autograd_values_of_its_expression(form, with_bias, trainable):
+    from osft.trainer.osft.factored_backward import factored_linear
 
     g = torch.Generator().manual_seed(3)
     x, w_high = torch.randn(2, 7, 40, generator=g), torch.randn(24, 40, generator=g)
@@ -106,23 +107,34 @@ def test_split_linear_gives_autograd_values_of_its_four_ops(with_bias, trainable
         y.backward(dy)
         return y.detach(), [t.grad if t is not None else None for t in leaves]
 
-    y, got = run(lambda xl, ul, sl, vl, bl: split_linear(xl, w_high, ul, sl, vl, bl))
-    y_ref, want = run(lambda xl, ul, sl, vl, bl: F.linear(xl, w_high, bl) + F.linear(F.linear(xl, vl) * sl, ul))
+    def reference(xl, ul, sl, vl, bl):  # autograd on the form's own expression
+        if form == "hybrid":
+            return F.linear(xl, torch.addmm(w_high, ul * sl, vl), bl)
+        return F.linear(xl, w_high, bl) + F.linear(F.linear(xl, vl) * sl, ul)
+
+    y, got = run(lambda xl, ul, sl, vl, bl: factored_linear(xl, w_high, ul, sl, vl, bl, form))
+    y_ref, want = run(reference)
     torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-5)
     for name, a, e in zip(("x", "U_low", "S_low", "V_low", "bias"), got, want):
         assert (a is None) == (e is None), name
         if e is not None:
-            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-5, msg=name)
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="form must be"):
+        factored_linear(x, w_high, u, s, v, b, "dense")
 
 
 def test_forward_form_choice_by_flops():
-    # Square q/o projections with many tokens: rebuilding W is cheaper than the low-rank path.
-    assert choose_forward_form(576, 576, 144, 4096) == "dense"
-    # MLP shapes: the split form needs no weight gradient for W_high; thin k/v projections: dense.
-    assert choose_forward_form(1536, 576, 144, 1024) == "split"
-    assert choose_forward_form(192, 576, 48, 1024) == "dense"
-    # Few tokens per micro-batch: the per-micro-batch rebuild dominates.
+    # SmolLM2's shapes at URR 0.25 and 1,024 tokens: the rebuilt W forward with the factors'
+    # gradients formed directly (no N×M weight gradient) is the cheapest everywhere.
+    assert choose_forward_form(576, 576, 144, 1024) == "hybrid"
+    assert choose_forward_form(1536, 576, 144, 1024) == "hybrid"
+    assert choose_forward_form(192, 576, 48, 1024) == "hybrid"
+    # Split beats hybrid exactly below T = N·M/(N + M) tokens (419 for 1536×576): no rebuild to amortise.
+    assert choose_forward_form(1536, 576, 144, 400) == "split"
+    assert choose_forward_form(1536, 576, 144, 440) == "hybrid"
     assert choose_forward_form(576, 576, 144, 128) == "split"
+    # A high URR with many tokens: the 4·T·k·(N + M) of the factored backward exceeds the weight gradient's cost.
+    assert choose_forward_form(576, 576, 288, 4096) == "dense"
 
 
 @pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80)])

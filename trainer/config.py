@@ -281,8 +281,9 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="V-side projection: factored (dV V_high^T) V_high, or the M x M Gram form")
     g.add_argument("--osft-cache-v-high", action="store_true", default=os.environ.get("OSFT_CACHE_V") == "1",
                    help="keep the all-gathered V bases after the first step (also OSFT_CACHE_V=1); never checkpointed")
-    g.add_argument("--osft-forward", choices=["auto", "dense", "split"], default=d.osft_forward,
-                   help="forward formulation per module; auto picks the one with fewer FLOPs")
+    g.add_argument("--osft-forward", choices=["auto", "dense", "hybrid", "split"], default=d.osft_forward,
+                   help="forward formulation per module (dense: rebuilt W and its weight gradient; hybrid: rebuilt W, "
+                   "factor gradients formed directly; split: no rebuild); auto picks the one with fewer FLOPs")
     g.add_argument("--freeze-non-target", action="store_true",
                    help="train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), "
                    "norms and every other parameter stay frozen (not with --no-osft)")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-ForwardForm = Literal["dense", "split"]
+ForwardForm = Literal["dense", "hybrid", "split"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ModulePlan:
     Fields: ``n``, ``m`` (shape), ``urr`` (unfreeze rank ratio), ``p_left``/``p_right`` (protected
     rank p_L, p_R), ``rank`` (R = min(N − p_L, M − p_R)), ``k_high``, ``k_low`` (R = k_high + k_low),
     ``u_keep``/``v_keep`` (the side stores the complement basis, see
-    :class:`.decomposition.OSFTLinear`), ``forward_form`` (``dense`` or ``split``), ``experts``
+    :class:`.decomposition.OSFTLinear`), ``forward_form`` (``dense``, ``hybrid`` or ``split``), ``experts``
     (0: one N×M weight; E ≥ 1: a bank of E expert weights of one fused MoE tensor, E×N×M, each
     expert decomposed on its own with this layout, every tensor of the module carrying a leading
     expert dimension, see :mod:`.experts`).
