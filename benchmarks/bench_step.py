@@ -19,9 +19,15 @@ against ``full_ft`` from medians of the same run. Each method's achieved model F
 peak measured in this process just before and after the rounds, with the workers' thread count
 (the higher of the two: on a loaded machine the least disturbed measurement).
 
+With ``--baseline CHECKOUT`` a sixth worker, ``osft_baseline``, runs ``osft`` with another
+checkout's code (its own interpreter, ``--baseline-python``), interleaved with the others: the
+effect of a change on the OSFT step, side by side in one run (``osft_vs_baseline``: the ratio of
+medians and the median of the per-round ratios).
+
 Usage::
 
     python benchmarks/bench_step.py                       # tiny + smollm2, results/bench_step.json
+    python benchmarks/bench_step.py --models smollm2 --methods osft,full_ft,peft_osf --baseline /tmp/base
     python benchmarks/bench_step.py --models smollm2 --rounds 4 --steps 2
     python benchmarks/bench_step.py --quick --out /tmp/b.json   # pipeline check, tiny only
 
@@ -48,7 +54,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_step.json"
 METHODS = ("osft", "full_ft", "peft_osf", "hf_unpacked", "hf_packed")
 METHOD_LABELS = {"osft": "OSFT (ours)", "full_ft": "full FT (ours, --no-osft)", "peft_osf": "PEFT OSF",
-                 "hf_unpacked": "plain transformers, padded", "hf_packed": "plain transformers, packed"}
+                 "hf_unpacked": "plain transformers, padded", "hf_packed": "plain transformers, packed",
+                 "osft_baseline": "OSFT, baseline checkout"}
+#: The extra method of ``--baseline``: OSFT as another checkout's code runs it, beside ours.
+BASELINE_METHOD = "osft_baseline"
 MODELS = ("tiny", "smollm2")
 
 #: Goals reported (never asserted), issue 19: OSFT step time at most this multiple of our full fine-tuning,
@@ -332,13 +341,18 @@ class _Worker:
         return json.loads(line)
 
 
-def _launch_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool) -> _Worker:
-    """Start one worker process (it then loads, decomposes and runs its warm-up step)."""
+def _launch_worker(method: str, spec_path: Path, log_dir: Path, verbose: bool,
+                   baseline: tuple[Path, str] | None = None) -> _Worker:
+    """Start one worker process (it then loads, decomposes and runs its warm-up step). The
+    :data:`BASELINE_METHOD` runs ``osft`` with the ``baseline`` = (checkout, interpreter)'s code."""
     log_path = log_dir / f"{method}.log"
     stderr = None if verbose else open(log_path, "w")
+    tree, python, worker = REPO, sys.executable, method
+    if method == BASELINE_METHOD:
+        (tree, python), worker = baseline, "osft"
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--spec", str(spec_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=str(REPO),
+        [python, str(tree / "benchmarks" / "bench_step.py"), "--worker", worker, "--spec", str(spec_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=str(tree),
     )
     if stderr is not None:
         stderr.close()
@@ -459,7 +473,8 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
             console.print(f"\\[{name}] starting {METHOD_LABELS[method]} ...")
             if not args.parallel_start:
                 idle_waited += _wait_for_quiet(max(0.0, args.idle_wait - idle_waited), args.clean_threshold)
-            workers[method] = w = _launch_worker(method, spec_path, root, args.verbose)
+            workers[method] = w = _launch_worker(method, spec_path, root, args.verbose,
+                                                 (args.baseline, args.baseline_python) if args.baseline else None)
             if not args.parallel_start:  # one at a time, so start-up times are not inflated by each other
                 before = _cpu_snapshot(w.proc.pid)
                 w.ready = w.request(None)
@@ -539,42 +554,55 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
     def ratio(m: dict, key: str) -> float | None:
         return None if m[key] is None or base[key] is None else m[key] / base[key]
 
+    def paired_ratio(a: str, b: str) -> float:
+        """Median over rounds of method a's round median / b's: robust to a machine whose speed drifts."""
+        return _median([x / y for x, y in zip(workers[a].round_medians, workers[b].round_medians)])
+
     for method in args.methods:
         m = section["methods"][method]
-        paired = [a / b for a, b in zip(workers[method].round_medians, workers["full_ft"].round_medians)]
         section["ratios_vs_full_ft"][method] = dict(
             step_time=ratio(m, "step_time_s"),
             step_time_clean=ratio(m, "step_time_clean_median_s"),
             step_time_min=ratio(m, "step_time_min_s"),
-            step_time_paired_rounds_median=_median(paired),
+            step_time_paired_rounds_median=paired_ratio(method, "full_ft"),
             tokens_per_s=ratio(m, "tokens_per_s"),
             peak_rss=ratio(m, "peak_rss_bytes"),
             first_step=ratio(m, "first_step_s"),
         )
     ours, peft = section["methods"]["osft"], section["methods"]["peft_osf"]
     r_ours = section["ratios_vs_full_ft"]["osft"]
+    if BASELINE_METHOD in workers:
+        section["osft_vs_baseline"] = dict(
+            step_time=ours["step_time_s"] / section["methods"][BASELINE_METHOD]["step_time_s"],
+            step_time_paired_rounds_median=paired_ratio("osft", BASELINE_METHOD))
 
     def vs_peft(key: str) -> float | None:
         return None if ours[key] is None or peft[key] is None else ours[key] / peft[key]
 
     full = section["methods"]["full_ft"]
-    plain = min((section["methods"][m] for m in ("hf_unpacked", "hf_packed") if m in section["methods"]),
-                key=lambda m: m["step_time_s"], default=None)
+    plain_method = min((m for m in ("hf_unpacked", "hf_packed") if m in section["methods"]),
+                       key=lambda m: section["methods"][m]["step_time_s"], default=None)
+    plain = section["methods"][plain_method] if plain_method else None
 
     def vs_plain(key: str) -> float | None:
         return None if full[key] is None or plain[key] is None else full[key] / plain[key]
 
+    def goal(value: float, target: float, value_paired: float, **extra) -> dict:
+        """A ratio goal: met when both the ratio of medians and the median of per-round ratios are."""
+        return dict(value=value, value_paired=value_paired, target=target,
+                    met=value <= target and value_paired <= target, **extra)
+
     goals = {
-        f"osft_step_time_le_{GOAL_STEP_RATIO:.2f}x_full_ft": dict(
-            value=r_ours["step_time"], target=GOAL_STEP_RATIO, met=r_ours["step_time"] <= GOAL_STEP_RATIO,
+        f"osft_step_time_le_{GOAL_STEP_RATIO:.2f}x_full_ft": goal(
+            r_ours["step_time"], GOAL_STEP_RATIO, paired_ratio("osft", "full_ft"),
             value_clean=r_ours["step_time_clean"], value_min=r_ours["step_time_min"]),
-        f"osft_step_time_le_{GOAL_VS_PEFT:.2f}x_peft_osf": dict(
-            value=vs_peft("step_time_s"), target=GOAL_VS_PEFT, met=vs_peft("step_time_s") <= GOAL_VS_PEFT,
+        f"osft_step_time_le_{GOAL_VS_PEFT:.2f}x_peft_osf": goal(
+            vs_peft("step_time_s"), GOAL_VS_PEFT, paired_ratio("osft", "peft_osf"),
             value_clean=vs_peft("step_time_clean_median_s"), value_min=vs_peft("step_time_min_s")),
     }
     if plain is not None:
-        goals[f"full_ft_step_time_le_{GOAL_FULL_VS_PLAIN:.2f}x_plain_transformers"] = dict(
-            value=vs_plain("step_time_s"), target=GOAL_FULL_VS_PLAIN, met=vs_plain("step_time_s") <= GOAL_FULL_VS_PLAIN,
+        goals[f"full_ft_step_time_le_{GOAL_FULL_VS_PLAIN:.2f}x_plain_transformers"] = goal(
+            vs_plain("step_time_s"), GOAL_FULL_VS_PLAIN, paired_ratio("full_ft", plain_method),
             value_clean=vs_plain("step_time_clean_median_s"), value_min=vs_plain("step_time_min_s"),
             against=plain["label"])
     if name == "smollm2":
@@ -619,11 +647,16 @@ def print_report(result: dict, console) -> None:
             verdict = "[green]met[/green]" if g["met"] else "[red]NOT met[/red]"
             extra = ""
             if "value_clean" in g:
-                extra = f" (clean steps: {num(g['value_clean'], '.3f')}, minima: {num(g['value_min'], '.3f')})"
+                extra = (f" (paired rounds: {g['value_paired']:.3f}, clean steps: {num(g['value_clean'], '.3f')}, "
+                         f"minima: {num(g['value_min'], '.3f')})")
             share = g.get("startup_others_cpu_share")
             if share is not None and share > result["settings"]["clean_threshold"]:
                 extra += f" [yellow](other processes used {share:.0%} of the CPUs during start-up)[/yellow]"
             console.print(f"  goal {goal}: {g['value']:.3f} (target {g['target']:g}) {verdict}{extra}")
+        if "osft_vs_baseline" in sec:
+            v, rev = sec["osft_vs_baseline"], (result["settings"]["baseline"] or {}).get("rev")
+            console.print(f"  OSFT step / the baseline checkout's ({rev}): {v['step_time']:.3f} "
+                          f"(median of paired rounds {v['step_time_paired_rounds_median']:.3f})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -660,6 +693,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {','.join(METHODS)}; osft, full_ft and peft_osf always run "
                         "(the plain transformers steps hold every position's logits: at large batches they may "
                         "not fit in memory beside the others)")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="another checkout: its OSFT step runs too (method osft_baseline, interleaved with the rest), "
+                        "e.g. a worktree of the commit before a change")
+    p.add_argument("--baseline-python", default=None,
+                   help="the interpreter for --baseline, one whose osft package is that checkout's "
+                        "(default: <baseline>/.venv/bin/python)")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     return p
@@ -692,6 +731,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--methods: {args.methods}: choose from {METHODS}, with at least {sorted(needed)}")
     if min(args.steps, args.rounds) < 1:
         raise SystemExit("--steps and --rounds must be >= 1")
+    baseline_rev = None
+    if args.baseline:
+        args.baseline = args.baseline.resolve()
+        args.baseline_python = args.baseline_python or str(args.baseline / ".venv" / "bin" / "python")
+        if not (args.baseline / "benchmarks" / "bench_step.py").is_file() or not Path(args.baseline_python).exists():
+            raise SystemExit(f"--baseline {args.baseline}: needs benchmarks/bench_step.py there and the interpreter "
+                             f"{args.baseline_python} (--baseline-python)")
+        rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        baseline_rev = rev.stdout.strip() or None
+        args.methods = [*args.methods, BASELINE_METHOD]
     started = time.time()
     result = dict(benchmark="bench_step", created_unix=started, machine=machine_info(), load_avg_start=os.getloadavg(),
                   settings=dict(models=models, methods=args.methods, steps_per_round=args.steps, rounds=args.rounds, urr=args.urr,
@@ -701,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
                                 parallel_start=args.parallel_start, idle_wait_s=args.idle_wait,
                                 clean_threshold=args.clean_threshold, threads=args.threads,
                                 data_lines=args.data_lines, optimizer="AdamW, TrainConfig defaults",
-                                warmup_steps_untimed=1, order="interleaved rounds: " + " ".join(args.methods)),
+                                warmup_steps_untimed=1, order="interleaved rounds: " + " ".join(args.methods),
+                                baseline=None if args.baseline is None else dict(path=str(args.baseline), rev=baseline_rev)),
                   models={})
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         for name in models:

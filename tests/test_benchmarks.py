@@ -22,14 +22,21 @@ pytest.importorskip("peft")
 def test_bench_step_quick_writes_every_method_on_the_same_tokens(tmp_path):
     out = tmp_path / "bench_step.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_step.py"), "--quick", "--out", str(out)],
+        # this checkout as its own --baseline: the extra worker runs the same code through the baseline path
+        [sys.executable, str(REPO / "benchmarks" / "bench_step.py"), "--quick", "--out", str(out),
+         "--baseline", str(REPO), "--baseline-python", sys.executable],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["machine"]["cpu_count"] >= 1 and result["machine"]["torch_version"]
     section = result["models"]["tiny"]
-    assert set(section["methods"]) == {"osft", "full_ft", "peft_osf", "hf_unpacked", "hf_packed"}
+    assert set(section["methods"]) == {"osft", "full_ft", "peft_osf", "hf_unpacked", "hf_packed", "osft_baseline"}
+    assert result["settings"]["baseline"]["path"] == str(REPO.resolve())
+    assert section["methods"]["osft_baseline"]["first_loss"] == section["methods"]["osft"]["first_loss"]
+    assert section["methods"]["osft_baseline"]["last_loss"] == section["methods"]["osft"]["last_loss"]
+    assert section["osft_vs_baseline"]["step_time"] == pytest.approx(
+        section["methods"]["osft"]["step_time_s"] / section["methods"]["osft_baseline"]["step_time_s"])
     # the plain transformers steps see the same tokens and labels: the same loss before any update
     full_loss = section["methods"]["full_ft"]["first_loss"]
     for name in ("hf_unpacked", "hf_packed", "osft"):
