@@ -1,7 +1,8 @@
 """Where a training step's CPU time goes (issue 19 item 2): ``torch.profiler`` over real steps.
 
 Each method of ``bench_step.py`` (our full fine-tuning, OSFT, the plain transformers steps) runs its
-runner in this process, one method after the other, on the same batch: one warm-up step, then
+runner in this process, one method after the other, on the same batch: two warm-up steps (OSFT's
+second step forms the deviation bound's basis Gram matrices, once per run), then
 ``--steps`` profiled steps (``torch.profiler.profile``, CPU activity). The profile's self CPU time
 (us, summed over the threads torch ran the op on, as ``key_averages`` reports it) is grouped into
 categories by ATen op name, so what is not matmul shows at a glance:
@@ -17,7 +18,7 @@ categories by ATen op name, so what is not matmul shows at a glance:
 - ``other``.
 
 Results (per method: step wall time, the achieved model FLOP/s and MFU against the fp32 GEMM peak
-measured in the same process, the category shares and the top ops) go to
+measured in the same process before and after the methods, the higher kept, the category shares and the top ops) go to
 ``results/profile_step.json``; ``--trace DIR`` also writes each method's Chrome trace.
 
 Usage::
@@ -109,7 +110,7 @@ def summarize(events, steps: int, top: int) -> dict:
 
 
 def profile_method(method: str, spec: dict, steps: int, top: int, trace_dir: Path | None) -> dict:
-    """One warm-up step, then ``steps`` profiled steps of ``method``; its summary and wall times (s)."""
+    """Two warm-up steps, then ``steps`` profiled steps of ``method``; its summary and wall times (s)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -117,9 +118,10 @@ def profile_method(method: str, spec: dict, steps: int, top: int, trace_dir: Pat
     runner = make_runner(method, spec)
     indices = pick_batch(runner.lengths, spec["batch_size"])
     runner.step(1, indices)
+    runner.step(2, indices)
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for step in range(2, steps + 2):
+        for step in range(3, steps + 3):
             t = time.perf_counter()
             runner.step(step, indices)
             walls.append(time.perf_counter() - t)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="smollm2", help=f"comma-separated, from {','.join(MODELS)}")
     p.add_argument("--methods", default=",".join(PROFILED), help=f"comma-separated, from {','.join(PROFILED)}")
-    p.add_argument("--steps", type=int, default=2, help="profiled steps per method (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=2, help="profiled steps per method (after two warm-up steps)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--max-tokens-per-gpu", type=int, default=1024)
@@ -172,18 +174,23 @@ def main(argv: list[str] | None = None) -> int:
             root.mkdir()
             model_dir, data_path, model_info = (prepare_tiny(root, args.seed) if name == "tiny" else
                                                 prepare_smollm2(root, args.demo_dir, args.data_lines))
-            section = dict(model=model_info, gemm_peak_flops_per_s=gemm_peak(None), methods={})
+            peaks = [gemm_peak(None)]
+            section = dict(model=model_info, methods={})
             for method in methods:
                 spec = dict(model_dir=str(model_dir), data_path=str(data_path), run_dir=str(root / f"run-{method}"),
                             max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                             max_tokens_per_gpu=args.max_tokens_per_gpu, urr=args.urr, seed=args.seed)
                 console.print(f"\\[{name}] profiling {METHOD_LABELS[method]} ...")
-                m = section["methods"][method] = profile_method(method, spec, args.steps, args.top,
-                                                                args.trace / name if args.trace else None)
+                section["methods"][method] = profile_method(method, spec, args.steps, args.top,
+                                                            args.trace / name if args.trace else None)
+            # the peak before and after the methods, the higher kept: the least disturbed measurement
+            peaks.append(gemm_peak(None))
+            section["gemm_peak_flops_per_s"], section["gemm_peak_samples_flops_per_s"] = max(peaks), peaks
+            for m in section["methods"].values():
                 # achieved model FLOP/s and MFU of the profiled steps (the profiler's overhead included)
                 step_flops = flop_model(load_config(model_dir)).step_flops(m["sample_lengths"])
                 m["flops_per_s"] = step_flops * len(m["step_wall_s"]) / sum(m["step_wall_s"])
-                m["mfu"] = mfu(step_flops, sum(m["step_wall_s"]) / len(m["step_wall_s"]), section["gemm_peak_flops_per_s"])
+                m["mfu"] = mfu(step_flops, sum(m["step_wall_s"]) / len(m["step_wall_s"]), max(peaks))
                 table = Table(title=f"{name}, {m['label']}: {sum(m['step_wall_s']) / len(m['step_wall_s']):.2f} s "
                                     f"per step (MFU {m['mfu']:.1%} under the profiler), ATen self CPU "
                                     f"{m['aten_self_cpu_ms_per_step']:.0f} ms per step")
