@@ -86,10 +86,11 @@ def test_forward_and_gradients_match_dense_linear(form, transposed):
     assert mod.W_high.grad is None and mod.U_basis.grad is None
 
 
-@pytest.mark.parametrize("form", ["split", "hybrid"])
+@pytest.mark.parametrize("form,save_rebuilt", [("split", True), ("hybrid", True), ("hybrid", False)],
+                         ids=["split", "hybrid", "hybrid-rebuilt-in-backward"])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("trainable", ["all", "input_only", "factors_only"])
-def test_factored_backward_gives_autograd_values_of_its_expression(form, with_bias, trainable):
+def test_factored_backward_gives_autograd_values_of_its_expression(form, save_rebuilt, with_bias, trainable):
     from osft.trainer.osft.factored_backward import factored_linear
 
     g = torch.Generator().manual_seed(3)
@@ -112,7 +113,7 @@ def test_factored_backward_gives_autograd_values_of_its_expression(form, with_bi
             return F.linear(xl, torch.addmm(w_high, ul * sl, vl), bl)
         return F.linear(xl, w_high, bl) + F.linear(F.linear(xl, vl) * sl, ul)
 
-    y, got = run(lambda xl, ul, sl, vl, bl: factored_linear(xl, w_high, ul, sl, vl, bl, form))
+    y, got = run(lambda xl, ul, sl, vl, bl: factored_linear(xl, w_high, ul, sl, vl, bl, form, save_rebuilt))
     y_ref, want = run(reference)
     torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-5)
     for name, a, e in zip(("x", "U_low", "S_low", "V_low", "bias"), got, want):
@@ -135,6 +136,9 @@ def test_forward_form_choice_by_flops():
     assert choose_forward_form(576, 576, 144, 128) == "split"
     # A high URR with many tokens: the 4·T·k·(N + M) of the factored backward exceeds the weight gradient's cost.
     assert choose_forward_form(576, 576, 288, 4096) == "dense"
+    # Tiny weights: the hand-written function's fixed cost per call outweighs the FLOPs it saves.
+    assert choose_forward_form(32, 32, 8, 512) == "dense"
+    assert choose_forward_form(256, 256, 64, 512) == "hybrid"
 
 
 @pytest.mark.parametrize("shape", [(40, 40), (80, 40), (40, 80)])

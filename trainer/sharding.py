@@ -4,9 +4,10 @@
 parameter, OSFT factors included, is sharded along dim 0; rank 0's full state dict is broadcast and
 sharded with ``set_model_state_dict(..., broadcast_from_rank0=True)``
 (``torch.distributed.checkpoint.state_dict``); buffers that are not in the state dict (rotary
-frequencies) are broadcast from rank 0. On GPU the sharded parameters are float32 and FSDP2
-computes in bfloat16 with float32 gradient reduction (``MixedPrecisionPolicy``); on CPU everything
-is float32.
+frequencies) are broadcast from rank 0. With several ranks, OSFT modules in the *hybrid* form
+rebuild their whole W again in the backward rather than keep it (``save_rebuilt_weight``). On GPU
+the sharded parameters are float32 and FSDP2 computes in bfloat16 with float32 gradient reduction
+(``MixedPrecisionPolicy``); on CPU everything is float32.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .distributed import DistEnv
+from .osft.decomposition import OSFTLinear
 from .osft.targets import decoder_block_names
 
 
@@ -49,3 +51,7 @@ def shard_and_broadcast(model: nn.Module, env: DistEnv, device: torch.device, dt
         if env.rank == 0:
             buf.copy_(buffers_before[name].to(device))
         dist.broadcast(buf, src=0)
+    if env.world_size > 1:  # a rebuilt W is whole on every rank: not kept from forward to backward
+        for module in model.modules():
+            if isinstance(module, OSFTLinear):
+                module.save_rebuilt_weight = False

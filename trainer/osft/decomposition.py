@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .factored_backward import factored_linear
 from .plan import ForwardForm, ModulePlan, plan_module
 from .protect import no_bases
-from .factored_backward import factored_linear
 
 
 #: Above this condition number σ_max/σ_min the Gram-matrix route loses accuracy (its eigenvalues,
@@ -140,13 +140,21 @@ def dense_from_factors(w_high: torch.Tensor, u_low: torch.Tensor, s_low: torch.T
 #: them as if k were this much larger (fitted to per-module timings of SmolLM2's shapes, 2 cores).
 LOW_RANK_GEMM_PENALTY = 48
 
+#: Fixed cost of one call of the hand-written autograd function of the *hybrid* and *split* forms
+#: (Python dispatch, more and smaller kernels than *dense*), in FLOP-equivalents: about 70 µs per
+#: forward + backward on this project's CPU at ~100 GFLOP/s. Decides only for tiny weights (a 32×32
+#: layer: *dense* +40 µs over a plain linear layer, *hybrid* and *split* +100 µs); negligible
+#: against SmolLM2's 0.1–6 GFLOP per module.
+FACTORED_CALL_OVERHEAD = 7_000_000
+
 
 def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: int) -> ForwardForm:
     """Pick the cheapest forward/backward formulation for one OSFT module.
 
     All three keep the frozen part as one dense N×M matrix W_high. FLOPs for T tokens, forward +
     backward, with the products whose inner dimension is k_low counted at k_low +
-    :data:`LOW_RANK_GEMM_PENALTY` (k̃):
+    :data:`LOW_RANK_GEMM_PENALTY` (k̃), and :data:`FACTORED_CALL_OVERHEAD` added to *hybrid* and
+    *split*:
 
     - ``dense``: rebuild W = W_high + U_low·diag(S_low)·V_low once per micro-batch, one dense
       linear, autograd: 6·T·N·M (as full fine-tuning, weight gradient included) + 2·N·M·k̃ (the
@@ -175,8 +183,8 @@ def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: 
     t = max(int(max_tokens_per_micro_batch), 1)
     k_thin = k_low + LOW_RANK_GEMM_PENALTY
     costs = {
-        "split": 4 * t * n * m + 2 * t * k_thin * (n + m) + 4 * t * k_low * (n + m),
-        "hybrid": 4 * t * n * m + 2 * n * m * k_thin + 4 * t * k_low * (n + m),
+        "split": 4 * t * n * m + 2 * t * k_thin * (n + m) + 4 * t * k_low * (n + m) + FACTORED_CALL_OVERHEAD,
+        "hybrid": 4 * t * n * m + 2 * n * m * k_thin + 4 * t * k_low * (n + m) + FACTORED_CALL_OVERHEAD,
         "dense": 6 * t * n * m + 2 * n * m * k_thin + 4 * n * m * k_low,
     }
     return min(costs, key=costs.get)
@@ -264,6 +272,9 @@ class OSFTLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.transposed = transposed
         self.out_features, self.in_features = plan.n, plan.m
+        #: The *hybrid* form keeps its rebuilt W (N×M) for the backward; False rebuilds it there
+        #: instead (:func:`.factored_backward.factored_linear`; set under FSDP2 with several ranks).
+        self.save_rebuilt_weight = True
 
     @property
     def u_keep(self) -> bool:
@@ -391,7 +402,8 @@ class OSFTLinear(nn.Module):
         """x: (..., M) → (..., N), by :attr:`forward_form` (see :func:`choose_forward_form`)."""
         if self.forward_form == "dense":
             return F.linear(x, self.dense_weight(), self.bias)
-        return factored_linear(x, self.W_high, self.U_low, self.S_low, self.V_low, self.bias, self.forward_form)
+        return factored_linear(x, self.W_high, self.U_low, self.S_low, self.V_low, self.bias, self.forward_form,
+                               self.save_rebuilt_weight)
 
     def extra_repr(self) -> str:
         return (
