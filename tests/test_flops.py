@@ -34,6 +34,15 @@ def test_utilization_splits_job_and_node():
     assert fields["mfu"] == pytest.approx(2400 / 2 / 4e3)
     assert fields["node_mfu"] == pytest.approx(1200 / 2 / 2e3)
     assert mfu(1.0, 0.0, 1.0) is None and mfu(1.0, 1.0, 0.0) is None
+    assert not util.peak_exceeded
+
+
+def test_a_step_faster_than_a_disturbed_peak_measurement_caps_mfu_at_one():
+    util = Utilization(FlopModel(100, 0), peaks=(1e3, 1e3), node_of_rank=(0, 0), node_rank=0)
+    fast = util.fields([[4], [4]], seconds=2.0)  # 4800 FLOPs in 2 s = 2400 FLOP/s > the measured 2000
+    assert fast["flops_per_s"] == 2400 and fast["mfu"] == 1.0 and fast["node_mfu"] == 1.0 and util.peak_exceeded
+    slower = util.fields([[4], [4]], seconds=4.0)  # then measured against the fastest step
+    assert slower["mfu"] == pytest.approx(0.5) and slower["node_mfu"] == pytest.approx(0.5)
 
 
 def test_matmul_peak_is_a_positive_rate():

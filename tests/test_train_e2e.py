@@ -83,6 +83,7 @@ def test_no_osft_is_plain_full_fine_tuning(tiny_model_dir, chat_file, tmp_path):
         (["--lr-scheduler", "exp"], "argument --lr-scheduler: invalid choice: 'exp'"),
         (["--osft-max-frozen-ratio", "1"], "argument --osft-max-frozen-ratio: must be in [0, 1), got '1'"),
         (["--osft-rank-schedule", "random"], "argument --osft-rank-schedule: invalid choice: 'random'"),
+        (["--learning-rat", "1e-5"], "unrecognized arguments: --learning-rat"),  # no prefix matching
     ],
 )
 def test_bad_flag_values_give_one_clear_line(tiny_model_dir, chat_file, tmp_path, capsys, flags, message):

@@ -215,6 +215,7 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
         "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`, "
         "`osft-train plot RUN_DIR`, `osft-train slurm-script`, `osft-train k8s-manifest` (multi-node jobs).",
         formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # a truncated or misspelt flag is an error, never silently another flag
     )
     d = TrainConfig("", "", "")
     g = p.add_argument_group("config file")

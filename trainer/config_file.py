@@ -204,7 +204,7 @@ def parse_with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> 
         ConfigFileError: see :func:`read_config_file`.
         SystemExit: a bad flag on the command line (argparse's own error, exit code 2).
     """
-    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
     pre.add_argument("--config")
     try:
         path = pre.parse_known_args(argv)[0].config

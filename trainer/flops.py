@@ -17,7 +17,7 @@ the same formula: OSFT's extra projection work is overhead, not model FLOPs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,25 +73,38 @@ def mfu(flops: float, seconds: float, peak_flops_per_s: float) -> float | None:
     return flops / seconds / peak_flops_per_s
 
 
-@dataclass(frozen=True)
+@dataclass
 class Utilization:
     """MFU of the step records: the job's and one node's, against the peaks measured on every rank.
 
     ``peaks`` holds each rank's measured GEMM peak (FLOP/s, by global rank, :mod:`.matmul_peak`);
-    ``node_of_rank`` each rank's node.
+    ``node_of_rank`` each rank's node. A peak measured while the machine was busy can come out
+    below what a training step then achieves in model FLOP/s (which never exceeds the true peak):
+    the denominator is the larger of the measured peak and the fastest step so far
+    (``fastest``: job, node; FLOP/s), so MFU never exceeds 1, and :attr:`peak_exceeded` says when
+    a step went past the measurement.
     """
 
     flops: FlopModel
     peaks: tuple[float, ...]
     node_of_rank: tuple[int, ...]
     node_rank: int
+    fastest: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    @property
+    def peak_exceeded(self) -> bool:
+        """Whether a step achieved more model FLOP/s than the measured peak of the job or the node."""
+        mine = [self.peaks[r] for r, node in enumerate(self.node_of_rank) if node == self.node_rank]
+        return self.fastest[0] > sum(self.peaks) or self.fastest[1] > sum(mine)
 
     def fields(self, lengths_by_rank: list, seconds: float) -> dict:
         """``model_flops`` (job, FLOPs), ``flops_per_s``, ``mfu`` and ``node_mfu`` of a step of
         ``seconds`` in which rank r trained samples of ``lengths_by_rank[r]`` tokens."""
         per_rank = [self.flops.step_flops(lengths) for lengths in lengths_by_rank]
         mine = [r for r, node in enumerate(self.node_of_rank) if node == self.node_rank]
-        total = sum(per_rank)
+        total, node_total = sum(per_rank), sum(per_rank[r] for r in mine)
+        if seconds > 0:
+            self.fastest = [max(self.fastest[0], total / seconds), max(self.fastest[1], node_total / seconds)]
         return dict(model_flops=total, flops_per_s=total / seconds if seconds > 0 else None,
-                    mfu=mfu(total, seconds, sum(self.peaks)),
-                    node_mfu=mfu(sum(per_rank[r] for r in mine), seconds, sum(self.peaks[r] for r in mine)))
+                    mfu=mfu(total, seconds, max(sum(self.peaks), self.fastest[0])),
+                    node_mfu=mfu(node_total, seconds, max(sum(self.peaks[r] for r in mine), self.fastest[1])))
