@@ -91,20 +91,23 @@ class Utilization:
     node_rank: int
     fastest: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
+    def __post_init__(self) -> None:
+        #: This node's global ranks, and the measured peaks (FLOP/s) of the job and of this node.
+        self.mine = [r for r, node in enumerate(self.node_of_rank) if node == self.node_rank]
+        self.measured = (sum(self.peaks), sum(self.peaks[r] for r in self.mine))
+
     @property
     def peak_exceeded(self) -> bool:
         """Whether a step achieved more model FLOP/s than the measured peak of the job or the node."""
-        mine = [self.peaks[r] for r, node in enumerate(self.node_of_rank) if node == self.node_rank]
-        return self.fastest[0] > sum(self.peaks) or self.fastest[1] > sum(mine)
+        return self.fastest[0] > self.measured[0] or self.fastest[1] > self.measured[1]
 
     def fields(self, lengths_by_rank: list, seconds: float) -> dict:
         """``model_flops`` (job, FLOPs), ``flops_per_s``, ``mfu`` and ``node_mfu`` of a step of
         ``seconds`` in which rank r trained samples of ``lengths_by_rank[r]`` tokens."""
         per_rank = [self.flops.step_flops(lengths) for lengths in lengths_by_rank]
-        mine = [r for r, node in enumerate(self.node_of_rank) if node == self.node_rank]
-        total, node_total = sum(per_rank), sum(per_rank[r] for r in mine)
+        total, node_total = sum(per_rank), sum(per_rank[r] for r in self.mine)
         if seconds > 0:
             self.fastest = [max(self.fastest[0], total / seconds), max(self.fastest[1], node_total / seconds)]
         return dict(model_flops=total, flops_per_s=total / seconds if seconds > 0 else None,
-                    mfu=mfu(total, seconds, max(sum(self.peaks), self.fastest[0])),
-                    node_mfu=mfu(node_total, seconds, max(sum(self.peaks[r] for r in mine), self.fastest[1])))
+                    mfu=mfu(total, seconds, max(self.measured[0], self.fastest[0])),
+                    node_mfu=mfu(node_total, seconds, max(self.measured[1], self.fastest[1])))

@@ -634,7 +634,7 @@ class Trainer:
         utilization = self.utilization.fields([self.lengths[idx[[i for micro in p for i in micro]]] for p in plans], elapsed)
         if self.utilization.peak_exceeded and not exceeded_before:
             self._warn(f"step {step} ran faster than the matmul peak measured at start-up allows "
-                       f"({sum(self.utilization.peaks) / 1e9:,.1f} GFLOP/s): that measurement was disturbed; "
+                       f"({self.utilization.measured[0] / 1e9:,.1f} GFLOP/s): that measurement was disturbed; "
                        "MFU is taken against the fastest step from here on")
         global_tokens = sum(tokens_by_rank)
         node_tokens = sum(t for t, node in zip(tokens_by_rank, self.node_of_rank) if node == self.dist.node_rank)

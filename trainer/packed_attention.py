@@ -12,9 +12,9 @@ does on GPUs (``flash_attn_varlen_func``) built from ``torch.nn.functional.scale
 It is registered with transformers' ``AttentionInterface`` (and the SDPA mask builder with
 ``AttentionMaskInterface``) under :data:`NAME`, and only a call that passes the row's sample bounds
 (:data:`BOUNDS_KWARG`: the ``sample_bounds`` of :func:`.data.collate.collate_packed`) takes the
-per-sample path. Every
-other call (a padded batch, generation with a KV cache, non-causal attention, a sliding window,
-attention sinks, a soft cap) is handed to transformers' own ``sdpa_attention_forward`` unchanged.
+per-sample path. Every other call (a padded batch, generation with a KV cache, non-causal
+attention, a sliding window, attention sinks, a soft cap) is handed to transformers' own
+``sdpa_attention_forward`` unchanged.
 """
 
 from __future__ import annotations
@@ -86,4 +86,3 @@ def use_packed_attention(model: torch.nn.Module) -> bool:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
     return True
-
