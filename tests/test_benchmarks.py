@@ -125,3 +125,17 @@ def test_bench_forward_forms_quick_times_every_form_against_a_dense_linear(tmp_p
         assert r["vs_linear"]["hybrid"] == pytest.approx(r["median_s"]["hybrid"] / r["median_s"]["linear"])
         assert r["fastest"] == min(r["vs_linear"], key=r["vs_linear"].get)
         assert r["chosen"] == choose_forward_form(r["n"], r["m"], r["k_low"], r["tokens"])
+
+
+@pytest.mark.bench
+def test_bench_launch_times_the_phases_of_a_two_rank_run(tmp_path):
+    """One round, this checkout only: every phase measured, and they add up to the launch's wall time."""
+    out = tmp_path / "launch.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_launch.py"), "--rounds", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (run,) = result["samples"]["this"]
+    assert set(result["samples"]) == set(result["medians"]) == {"this"} and "ratio" not in result
+    assert all(v > 0 for v in run.values()), run
+    assert sum(v for k, v in run.items() if k != "total_s") == pytest.approx(run["total_s"])

@@ -56,4 +56,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .quick_exit import exit_without_final_gc
+
+    exit_without_final_gc(main())

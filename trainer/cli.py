@@ -29,7 +29,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -256,8 +256,17 @@ def _job_id(cfg) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+def run() -> NoReturn:
+    """The ``osft-train`` command (and ``python -m osft.trainer.cli``): :func:`main` on
+    ``sys.argv``, then exit with its code (:func:`.quick_exit.exit_without_final_gc`)."""
+    from .quick_exit import exit_without_final_gc
+
+    exit_without_final_gc(main())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``osft-train``; returns the process exit code (:mod:`.exit_codes`)."""
+    """What ``osft-train`` does with ``argv`` (default ``sys.argv[1:]``); returns the process exit
+    code (:mod:`.exit_codes`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] not in ([name] for name in NOT_TRAINING):
         hold_signals()  # before anything slow is imported (test_stop_rule.py)
@@ -328,4 +337,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import psutil
@@ -74,7 +75,7 @@ from .monitor import RunEnd, RunMonitor
 from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
-from .osft.plan import ModulePlan, plan_table
+from .osft.plan import ForwardForm, ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.input_grams import InputBases, check_gram_budget, input_bases
 from .osft.protect import ModuleFold, fold_bank, fold_module, no_bases
@@ -303,7 +304,7 @@ class Trainer:
             urr = f"{min(urrs):.3g}-{max(urrs):.3g} by block importance" if self.rank_plan else f"{cfg.osft_unfreeze_rank_ratio}"
             self._say(
                 f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
-                f"(URR {urr}; forward: {forms.count('dense')} dense, {forms.count('split')} split)"
+                f"(URR {urr}; forward: {', '.join(f'{forms.count(f)} {f}' for f in get_args(ForwardForm))})"
             )
             if self.rank_plan:
                 self._report_rank_plan()
