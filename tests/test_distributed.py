@@ -106,6 +106,8 @@ def test_uneven_shards_give_the_single_process_projection(tmp_path, ranks):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = torch.load(out, weights_only=False)
     assert len(results) == ranks
+    # map_over_ranks: item i computed by rank i mod world size, every result on rank 0 in order
+    assert [r.pop("mapped") for r in results] == [[(i, i % ranks) for i in range(7)]] + [None] * (ranks - 1)
     for per_rank in results:
         assert set(per_rank) == {"factored", "gram", "cached"}
         for mode, r in per_rank.items():

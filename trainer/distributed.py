@@ -10,13 +10,16 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
+R = TypeVar("R")
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -72,10 +75,12 @@ def init_distributed(env: DistEnv, device: torch.device) -> None:
 
 
 def control_group() -> dist.ProcessGroup | None:
-    """The group for control collectives: small CPU tensors and objects every rank must agree on
-    (checkpoint and evaluation requests, token counts, node ranks, rank 0's decisions), never
-    model data. Under NCCL it is a gloo group, so a control collective costs no CUDA
-    synchronisation and waits only for the other ranks' host threads (the training step reads the
+    """The group for host (CPU) tensors: the control collectives, small tensors and objects every
+    rank must agree on (checkpoint and evaluation requests, token counts, node ranks, rank 0's
+    decisions), and the weights and SVD factors that start-up spreads over the ranks
+    (:func:`.osft.surgery.apply_osft`), which NCCL, CUDA tensors only, cannot carry. Under NCCL it
+    is a gloo group, so a control collective costs no CUDA synchronisation and waits only for the
+    other ranks' host threads (the training step reads the
     device only for its loss, grad norm and orthogonality bound: :meth:`.loop.Trainer.train_step`); on CPU it is the default (gloo) group: None,
     as ``group=`` of ``torch.distributed`` takes it."""
     return _control
@@ -183,3 +188,34 @@ def agree(fn, rank: int):
     if kind == "error":
         raise value[0](value[1])
     return value
+
+
+def map_over_ranks(fn: Callable[[T], R], items: Sequence[T] | None, count: int) -> list[R] | None:
+    """``[fn(x) for x in items]`` with item i computed by rank i mod world size, so that host work
+    of rank 0's data (e.g. the fold of every module's protected bases at export) takes 1/world of
+    the time. Rank 0 passes the ``count`` items, the others None; rank 0 gets the results in order,
+    the others None. Items and results travel pickled, point to point over :func:`control_group`
+    (``torch.distributed.send_object_list``/``recv_object_list``): host objects only. One process:
+    a plain map. Collective: every rank calls it with the same ``count``."""
+    if not is_distributed():
+        return [fn(x) for x in items]
+    rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
+
+    def receive(src: int):
+        box = [None]
+        dist.recv_object_list(box, src=src, group=group)
+        return box[0]
+
+    mine = {}
+    for i in range(count):  # 1. items from rank 0 to their owners
+        owner = i % world
+        if rank == 0 and owner != 0:
+            dist.send_object_list([items[i]], dst=owner, group=group)
+        elif rank == owner:
+            mine[i] = items[i] if rank == 0 else receive(0)
+    done = {i: fn(x) for i, x in mine.items()}  # 2. every rank works on its share
+    if rank != 0:  # 3. results back to rank 0, in order
+        for i in sorted(done):
+            dist.send_object_list([done.pop(i)], dst=0, group=group)
+        return None
+    return [done.pop(i) if i % world == 0 else receive(i % world) for i in range(count)]

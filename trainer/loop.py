@@ -63,6 +63,7 @@ from .distributed import (
     gather_float,
     gather_on_device,
     init_distributed,
+    map_over_ranks,
     node_ranks,
     shutdown_distributed,
 )
@@ -691,10 +692,10 @@ class Trainer:
         out = out or self.run_dir.hf_export(step)
         state = full_state_dict(self.model)
         inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
+        folds = self._fold_subspaces(state, inputs, step) if self.osft else None
         if self.dist.rank == 0:
             extra = None
             if self.osft:
-                folds = self._fold_subspaces(state, inputs, step)
                 settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
                             ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
                 if inputs is not None:
@@ -716,23 +717,32 @@ class Trainer:
         return str(out)
 
     def _fold_subspaces(self, state: dict[str, torch.Tensor], inputs: InputBases | None,
-                        step: int) -> dict[str, ModuleFold]:
+                        step: int) -> dict[str, ModuleFold] | None:
         """Every module's protected bases after this run (:func:`.osft.protect.fold_module` on the
-        full tensors of rank 0, with the ``inputs`` variant's directions where collected); logs a
+        full tensors of rank 0, with the ``inputs`` variant's directions where collected), module i
+        folded by rank i mod world size (:func:`.distributed.map_over_ranks`); on rank 0 logs a
         ``subspaces_folded`` record and the modules where the cap bound (with the energy actually
-        kept)."""
+        kept) and returns the folds, on the others None. Collective."""
         cfg = self.cfg
         keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
-        def fold(name: str, plan) -> ModuleFold:
+        def fold_args(name: str, plan) -> tuple[dict[str, torch.Tensor], bool, tuple | None]:
             empty = dict(zip("PQ", no_bases(plan.n, plan.m, experts=plan.experts)))  # p = 0: no parameter
             factors = {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
-            if plan.experts:  # the update variant, per expert
-                return fold_bank(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio)
-            return fold_module(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio,
-                               None if inputs is None else inputs.directions.get(name))
+            return factors, bool(plan.experts), None if inputs is None else inputs.directions.get(name)
 
-        folds = {name: fold(name, module.plan) for name, module in self.osft.modules}
+        def fold(args: tuple[dict[str, torch.Tensor], bool, tuple | None]) -> ModuleFold:
+            factors, bank, directions = args
+            if bank:  # the update variant, per expert
+                return fold_bank(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio)
+            return fold_module(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio, directions)
+
+        modules = self.osft.modules
+        args = [fold_args(name, module.plan) for name, module in modules] if self.dist.rank == 0 else None
+        results = map_over_ranks(fold, args, len(modules))
+        if results is None:
+            return None
+        folds = {name: f for (name, _), f in zip(modules, results)}
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
         passes = {} if inputs is None else {"input_passes": inputs.passes}
         self.metrics.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),

@@ -3,7 +3,8 @@ the gathered results to a .pt file, for comparison with the single-process proje
 
 Usage: torchrun --nproc-per-node K projection_check.py OUT.pt
 
-Each of the modes factored, gram and cached (factored with the gathered V bases kept) is checked.
+Each of the modes factored, gram and cached (factored with the gathered V bases kept) is checked;
+so is ``map_over_ranks`` (which rank computed each of 7 items, as rank 0 receives them).
 """
 
 import sys
@@ -14,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from osft.trainer.distributed import exit_rank, shutdown_distributed
+from osft.trainer.distributed import exit_rank, map_over_ranks, shutdown_distributed
 from osft.trainer.osft.decomposition import OSFTLinear
 from osft.trainer.osft.projection import Projector
 
@@ -72,6 +73,8 @@ def main():
     dist.init_process_group("gloo")
     result = {mode: check(v_projection, cache) for mode, (v_projection, cache) in
               {"factored": ("factored", False), "gram": ("gram", False), "cached": ("factored", True)}.items()}
+    rank = dist.get_rank()
+    result["mapped"] = map_over_ranks(lambda x: (x, dist.get_rank()), list(range(7)) if rank == 0 else None, 7)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:

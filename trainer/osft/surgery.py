@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import control_group
 from .decomposition import OSFTLinear, dense_from_factors, protected_svd
 from .experts import ExpertLayout, OSFTExperts
 from .plan import ModulePlan
@@ -243,6 +244,7 @@ def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> I
     target's SVD in order (float64 CPU factors), on the others None for each. Collective; the
     factors of target i reach rank 0 as the caller asks for item i."""
     owner = [i % world_size for i in range(len(targets))]
+    host = control_group()  # the factors live on the host: under NCCL its gloo group carries them
     mine: dict[int, torch.Tensor] = {}
     # 1. weights from rank 0 to their owners
     for i, target in enumerate(targets):
@@ -250,10 +252,10 @@ def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> I
         if rank == 0:
             w = target.matrix.detach().contiguous()
             if owner[i] != 0:
-                dist.send(w, dst=owner[i])
+                dist.send(w, dst=owner[i], group=host)
         elif owner[i] == rank:
             w = torch.empty(target.matrix.shape, dtype=target.matrix.dtype)
-            dist.recv(w, src=0)
+            dist.recv(w, src=0, group=host)
         if owner[i] == rank:
             mine[i] = w
     # 2. every rank decomposes its share
@@ -268,12 +270,12 @@ def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> I
             svd = (torch.empty(*lead, n, r, dtype=torch.float64), torch.empty(*lead, r, dtype=torch.float64),
                    torch.empty(*lead, r, m, dtype=torch.float64))
             for t in svd:
-                dist.recv(t, src=owner[i])
+                dist.recv(t, src=owner[i], group=host)
             yield svd
         else:
             if owner[i] == rank:
                 for t in factors.pop(i):
-                    dist.send(t.contiguous(), dst=0)
+                    dist.send(t.contiguous(), dst=0, group=host)
             yield None
 
 
