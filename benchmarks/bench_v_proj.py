@@ -165,7 +165,7 @@ def run_e2e(args) -> dict:
     from osft.trainer.demo_assets import fetch_demo
 
     assets = fetch_demo(Path(args.demo_dir) if args.demo_dir else None)
-    flags = {"gram": ["--osft-v-projection", "gram"], "factored": [], "cached": ["--osft-cache-v-high"]}
+    flags = {"gram": ["--osft-v-projection", "gram"], "factored": ["--no-osft-cache-v-high"], "cached": ["--osft-cache-v-high"]}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, extra in flags.items():

@@ -78,15 +78,16 @@ def test_two_ranks_train_like_one(tiny, two_ranks, tmp_path):
 @pytest.mark.torchrun
 def test_projection_modes_give_the_same_parameters_and_local_rank_1_warnings_reach_the_run_dir(
         tiny, two_ranks, tmp_path, monkeypatch):
-    """Gram and cached V projection end at the factored run's parameters. The Gram run also carries
+    """Gram and uncached V projection (each V basis gathered at every use) end at the parameters of
+    the factored run with the gathered bases kept, the default on CPU ranks. The Gram run also carries
     a test warning from local rank 1 at step 2 (it changes nothing in training): it reaches
     ``metrics/rank1.jsonl``, and step records stay on local rank 0."""
     monkeypatch.setenv("OSFT_TEST_WARN_AT", "2:1")
     assert run(tiny, tmp_path / "gram", "--max-steps", "10", "--nproc-per-node", "2", "--osft-v-projection", "gram") == 0
     monkeypatch.delenv("OSFT_TEST_WARN_AT")
-    assert run(tiny, tmp_path / "cached", "--max-steps", "10", "--nproc-per-node", "2", "--osft-cache-v-high") == 0
+    assert run(tiny, tmp_path / "uncached", "--max-steps", "10", "--nproc-per-node", "2", "--no-osft-cache-v-high") == 0
     reference = weights(two_ranks, 10)
-    for name in ("gram", "cached"):
+    for name in ("gram", "uncached"):
         other = weights(tmp_path / name, 10)
         for key, value in reference.items():
             torch.testing.assert_close(other[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
@@ -175,8 +176,24 @@ def test_osft_cache_v_env_sets_the_flag_default(monkeypatch):
     argv = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]
     monkeypatch.setenv("OSFT_CACHE_V", "1")
     assert build_parser().parse_args(argv).osft_cache_v_high is True
+    assert build_parser().parse_args(argv + ["--no-osft-cache-v-high"]).osft_cache_v_high is False
     monkeypatch.setenv("OSFT_CACHE_V", "0")
     assert build_parser().parse_args(argv).osft_cache_v_high is False
+    monkeypatch.delenv("OSFT_CACHE_V")
+    assert build_parser().parse_args(argv).osft_cache_v_high is None  # decided by device
+
+
+def test_v_bases_are_cached_on_cpu_ranks_unless_set_and_the_setting_reaches_the_workers():
+    from osft.trainer.config import build_parser, config_from_args, config_to_argv
+    from osft.trainer.osft.settings import OSFTSettings
+
+    argv = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]
+    for flags, cpu, cuda in (([], True, False), (["--osft-cache-v-high"], True, True),
+                             (["--no-osft-cache-v-high"], False, False)):
+        cfg = config_from_args(build_parser().parse_args(argv + flags))
+        settings = OSFTSettings.from_config(cfg)
+        assert (settings.caches_v_basis(torch.device("cpu")), settings.caches_v_basis(torch.device("cuda"))) == (cpu, cuda)
+        assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg  # the launcher's flags to the ranks
 
 
 @pytest.mark.torchrun

@@ -56,7 +56,7 @@ class TrainConfig:
     osft_unfreeze_rank_ratio: float = 0.25
     osft_target_patterns: list[str] | None = None
     osft_v_projection: str = "factored"
-    osft_cache_v_high: bool = False
+    osft_cache_v_high: bool | None = None
     osft_forward: str = "auto"
     freeze_non_target: bool = False
     freeze_router: bool = False
@@ -280,8 +280,13 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="regular expressions selecting target modules (default: built in per architecture)")
     g.add_argument("--osft-v-projection", choices=["factored", "gram"], default=d.osft_v_projection,
                    help="V-side projection: factored (dV V_high^T) V_high, or the M x M Gram form")
-    g.add_argument("--osft-cache-v-high", action="store_true", default=os.environ.get("OSFT_CACHE_V") == "1",
-                   help="keep the all-gathered V bases after the first step (also OSFT_CACHE_V=1); never checkpointed")
+    cache_v = {"1": True, "0": False}.get(os.environ.get("OSFT_CACHE_V", ""))
+    g.add_argument("--osft-cache-v-high", action="store_true", default=cache_v,
+                   help="keep the all-gathered V bases after their first use; never checkpointed. Default: on "
+                   "CPU ranks (gloo), whose gathers cost more than the copy's host memory, off under NCCL "
+                   "(also OSFT_CACHE_V=1 or 0)")
+    g.add_argument("--no-osft-cache-v-high", dest="osft_cache_v_high", action="store_false", default=cache_v,
+                   help="gather each V basis at every use, also on CPU ranks")
     g.add_argument("--osft-forward", choices=["auto", "dense", "hybrid", "split"], default=d.osft_forward,
                    help="forward formulation per module (dense: rebuilt W and its weight gradient; hybrid: rebuilt W, "
                    "factor gradients formed directly; split: no rebuild); auto picks the one with fewer FLOPs")
@@ -423,13 +428,15 @@ def config_to_argv(cfg: TrainConfig) -> list[str]:
     """Command-line flags that parse back into ``cfg`` with :func:`build_parser` (for workers)."""
     argv: list[str] = []
     negated = {"osft": "--no-osft", "data_cache": "--no-data-cache", "train_reasoning": "--no-train-reasoning",
-               "osft_protect_subspaces": "--no-osft-protect-subspaces"}
+               "osft_protect_subspaces": "--no-osft-protect-subspaces", "osft_cache_v_high": "--no-osft-cache-v-high"}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if f.name in negated:
-            if not value:
+        if f.name in negated:  # a switch with both flags; None (a default decided later) gives neither
+            if value is False:
                 argv.append(negated[f.name])
+            elif value is True and f.default is not True:
+                argv.append(flag)
         elif isinstance(value, bool):
             if value:
                 argv.append(flag)

@@ -77,6 +77,8 @@ def _convert(action: argparse.Action, value: Any, nullable: bool) -> Any:
         ValueError: the value is rejected; the message says what is allowed.
     """
     if action.nargs == 0:
+        if value is None and nullable:  # a switch whose default is decided at run time
+            return None
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {_describe(value)}")
         return value

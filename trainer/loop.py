@@ -331,7 +331,7 @@ class Trainer:
             if warning:
                 self._warn(warning)
         trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
-        self.projector = Projector(trained, osft_settings.v_projection, osft_settings.cache_v_basis) if self.osft else None
+        self.projector = Projector(trained, osft_settings.v_projection, osft_settings.caches_v_basis(self.device)) if self.osft else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(  # fused kernels on CUDA (PyTorch's fused AdamW)
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 from .plan import ForwardForm, ModulePlan, plan_module
 
 if TYPE_CHECKING:
+    import torch
+
     from ..config import TrainConfig
 
 #: How the V side is projected (``--osft-v-projection``), see :mod:`.projection`.
@@ -31,7 +33,7 @@ class OSFTSettings:
     T of :func:`.decomposition.choose_forward_form`), ``forward_form`` (``auto``, ``dense``,
     ``hybrid`` or ``split``, ``--osft-forward``), ``target_patterns`` (regular expressions, None
     for the built-in ones, ``--osft-target-patterns``), ``v_projection`` (``--osft-v-projection``) and
-    ``cache_v_basis`` (``--osft-cache-v-high``).
+    ``cache_v_basis`` (``--osft-cache-v-high``; None: :meth:`caches_v_basis` decides by device).
     """
 
     urr: float
@@ -39,7 +41,7 @@ class OSFTSettings:
     forward_form: ForwardForm | Literal["auto"] = "auto"
     target_patterns: tuple[str, ...] | None = None
     v_projection: VProjection = "factored"
-    cache_v_basis: bool = False
+    cache_v_basis: bool | None = None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> OSFTSettings:
@@ -48,6 +50,13 @@ class OSFTSettings:
         return cls(urr=cfg.osft_unfreeze_rank_ratio, max_tokens_per_micro_batch=cfg.max_tokens_per_gpu,
                    forward_form=cfg.osft_forward, target_patterns=None if patterns is None else tuple(patterns),
                    v_projection=cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high)
+
+    def caches_v_basis(self, device: torch.device) -> bool:
+        """Whether the all-gathered V bases are kept (:class:`.projection.Projector`): as set, else
+        on CPU ranks, whose gloo all-gathers of SmolLM2's V bases (220 MB per projection, two
+        projections a step) took about 1 s of a 12 s two-rank step, and off under NCCL, where a
+        gather is cheap and device memory is not."""
+        return self.cache_v_basis if self.cache_v_basis is not None else device.type != "cuda"
 
     def plan(self, n: int, m: int, p_left: int = 0, p_right: int = 0, urr: float | None = None,
              experts: int = 0) -> ModulePlan:
