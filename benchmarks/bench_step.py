@@ -12,7 +12,7 @@ Five methods train the same model on the same fixed batch of samples (the same t
   the reference our full fine-tuning is held to.
 
 Every method runs in its own worker subprocess (so its peak RSS is its own). The workers start one
-after the other (each: load, decompose, one warm-up step), then the timed steps run interleaved in
+after the other (each: load, decompose, :data:`WARMUP_STEPS` warm-up steps), then the timed steps run interleaved in
 rounds, A B C D E A B C D E ..., so that noise on a shared machine hits all of them alike. Ratios are taken
 against ``full_ft`` from medians of the same run. Each method's achieved model FLOP/s and MFU
 (``osft.trainer.flops``: the same PaLM formula for every method) are taken against the fp32 GEMM
@@ -52,6 +52,10 @@ from machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_step.json"
+#: Untimed steps before the rounds: an OSFT step 1 runs the full orthogonality check and the first
+#: step after it forms the deviation bound's float64 Gram matrices of the bases (about 1.4 s on
+#: SmolLM2), both once per run; with one warm-up step the second landed in the first timed round.
+WARMUP_STEPS = 2
 METHODS = ("osft", "full_ft", "peft_osf", "hf_unpacked", "hf_packed")
 METHOD_LABELS = {"osft": "OSFT (ours)", "full_ft": "full FT (ours, --no-osft)", "peft_osf": "PEFT OSF",
                  "hf_unpacked": "plain transformers, padded", "hf_packed": "plain transformers, packed",
@@ -251,10 +255,11 @@ def seconds_since_process_start() -> float:
 
 
 def worker_main(method: str, spec_path: str) -> int:
-    """Run one method: prepare, one warm-up step, then timed steps on request; reports on stdout.
+    """Run one method: prepare, :data:`WARMUP_STEPS` warm-up steps, then timed steps on request;
+    reports on stdout.
 
     Protocol (one JSON object per line): after the warm-up it writes ``ready`` (``first_step_s``:
-    s from process start to the end of the warm-up step; ``svd_s``; ``prepare_s``; the batch).
+    s from process start to the end of the first warm-up step; ``svd_s``; ``prepare_s``; the batch).
     Then it reads commands on stdin: ``{"cmd": "steps", "n": N}`` answers the N step times (s);
     ``{"cmd": "quit"}`` answers ``peak_rss_bytes`` (``ru_maxrss``) and exits.
     """
@@ -283,6 +288,8 @@ def worker_main(method: str, spec_path: str) -> int:
     first = runner.step(1, indices)
     warmup_s = time.perf_counter() - t1
     first_step_s = seconds_since_process_start()
+    for step in range(2, WARMUP_STEPS + 1):
+        runner.step(step, indices)
     params = list(runner.model.parameters())
     send(dict(event="ready", first_step_s=first_step_s, prepare_s=prepare_s, warmup_step_s=warmup_s,
               svd_s=runner.svd_s, indices=indices, num_tokens=first["num_tokens"], first_loss=first["loss"],
@@ -291,7 +298,7 @@ def worker_main(method: str, spec_path: str) -> int:
               total_params=sum(p.numel() for p in params), torch_threads=torch.get_num_threads(),
               cpu_s=sum(os.times()[:2]),
               **runner.extra))
-    step = 1
+    step = WARMUP_STEPS
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "steps":
@@ -750,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
                                 parallel_start=args.parallel_start, idle_wait_s=args.idle_wait,
                                 clean_threshold=args.clean_threshold, threads=args.threads,
                                 data_lines=args.data_lines, optimizer="AdamW, TrainConfig defaults",
-                                warmup_steps_untimed=1, order="interleaved rounds: " + " ".join(args.methods),
+                                warmup_steps_untimed=WARMUP_STEPS, order="interleaved rounds: " + " ".join(args.methods),
                                 baseline=None if args.baseline is None else dict(path=str(args.baseline), rev=baseline_rev)),
                   models={})
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
