@@ -22,6 +22,7 @@ import torch.distributed as dist
 T = TypeVar("T")
 R = TypeVar("R")
 
+
 @dataclass(frozen=True)
 class DistEnv:
     """Position of this process: global ``rank``, ``local_rank`` on its node, ``node_rank``,
