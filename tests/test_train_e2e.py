@@ -95,6 +95,14 @@ def test_bad_flag_values_give_one_clear_line(tiny_model_dir, chat_file, tmp_path
     assert "Traceback" not in err
 
 
+def test_help_names_every_other_command():
+    from osft.trainer.cli import NOT_TRAINING
+    from osft.trainer.config import build_parser
+
+    description = build_parser().description
+    assert all(f"`osft-train {name}" in description for name in (*NOT_TRAINING, "demo")), description
+
+
 def test_cross_flag_and_path_errors_before_training(tiny_model_dir, chat_file, tmp_path, capsys):
     base = ["--data-path", str(chat_file), "--output-dir", str(tmp_path / "r")]
     assert main(["--model-name-or-path", str(tmp_path / "nope"), *base]) == 2
