@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine_info
+from machine import git_revision, machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_launch.json"
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(t, "  ".join(f"{k} {v:.2f}" for k, v in samples[t][-1].items()), flush=True)
     medians = {t: {k: statistics.median(s[k] for s in runs) for k in PHASES} for t, runs in samples.items()}
     result = dict(benchmark="bench_launch", created_unix=time.time(), machine=machine_info(), rounds=args.rounds,
-                  revisions={t: _revision(tree) for t, tree in trees.items()}, load_avg_end=os.getloadavg(),
+                  revisions={t: git_revision(tree) for t, tree in trees.items()}, load_avg_end=os.getloadavg(),
                   samples=samples, medians=medians)
     if args.baseline:
         result["ratio"] = {k: medians["this"][k] / medians["baseline"][k] for k in PHASES}
@@ -112,10 +112,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return result
-
-
-def _revision(tree: Path) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from machine import machine_info
+from machine import git_revision, machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_startup.json"
@@ -97,12 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         results[c] = row
         print(f"{c:24s} " + "  ".join(f"{k} {v:.4f}x" for k, v in row["ratio"].items()))
 
-    def rev(tree: Path) -> str:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
-
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(benchmark="bench_startup", created_unix=time.time(), machine=machine_info(), rounds=args.rounds,
-                                        revisions={t: rev(tree) for t, tree in trees.items()},
+                                        revisions={t: git_revision(tree) for t, tree in trees.items()},
                                         load_avg_end=os.getloadavg(), commands=results), indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from machine import machine_info
+from machine import git_revision, machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_step.json"
@@ -745,8 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.baseline / "benchmarks" / "bench_step.py").is_file() or not Path(args.baseline_python).exists():
             raise SystemExit(f"--baseline {args.baseline}: needs benchmarks/bench_step.py there and the interpreter "
                              f"{args.baseline_python} (--baseline-python)")
-        rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        baseline_rev = rev.stdout.strip() or None
+        baseline_rev = git_revision(args.baseline)
         args.methods = [*args.methods, BASELINE_METHOD]
     started = time.time()
     result = dict(benchmark="bench_step", created_unix=started, machine=machine_info(), load_avg_start=os.getloadavg(),

@@ -1,9 +1,10 @@
-"""The machine a benchmark ran on, recorded with its results."""
+"""The machine a benchmark ran on, and the revision of a checkout, recorded with its results."""
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -27,3 +28,9 @@ def machine_info() -> dict:
                 python=platform.python_version(), torch_version=torch.__version__,
                 torch_threads=torch.get_num_threads(), transformers_version=transformers.__version__,
                 peft_version=peft.__version__)
+
+
+def git_revision(tree: Path) -> str | None:
+    """The short commit hash of the checkout ``tree`` (None outside a git checkout)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    return done.stdout.strip() or None

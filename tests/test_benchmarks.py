@@ -129,7 +129,8 @@ def test_bench_forward_forms_quick_times_every_form_against_a_dense_linear(tmp_p
 
 @pytest.mark.bench
 def test_bench_launch_times_the_phases_of_a_two_rank_run(tmp_path):
-    """One round, this checkout only: every phase measured, and they add up to the launch's wall time."""
+    """One round, this checkout only: every phase measured (each positive: the lines and records
+    it ends on came in the order of a launch), this checkout's revision recorded."""
     out = tmp_path / "launch.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_launch.py"), "--rounds", "1", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -137,5 +138,8 @@ def test_bench_launch_times_the_phases_of_a_two_rank_run(tmp_path):
     result = json.loads(out.read_text())
     (run,) = result["samples"]["this"]
     assert set(result["samples"]) == set(result["medians"]) == {"this"} and "ratio" not in result
+    assert list(run) == list(result["medians"]["this"]) == [
+        "preflight_s", "ranks_start_s", "run_s", "ranks_end_s", "launcher_end_s", "total_s"]
     assert all(v > 0 for v in run.values()), run
-    assert sum(v for k, v in run.items() if k != "total_s") == pytest.approx(run["total_s"])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert result["revisions"] == {"this": head}
