@@ -63,8 +63,9 @@ def test_the_browser_lists_the_runs_and_enter_opens_one(tmp_path):
             assert app.dashboard.reader is None  # nothing attached to the directory of runs
             table = browser.query_one(DataTable)
             rows = [[str(c) for c in table.get_row_at(i)] for i in range(table.row_count)]
-            assert [r[:4] for r in rows] == [["a-done", "[green]completed[/]", "20", "1.0000"],
-                                             ["b-live", "[green]running[/]", "7", "2.3000"]]
+            assert [r[:4] for r in rows] == [["a-done", "completed", "20", "1.0000"],
+                                             ["b-live", "running", "7", "2.3000"]]
+            assert table.get_row_at(0)[1].style == "green"
             assert rows[0][4] == "1h00m00s ago" and rows[1][4].endswith("s ago")
             await pilot.press("down", "enter")
             dash = app.dashboard

@@ -390,7 +390,8 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
         await wait_until(pilot, lambda: "rank1" in ranks.rows and "exit code" in str(ranks.get_cell("rank1", "state")), 30,
                          "rank 1's row to show its exit")
         state = ranks.get_cell("rank1", "state")
-        assert state.startswith("[b red]failed (exit code 3)[/]: RuntimeError: fake crash of rank 1 at step 3")
+        assert state.plain.startswith("failed (exit code 3): RuntimeError: fake crash of rank 1 at step 3")
+        assert state.spans[0].style == "b red" and state.spans[0].end == len("failed (exit code 3)")
         ranks.focus()
         ranks.move_cursor(row=1)
         await pilot.press("l")

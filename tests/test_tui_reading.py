@@ -167,7 +167,8 @@ def test_exit_code_of_a_rank_killed_by_a_signal_comes_from_torchruns_report(tmp_
     w = RunWatcher(tmp_path)
     w.poll()
     assert w.model.ranks[3].exit_code == -9
-    assert rank_state(w.model.ranks[3], ProcStats(False)) == "[b red]killed by SIGKILL[/] (exit code -9)"
+    state = rank_state(w.model.ranks[3], ProcStats(False))
+    assert state.plain == "killed by SIGKILL (exit code -9)" and state.spans[0].end == len("killed by SIGKILL")
     other = dict(started, rank=2, local_rank=0, pid=999)  # a pid the report does not name
     (tmp_path / "metrics" / "node1.jsonl").write_text(json.dumps(other) + "\n")
     w2 = RunWatcher(tmp_path)

@@ -15,6 +15,8 @@ from osft.trainer.contract import RunState
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Label
 
@@ -125,6 +127,12 @@ class Dashboard(Screen):
             for chart in self.charts:
                 chart.show(self.run)
 
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = False) -> None:
+        """A toast, its message plain text by default: the dashboard's messages carry paths, job names
+        and run output, whose square brackets are not markup."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """--readonly hides and disables every control that acts on a run or starts one."""
         return not (self.readonly and action in ACTING)
@@ -217,8 +225,9 @@ class Dashboard(Screen):
             if reason is None and kind in pending:
                 reason = f"{kind} requested at step {pending[kind] or 0}; waiting for its checkpoint"
             for button in self.query(f"#button-{action}").results(Button):
-                if (button.disabled, button.tooltip) != (reason is not None, reason):
-                    button.disabled, button.tooltip = reason is not None, reason
+                tip = None if reason is None else Content(reason)  # plain: run.json's state is the run's text
+                if (button.disabled, button.tooltip) != (reason is not None, tip):
+                    button.disabled, button.tooltip = reason is not None, tip
 
     def _tell(self, status: Status) -> None:
         """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in

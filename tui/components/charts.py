@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from rich.markup import escape
 from textual.app import RenderResult
+from textual.content import Content
 from textual_plotext import PlotextPlot
 
 from ..run_state import RunModel
@@ -77,8 +77,8 @@ class Chart(PlotextPlot):
         if key == self._drawn:
             return
         self._drawn, self.curves, self.value_range = key, curves, None
-        legend = "  ".join(f"[{colour}]━ {escape(label)}[/]" for (label, _), colour in zip(curves, self._colours()))
-        self.border_title = f"{escape(title)}  {legend}" if curves else f"{escape(title)}: no data yet"
+        legend = [part for (label, _), colour in zip(curves, self._colours()) for part in ("  ", (f"━ {label}", colour))]
+        self.border_title = Content.assemble(title, *legend) if curves else Content(f"{title}: no data yet")
         if curves:
             top = max(max(c.values) for _, c in curves)
             bottom = 0.0 if zero_based else min(min(c.values) for _, c in curves)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
+from rich.text import Text
 from textual.widgets import DataTable
 
 from ..run_state import CheckpointEntry
@@ -28,7 +28,7 @@ class CheckpointTable(DataTable):
         self.clear()
         for e in entries:
             status = "complete" if e.complete else "[yellow]incomplete[/]"
-            self.add_row(str(e.step), status, fmt_clock(e.mtime), fmt_bytes(e.bytes), escape(e.note), key=str(e.path))
+            self.add_row(str(e.step), status, fmt_clock(e.mtime), fmt_bytes(e.bytes), Text(e.note), key=str(e.path))
         self._shown = list(entries)
         if selected is not None:
             for i, e in enumerate(entries):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 
 from rich.text import Text
+from textual.content import Content
 from textual.widgets import RichLog
 
 #: Level filters, in the order a key cycles through them: the levels each one shows.
@@ -89,4 +90,4 @@ class LineView(RichLog):
             parts.append(f"matching {self.search!r}")
         if self.unseen:
             parts.append(f"{self.unseen} new lines below (end)")
-        self.border_title = " · ".join(parts)
+        self.border_title = Content(" · ".join(parts))  # plain: paths and searches hold brackets

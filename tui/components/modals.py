@@ -43,7 +43,7 @@ class Choice(ModalScreen[str]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.title_text, classes="dialog-title")
+            yield Label(self.title_text, classes="dialog-title", markup=False)
             with VerticalScroll(classes="dialog-body"):
                 yield Static("\n".join(self.body), markup=False)
             with Horizontal(classes="dialog-buttons"):
@@ -116,7 +116,7 @@ class LogScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="logs"):
-            yield Label(self.title_text + "   (/ search, esc close)", classes="dialog-title")
+            yield Label(self.title_text + "   (/ search, esc close)", classes="dialog-title", markup=False)
             yield LineView(" · ".join(str(t.path) for _, t in self.tails) or "no log", LOG_SCREEN_LINES,
                            id="rank-log")
 

@@ -3,7 +3,7 @@ norm, MFU, CPU and memory."""
 
 from __future__ import annotations
 
-from rich.markup import escape
+from rich.text import Text
 from textual.widgets import DataTable
 
 from ..format import fmt_bytes, fmt_num, fmt_rate
@@ -44,7 +44,7 @@ class NodeTable(DataTable):
             host = s.hostname if n in model.nodes else next((r.hostname for r in model.ranks.values() if r.node_rank == n), "?")
             tokens = fmt_rate(s.tokens_per_s)
             row = (
-                f"[{SLOW}]{n} slow[/]" if n in slow else str(n), escape(host),
+                f"[{SLOW}]{n} slow[/]" if n in slow else str(n), Text(host),
                 "-" if s.step is None else str(s.step),
                 f"[{SLOW}]{tokens}[/]" if n in slow else tokens,
                 fmt_num(s.step_time_s, ".2f") + (" s" if s.step_time_s is not None else ""),

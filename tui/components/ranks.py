@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from osft.trainer.checkpoint.signals import signal_name
 from osft.trainer.contract import ended_well
-from rich.markup import escape
+from rich.text import Text
 from textual.widgets import DataTable
 
 from ..processes import ProcStats
@@ -15,6 +15,8 @@ from ..format import fmt_bytes
 COLUMNS = ("rank", "state", "node", "local", "pid", "host", "CPU %", "RSS")
 #: Column widths (fixed, so the header never lags rows that arrive later).
 WIDTHS = (4, 20, 4, 5, 8, 10, 6, 9)
+#: How a failed or killed rank's state looks.
+ALARM = "b red"
 
 
 class RankTable(DataTable):
@@ -32,7 +34,7 @@ class RankTable(DataTable):
         for info in ranks:
             s = stats.get(info.rank)
             row = (str(info.rank), rank_state(info, s, node_codes.get(info.node_rank)), str(info.node_rank),
-                   str(info.local_rank), str(info.pid), escape(info.hostname),
+                   str(info.local_rank), str(info.pid), Text(info.hostname),
                    "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
                    fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-")
             key = f"rank{info.rank}"
@@ -56,27 +58,27 @@ class RankTable(DataTable):
         return self._order[self.cursor_row]
 
 
-def rank_state(info: RankInfo, stats: ProcStats | None, node_code: int | None = None) -> str:
-    """``running``, ``exited (code N)``, ``[red]failed: message``, ``ended (node code N)`` (a
+def rank_state(info: RankInfo, stats: ProcStats | None, node_code: int | None = None) -> Text:
+    """``running``, ``exited (code N)``, ``failed: message`` (red), ``ended (node code N)`` (a
     rank that wrote no exit record of its own, of a node whose launcher ended), or ``remote``
-    (another host)."""
+    (another host); the rank's error message is plain text."""
     if info.exit_code is None and not info.error and node_code is not None and not (stats and stats.alive):
         ended = f"ended (node code {node_code})"
-        return ended if ended_well(node_code) else f"[b red]{ended}[/]"
+        return Text(ended, "" if ended_well(node_code) else ALARM)
     if stats is None:
-        return "remote" if info.exit_code is None else f"exited (code {info.exit_code})"
+        return Text("remote" if info.exit_code is None else f"exited (code {info.exit_code})")
     if stats.alive:
-        return "running"
+        return Text("running")
     if info.error:
         code = "" if info.exit_code is None else f" (exit code {info.exit_code})"
-        return f"[b red]failed{code}[/]: {escape(info.error[:60])}"
+        return Text.assemble((f"failed{code}", ALARM), ": ", info.error[:60])
     if info.exit_code is not None and info.exit_code < 0:
         try:
             by = signal_name(-info.exit_code)
         except ValueError:
             by = f"signal {-info.exit_code}"
-        return f"[b red]killed by {by}[/] (exit code {info.exit_code})"
+        return Text.assemble((f"killed by {by}", ALARM), f" (exit code {info.exit_code})")
     if info.exit_code is not None:
         exited = f"exited (code {info.exit_code})"
-        return exited if ended_well(info.exit_code) else f"[b red]{exited}[/]"
-    return "[b red]gone[/] (no exit record)"
+        return Text(exited, "" if ended_well(info.exit_code) else ALARM)
+    return Text.assemble(("gone", ALARM), " (no exit record)")
