@@ -4,10 +4,9 @@ those that arrive while scrolled up, and a search and a level filter choose the 
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 
+import pytest
 from osft.tui.app import OsftTui
 from osft.tui.components.lines import LineView
 from osft.tui.components.modals import SearchPrompt

@@ -117,8 +117,9 @@ def test_the_help_text_wraps_to_its_dialog(tmp_path, monkeypatch):
 
 
 def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch):
-    """The quit dialog (detach d, checkpoint and stop s, kill k, cancel c) and the kill
-    confirmation (cancel c, kill k) of a run that looks alive; kill reaches no real process."""
+    """The quit dialog (detach d, cancel c; checkpoint and stop and kill only by Enter on their
+    button) and the kill confirmation (cancel c, kill y) of a run that looks alive: the key that
+    opened a dialog, or another dashboard key, never answers one that acts; kill reaches no real process."""
     killed = []
     monkeypatch.setattr(controls, "kill_processes", lambda targets: killed.append(targets) or [])
     target = SimpleNamespace(pid=4242, role="launcher of node 0")
@@ -128,15 +129,22 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
         await pilot.press("q")
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
         labels = [str(b.label) for b in app.screen.query(Button)]
-        assert labels == ["detach (d)", "checkpoint and stop (s)", "kill (k)", "cancel (c)"], labels
+        assert labels == ["detach (d)", "checkpoint and stop", "kill", "cancel (c)"], labels
+        await pilot.press("q", "k", "s", "y")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, Choice) and not killed
         await pilot.press("c")
         await wait_until(pilot, lambda: app.screen is app.dashboard, 10, "the dashboard again")
         await pilot.press("K")
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the kill confirmation")
-        assert [str(b.label) for b in app.screen.query(Button)] == ["cancel (c)", "kill (k)"]
-        await pilot.press("k")
+        assert [str(b.label) for b in app.screen.query(Button)] == ["cancel (c)", "kill (y)"]
+        await pilot.press("K", "k")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, Choice) and not killed
+        await pilot.press("y")
         await wait_until(pilot, lambda: killed, 10, "the kill")
         assert killed == [[target]] and app.screen is app.dashboard
+        await pilot.pause(0.5)  # q again, not an auto-repeat
         await pilot.press("q")
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
         await pilot.press("d")

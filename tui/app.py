@@ -13,10 +13,9 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
+from osft.trainer.checkpoint.signals import take_held_signals
 from textual.app import App, SystemCommand
 from textual.screen import Screen
-
-from osft.trainer.checkpoint.signals import take_held_signals
 
 from .cli import ENDING_SIGNALS
 from .controls import offered
@@ -68,11 +67,11 @@ class OsftTui(App[int]):
 
             self.push_screen(RunBrowser(self.browse), self.dashboard.attach)
         elif self.run_dir is None and not self.readonly:
-            self.dashboard.action_new_run()
+            self.dashboard.controls.new_run()
 
     def action_quit(self) -> None:
         """ctrl+q goes through the dashboard's quit question too."""
-        self.dashboard.action_request_quit()
+        self.dashboard.controls.request_quit()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The command palette: every dashboard control (those that signal only without --readonly),
@@ -83,4 +82,4 @@ class OsftTui(App[int]):
         replaced = (self.action_quit, self.action_show_help_panel, self.action_hide_help_panel)
         yield from (c for c in super().get_system_commands(screen) if c.callback not in replaced)
         for c in offered(self.readonly):
-            yield SystemCommand(c.title, c.help, lambda a=c.action: self.dashboard.run_action(a))
+            yield SystemCommand(c.title, c.help, lambda a=c.action: self.dashboard.action_control(a))

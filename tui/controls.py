@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from osft.trainer.contract import EXIT_STOPPED, ended_well
+from osft.trainer.contract import EXIT_STOPPED, LIVE_STATES, ended_well
 from osft.trainer.rundir import RunDir
 from textual.binding import Binding
 
@@ -27,6 +27,7 @@ from .components.ranks import RankTable
 from .processes import ProcessView, request_evaluation, send_request, this_host
 from .processes import kill as kill_processes
 from .requests import CHECKPOINT, STOP, PendingRequests
+from .run_state import RunModel
 from .status import FAILURE_LINES, LaunchFailure
 from .tail import LogTail
 from .watcher import RunWatcher
@@ -43,11 +44,14 @@ class Control(NamedTuple):
 
     Attributes:
         key: its key (Textual's name for it).
-        action: the dashboard action it runs (``Dashboard.action_<action>``).
+        action: its name: the :class:`Controls` flow it runs, or the dashboard's view method with
+            ``view`` (both through ``Dashboard.action_control(action)``).
         label: its footer label.
         title: its button (followed by the key) and its command-palette entry.
         help: what it does, on the help screen and in the command palette.
-        acts: it acts on a run (signal, kill, relaunch) or starts one; ``--readonly`` removes it.
+        acts: it acts on a run (signal, kill, relaunch) or starts one; ``--readonly`` removes it, and
+            a press within :data:`REPEAT_S` of the one before does nothing (a held key).
+        view: it changes only what the dashboard shows (a method of the dashboard, not a flow).
     """
 
     key: str
@@ -56,11 +60,17 @@ class Control(NamedTuple):
     title: str
     help: str
     acts: bool = False
+    view: bool = False
+
+    @property
+    def command(self) -> str:
+        """The Textual action string that runs it: ``control('<action>')``."""
+        return f"control({self.action!r})"
 
     @property
     def binding(self) -> Binding:
         """Its key binding: a priority binding, so the key works whatever has the focus."""
-        return Binding(self.key, self.action, self.label, priority=True)
+        return Binding(self.key, self.command, self.label, priority=True)
 
 
 #: Every dashboard control, in footer and button order.
@@ -81,15 +91,22 @@ CONTROLS = (
     Control("y", "copy", "copy path", "Copy path",
             "copy the selected checkpoint's path (checkpoint list focused), else the export of a completed run"),
     Control("g", "next_chart", "chart", "Next chart",
-            "the metric chart: loss (and evaluation losses), learning rate, grad norm, forgetting"),
-    Control("slash", "search", "search", "Search events", "events: show only the lines holding a text"),
-    Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only"),
+            "the metric chart: loss (and evaluation losses), learning rate, grad norm, forgetting", view=True),
+    Control("slash", "search", "search", "Search events", "events: show only the lines holding a text", view=True),
+    Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only", view=True),
     Control("question_mark", "help", "help", "Help", "the keys and what each does (this screen)"),
     Control("q", "request_quit", "quit", "Quit", "quit: detach (the run goes on), checkpoint and stop, or kill"),
-    Control("b", "toggle_buttons", "buttons", "Button row", "show or hide the button row (the footer has every key)"),
+    Control("b", "toggle_buttons", "buttons", "Button row", "show or hide the button row (the footer has every key)",
+            view=True),
 )
+#: Each control by its action name.
+CONTROL_BY_ACTION = {c.action: c for c in CONTROLS}
+HELP, QUIT = CONTROL_BY_ACTION["help"], CONTROL_BY_ACTION["request_quit"]
 #: Actions that act on a run or start one (removed by ``--readonly``).
 ACTING = frozenset(c.action for c in CONTROLS if c.acts)
+#: Seconds within which a press of an acting control repeats the one before (a terminal repeats a
+#: held key about 30 times a second after about half a second): it is ignored.
+REPEAT_S = 0.5
 #: Textual's own keys, listed on the help screen after the controls.
 TEXTUAL_KEYS = (("ctrl+p", "command palette"), ("tab", "next panel"))
 
@@ -97,6 +114,22 @@ TEXTUAL_KEYS = (("ctrl+p", "command palette"), ("tab", "next panel"))
 def offered(readonly: bool) -> list[Control]:
     """The controls a dashboard offers: all of them, or with ``readonly`` those that do not act."""
     return [c for c in CONTROLS if not (readonly and c.acts)]
+
+
+class Presses:
+    """When each acting control was last pressed, to tell a held key's auto-repeat from a press."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def repeated(self, control: Control, now: float | None = None) -> bool:
+        """Record a press of ``control`` (at monotonic ``now``); True when it acts and the press
+        before came less than :data:`REPEAT_S` earlier (also an ignored one: a hold is ignored whole)."""
+        if not control.acts:
+            return False
+        now = time.monotonic() if now is None else now
+        last, self._last[control.action] = self._last.get(control.action), now
+        return last is not None and now - last < REPEAT_S
 
 
 #: The name the help screen is installed under (:meth:`Controls.help`).
@@ -127,6 +160,18 @@ class Started(NamedTuple):
     root: Path
     node_rank: int
     spec: launching.RunSpec | None = None
+
+
+def gone(root: Path) -> str:
+    """Why a key that needs the run directory ``root`` does nothing: it was deleted or moved."""
+    return f"run directory {root} no longer exists"
+
+
+def live_elsewhere(model: RunModel) -> str | None:
+    """The host of a launcher on another host whose state file says it runs (None when there is
+    none): a relaunch here would start a second job beside it."""
+    return next((info.hostname for _, info in sorted(model.launchers.items())
+                 if info.state in LIVE_STATES and not this_host(info.hostname)), None)
 
 
 def wrote_state_file(started: Started) -> bool:
@@ -185,7 +230,7 @@ class Controls:
                 d.log_event(f"  {line}", "red")
             d.notify(lines[-1] if lines else f"no output in {log}", title=f"launcher exited with code {code}",
                      severity="error", timeout=15)
-            if s.spec is not None and not wrote_state_file(s) and not self.form_open():
+            if s.spec is not None and not wrote_state_file(s) and not self.form_open() and s.root.is_dir():
                 self.new_run(s.spec)
 
     def starting(self) -> bool:
@@ -206,13 +251,15 @@ class Controls:
         if kind is not None:
             d.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}", title=kind)
 
-    def unavailable(self, live: bool) -> str | None:
-        """Why ``c``, ``s`` and ``K`` cannot act now (None when they can): no run, or no process of
-        the run alive on this host (``live``) while its run.json names this host (a run on another
-        host is asked through ``control/``)."""
+    def unavailable(self, live: bool | None) -> str | None:
+        """Why ``c``, ``s``, ``e`` and ``K`` cannot act now (None when they can): no run, its
+        directory gone, or no process of the run alive on this host (``live``) while its run.json
+        names this host (a run on another host is asked through ``control/``)."""
         d = self.dashboard
         if d.run is None:
             return "no run"
+        if d.run.gone:
+            return gone(d.run.root)
         remote = bool(d.run.launchers) and not any(this_host(i.hostname) for i in d.run.launchers.values())
         if live or remote:
             return None
@@ -228,8 +275,9 @@ class Controls:
             return
         if kind in self.pending.steps:
             at = self.pending.steps[kind]
-            d.notify(f"{kind} already requested at step {at if at is not None else 0}; waiting for its checkpoint",
-                     title=kind)
+            if self.pending.first_time_asked_again(kind):
+                d.notify(f"{kind} already requested at step {at if at is not None else 0}; waiting for its checkpoint",
+                         title=kind)
             return
         try:
             what = send_request(d.view, signum)
@@ -301,8 +349,16 @@ class Controls:
         if d.run is None or d.view is None:
             d.notify("no run", severity="warning")
             return
+        if d.run.gone:
+            d.notify(f"cannot resume: {gone(d.run.root)}", severity="error")
+            return
         if d.run.run_json_error:
             d.notify(f"cannot resume: its command line is in {d.run.run_json_error}", severity="error")
+            return
+        host = live_elsewhere(d.run)
+        if host is not None:
+            d.notify(f"cannot resume: the run is live on {host}: stop it first (s asks it through control/)",
+                     severity="warning")
             return
         entry = d.query_one(CheckpointTable).selected()
         if entry is None or not entry.complete:
@@ -316,7 +372,7 @@ class Controls:
         caveat = (f"Newer checkpoints stay (step {', '.join(map(str, newer))}, and the one the stop writes): "
                   "a later --resume picks the newest complete checkpoint, whichever run wrote it.") if newer else ""
         if d.view.any_alive():
-            pids = [f"SIGUSR2 (checkpoint and stop) to pid {t.pid}: {t.role}" for t in d.view.request_targets()]
+            pids = [f"SIGUSR2 (checkpoint and stop) to pid {t.pid}: {t.role}" for t in d.view.request_targets()[:1]]
             pids += [caveat] if caveat else []
 
             def done(answer: str | None) -> None:
@@ -438,6 +494,9 @@ class Controls:
         d = self.dashboard
         if d.run is None:
             return
+        if d.run.gone:
+            d.notify(f"no logs: {gone(d.run.root)}", severity="warning")
+            return
         rank = d.query_one(RankTable).selected_rank()
         if rank is None:
             rank = 0
@@ -450,11 +509,14 @@ class Controls:
             title += f": exit code {info.exit_code if info.exit_code is not None else '?'}"
         d.app.push_screen(LogScreen(title, paths, f"error: {info.error}" if info and info.error else None))
 
-    def copy_path(self) -> None:
+    def copy(self) -> None:
         """Copy a path to the clipboard (``App.copy_to_clipboard``: OSC 52, which the terminal
         passes on): the checkpoint selected in the list when the list has the focus or the run has
         no export, else the export of the completed run."""
         d = self.dashboard
+        if d.run is not None and d.run.gone:
+            d.notify(f"nothing to copy: {gone(d.run.root)}", severity="warning")
+            return
         table = d.query_one(CheckpointTable)
         entry = table.selected()
         export = d.run.export_dir if d.run else None

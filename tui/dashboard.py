@@ -27,12 +27,12 @@ from .components.modals import ask_search
 from .components.nodes import NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .controls import ACTING, CONTROLS, Controls, offered
+from .controls import ACTING, CONTROL_BY_ACTION, CONTROLS, HELP, QUIT, Controls, Presses, offered
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
 from .requests import CHECKPOINT, STOP
 from .run_state import Event, RunModel, Violations
-from .status import Status, judge
+from .status import Status, judge, stalled_nodes
 
 if TYPE_CHECKING:
     from .components.charts import MetricChart, ThroughputChart
@@ -69,11 +69,12 @@ class Dashboard(Screen):
     """
 
     #: Help and quit first: the footer cuts what does not fit on its right (80 columns).
-    BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in ("help", "request_quit"))
+    BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in (HELP.command, QUIT.command))
 
     def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
         super().__init__(id="dashboard")
         self.controls = Controls(self, launcher)
+        self.presses = Presses()
         self.readonly = readonly
         self.poll_s = poll_s
         self.reader: Reader | None = None
@@ -81,7 +82,8 @@ class Dashboard(Screen):
         self.view: ProcessView | None = None
         self._stats: dict[int, ProcStats | None] = {}
         self._queued = Update(RunModel("."))
-        self._live = False
+        self._live: bool | None = None
+        self._live_of: tuple = ()
         self._sampled = float("-inf")
         self._told: tuple[str, str] | None = None
         self._said: dict[str, float] = {}
@@ -135,11 +137,11 @@ class Dashboard(Screen):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """--readonly hides and disables every control that acts on a run or starts one."""
-        return not (self.readonly and action in ACTING)
+        return not (self.readonly and action == "control" and parameters and parameters[0] in ACTING)
 
-    async def on_button_pressed(self, event: Button.Pressed) -> None:
+    def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
-        await self.run_action((event.button.id or "").removeprefix("button-"))
+        self.action_control((event.button.id or "").removeprefix("button-"))
 
     # ------------------------------------------------------------------ polling
     def attach(self, run_dir: Path) -> None:
@@ -153,7 +155,8 @@ class Dashboard(Screen):
         self.controls.pending.clear()
         self.controls.failure = None
         self._queued = Update(RunModel("."))
-        self._stats, self._live, self._sampled, self._told, self._said = {}, False, float("-inf"), None, {}
+        self._stats, self._live, self._live_of, self._sampled, self._told, self._said = \
+            {}, None, (), float("-inf"), None, {}
         if self.is_mounted:
             self.query_one(LineView).forget()
             self.query_one(CheckpointTable).show([])
@@ -188,8 +191,11 @@ class Dashboard(Screen):
         slow = now - self._sampled >= SAMPLE_S  # the costly redraws: once per SAMPLE_S
         if slow:
             self._stats, self._sampled = self._sample(), now
-            self._live = self.view.any_alive()
             self._write_events()
+        processes = self._processes()
+        if slow or processes != self._live_of:  # at once when the run names other processes
+            self._live = self.view.any_alive() if any(processes) else None
+            self._live_of = processes
         run, stats = self.run, self._stats
         usage: dict[int, tuple[float | None, int | None]] = {}
         for rank, s in stats.items():
@@ -203,7 +209,7 @@ class Dashboard(Screen):
         self.query_one(RunHeader).show(run, status, self.readonly)
         self._tell(status)
         self.query_one(ViolationCounters).show(run.violations)
-        self.query_one(NodeTable).show(run, usage)
+        self.query_one(NodeTable).show(run, usage, stalled_nodes(run, time.time()))
         if slow:
             for chart in self.charts:
                 chart.show(run)
@@ -282,6 +288,13 @@ class Dashboard(Screen):
         self._said = {t: at for t, at in self._said.items() if now - at < REPEAT_S}
         return lines
 
+    def _processes(self) -> tuple:
+        """The launchers and ranks the run names (node or rank, pid): liveness is known only from a
+        sample taken since they were read (before, a launch or attach looks like a dead run)."""
+        assert self.run is not None
+        return (tuple((n, i.pid) for n, i in sorted(self.run.launchers.items())),
+                tuple((r, i.pid) for r, i in sorted(self.run.ranks.items())))
+
     def _sample(self) -> dict[int, ProcStats | None]:
         """psutil stats of each rank on this host (None for a rank on another host)."""
         assert self.run is not None and self.view is not None
@@ -293,60 +306,29 @@ class Dashboard(Screen):
         self.query_one(LineView).add([("error" if "red" in style else "info", Text(message, style))])
 
     # ------------------------------------------------------------------ controls (see .controls)
-    def action_checkpoint(self) -> None:
-        """``c``: :meth:`.Controls.checkpoint`."""
-        self.controls.checkpoint()
+    def action_control(self, name: str) -> None:
+        """Every key, button and palette command of :data:`~.controls.CONTROLS`: the control
+        ``name``'s flow (:class:`.Controls`) or view (below). A press of an acting control within
+        :data:`~.controls.REPEAT_S` of the one before (a held key's auto-repeat) does nothing."""
+        control = CONTROL_BY_ACTION[name]
+        if self.presses.repeated(control):
+            return
+        getattr(self if control.view else self.controls, name)()
 
-    def action_stop(self) -> None:
-        """``s``: :meth:`.Controls.stop`."""
-        self.controls.stop()
-
-    def action_evaluate(self) -> None:
-        """``e``: :meth:`.Controls.evaluate`."""
-        self.controls.evaluate()
-
-    def action_kill(self) -> None:
-        """``K``: :meth:`.Controls.kill`."""
-        self.controls.kill()
-
-    def action_resume(self) -> None:
-        """``r``: :meth:`.Controls.resume`."""
-        self.controls.resume()
-
-    def action_logs(self) -> None:
-        """``l``: :meth:`.Controls.logs`."""
-        self.controls.logs()
-
-    def action_new_run(self) -> None:
-        """``n``: :meth:`.Controls.new_run`."""
-        self.controls.new_run()
-
-    def action_search(self) -> None:
+    def search(self) -> None:
         """``/``: show only the event lines holding a text."""
         ask_search(self.app, self.query_one(LineView))
 
-    def action_next_chart(self) -> None:
+    def next_chart(self) -> None:
         """``g``: the metric chart's next view (loss, learning rate, grad norm, forgetting)."""
         if self.charts:
             self.notify(f"chart: {self.charts[0].next_view(self.run)}", timeout=2)
 
-    def action_copy(self) -> None:
-        """``y``: :meth:`.Controls.copy_path`."""
-        self.controls.copy_path()
-
-    def action_level(self) -> None:
+    def level(self) -> None:
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""
         self.notify(f"events: {self.query_one(LineView).next_level()}", timeout=2)
 
-    def action_toggle_buttons(self) -> None:
+    def toggle_buttons(self) -> None:
         """``b``: show or hide the button row (the events get its line)."""
         row = self.query_one("#buttons")
         row.display = not row.display
-
-    def action_help(self) -> None:
-        """``?``: :meth:`.Controls.help`."""
-        self.controls.help()
-
-    def action_request_quit(self) -> None:
-        """``q``: :meth:`.Controls.request_quit`."""
-        self.controls.request_quit()

@@ -74,6 +74,7 @@ class NodeStats:
         rss_bytes: the reporting rank's resident memory (bytes), from the record.
         gpu_mem_bytes: its GPU memory (bytes), None on CPU.
         tokens: ``tokens_per_s`` over the whole run (resume-aware).
+        job_id: the job of the latest step record.
     """
 
     node_rank: int
@@ -92,6 +93,7 @@ class NodeStats:
     last_ts: float = 0.0
     steps_seen: int = 0
     tokens: Curve = field(default_factory=Curve)
+    job_id: str | None = None
 
 
 @dataclass
@@ -197,6 +199,7 @@ class RunModel:
         event_counts: event lines produced so far, by level (before the UI's caps).
         log_buffers: ``node<N>/local<L>`` -> lines kept, their cap, and bytes skipped by a flood.
         run_json_error: why ``run.json`` cannot be read now (None when it can, or is absent).
+        gone: the run directory was there and is no longer (deleted or moved).
         curves: the run's metrics over its steps (node 0's records, resume-aware, see
             :class:`~.series.Curve`): ``loss``, ``lr``, ``grad_norm``, ``eval_loss <set>`` (nats per
             token) and ``forgetting <set>`` (retention sets: loss minus the step-0 loss, nats per token).
@@ -214,6 +217,7 @@ class RunModel:
         self.step: int | None = None
         self.problems: list[str] = []
         self.run_json_error: str | None = None
+        self.gone = False
         self.records_read: dict[str, int] = {}
         self.log_paths: dict[tuple[int, int], Path] = {}
         self.consumed_bytes: dict[str, int] = {}
@@ -334,6 +338,7 @@ class RunModel:
         if node.tokens.steps and step <= node.tokens.steps[-1]:  # replayed after a resume
             self._cut(node_rank, step - 1)
         node.hostname = str(record.get("hostname", node.hostname))
+        node.job_id = record.get("job_id")
         node.step = record.get("step")
         node.loss = record.get("loss")
         node.tokens_per_s = record.get("node_tokens_per_s", record.get("tokens_per_s"))

@@ -45,6 +45,7 @@ class RunWatcher:
         self._json_mtimes: dict[Path, float] = {}
         self._json_errors: dict[str, str] = {}
         self._ckpt_cache: dict[Path, tuple[float, CheckpointEntry]] = {}
+        self._seen = False
 
     def _read_run_jsons(self) -> None:
         try:
@@ -130,6 +131,9 @@ class RunWatcher:
         """Read what changed since the last poll; ``checkpoints`` also rescans the checkpoint list."""
         model = self.model
         result = PollResult()
+        here = self.root.is_dir()
+        self._seen = self._seen or here
+        model.gone = self._seen and not here
         self._read_run_jsons()
         try:
             for path in self.rundir.metrics.glob("*.jsonl"):

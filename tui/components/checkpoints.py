@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
-from ..run_state import CheckpointEntry
 from ..format import fmt_bytes, fmt_clock
+from ..run_state import CheckpointEntry
 
 
 class CheckpointTable(DataTable):

@@ -10,12 +10,13 @@ from textual.widgets import Static
 
 from ..format import fmt_duration, fmt_rate
 from ..run_state import RunModel
-from ..status import Status
+from ..status import GONE, Status
 
 #: Colour of each state.
 STATE_STYLE = {RunState.RUNNING: "green", RunState.CHECKPOINTING: "yellow", RunState.STARTING: "cyan",
                RunState.STOPPED: "yellow", RunState.COMPLETED: "green", RunState.FAILED: "bold red", "dead": "bold red", "launch failed": "bold red",
-               "unreadable run.json": "bold red"}
+               "unreadable run.json": "bold red",
+               GONE: "bold red", "stale": "yellow"}
 
 
 class RunHeader(Static):
@@ -29,7 +30,7 @@ class RunHeader(Static):
             return
         text = Text.assemble(badge, ("run ", "dim"), (str(model.root), "bold"), "  ",
                              (status.state, STATE_STYLE.get(status.state, "")))
-        step = "-" if model.step is None else str(model.step)
+        step = "-" if status.step is None else str(status.step)
         text.append(f"  step {step}/{model.max_steps or '?'}")
         samples = next((s.samples_per_s for _, s in sorted(model.nodes.items()) if s.samples_per_s is not None), None)
         if samples is not None:  # the job's rate (the records carry no per-node value): once, here

@@ -11,10 +11,12 @@ from ..run_state import NodeStats, RunModel
 
 #: Columns, most telling first (an 80-column terminal shows the first seven), and their widths
 #: (fixed, so the header never lags rows that arrive later).
-COLUMNS = (("node", 6), ("host", 10), ("step", 6), ("tokens/s", 8), ("step time", 9), ("loss", 7), ("lr", 8),
+COLUMNS = (("node", 9), ("host", 10), ("step", 6), ("tokens/s", 8), ("step time", 9), ("loss", 7), ("lr", 8),
            ("grad norm", 9), ("MFU", 4), ("ranks", 5), ("CPU %", 5), ("RSS", 8), ("GPU mem", 8))
 #: How a straggler's node and tokens/s cells look.
 SLOW = "b red"
+#: How a stalled node's cell looks.
+STALLED = "b yellow"
 
 
 class NodeTable(DataTable):
@@ -33,8 +35,10 @@ class NodeTable(DataTable):
         for name, width in COLUMNS:
             self.add_column(name, key=name, width=width)
 
-    def show(self, model: RunModel, usage: dict[int, tuple[float | None, int | None]]) -> None:
-        """Redraw every row; ``usage`` maps node rank to (CPU %, RSS bytes) measured here."""
+    def show(self, model: RunModel, usage: dict[int, tuple[float | None, int | None]],
+             stalled: set[int] = frozenset()) -> None:
+        """Redraw every row; ``usage`` maps node rank to (CPU %, RSS bytes) measured here; the nodes in
+        ``stalled`` (:func:`~..status.stalled_nodes`) read ``N stalled``."""
         slow = model.stragglers()
         nodes = sorted(set(model.nodes) | {r.node_rank for r in model.ranks.values()})
         for n in nodes:
@@ -44,7 +48,8 @@ class NodeTable(DataTable):
             host = s.hostname if n in model.nodes else next((r.hostname for r in model.ranks.values() if r.node_rank == n), "?")
             tokens = fmt_rate(s.tokens_per_s)
             row = (
-                f"[{SLOW}]{n} slow[/]" if n in slow else str(n), Text(host),
+                f"[{STALLED}]{n} stalled[/]" if n in stalled else f"[{SLOW}]{n} slow[/]" if n in slow else str(n),
+                Text(host),
                 "-" if s.step is None else str(s.step),
                 f"[{SLOW}]{tokens}[/]" if n in slow else tokens,
                 fmt_num(s.step_time_s, ".2f") + (" s" if s.step_time_s is not None else ""),

@@ -7,9 +7,9 @@ from osft.trainer.contract import ended_well
 from rich.text import Text
 from textual.widgets import DataTable
 
+from ..format import fmt_bytes
 from ..processes import ProcStats
 from ..run_state import RankInfo
-from ..format import fmt_bytes
 
 #: Rank and state first: an 80-column terminal shows both.
 COLUMNS = ("rank", "state", "node", "local", "pid", "host", "CPU %", "RSS")
