@@ -1,6 +1,7 @@
 """The documentation a newcomer reads: README.md opens with the two commands and stays short, and every
 relative link and anchor of README.md, docs/*.md, benchmarks/README.md and tests/README.md resolves
-(anchors as GitHub makes them from headings). In process, no network."""
+(anchors as GitHub makes them from headings), and none of them cites an issue or a field-case number.
+In process, no network."""
 
 from __future__ import annotations
 
@@ -92,3 +93,10 @@ def test_readme_opens_with_the_two_commands_and_stays_short():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
     assert "make test" in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_issue_or_field_case_numbers(page):
+    """A newcomer's page names the test or the docs section, not an issue or a field-case number."""
+    found = re.findall(r"\b[Ii]ssues? #?\d+|\b[Ff]ield[- ]cases?\b|\bB[1-9]\d\b", page.read_text())
+    assert found == []
