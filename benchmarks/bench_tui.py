@@ -1,4 +1,4 @@
-"""osft-tui under a flood (field case B29): key-press-to-screen latency, dashboard CPU and memory,
+"""osft-tui under a flood: key-press-to-screen latency, dashboard CPU and memory,
 and whether every record written is counted once while ranks write thousands of lines per second.
 
 Writers: ``--ranks`` separate processes (this script with ``--writer``), each writing

@@ -1,4 +1,4 @@
-"""osft-tui's run browser (issue 20, part 6): ``osft-tui DIR`` on a directory of run directories
+"""osft-tui's run browser: ``osft-tui DIR`` on a directory of run directories
 lists them (state, step, last loss, age) and opens the one chosen; a directory with neither a
 run.json nor run directories is attached and waited for, as before."""
 

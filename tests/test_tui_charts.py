@@ -1,4 +1,4 @@
-"""osft-tui's charts and numbers (issue 20, part 2): whole-run curves that a resume replaces instead
+"""osft-tui's charts and numbers: whole-run curves that a resume replaces instead
 of extending, the metric chart's views, every node's tokens/s on one axis from zero, the straggler
 marked on its row, the step time, lr and grad norm columns in fixed formats."""
 

@@ -1,4 +1,4 @@
-"""The event pane and the log view (issue 20, part 4): rank output is not an event, the same
+"""The event pane and the log view: rank output is not an event, the same
 warning of several ranks is one line, the view follows new lines only at the bottom and counts
 those that arrive while scrolled up, and a search and a level filter choose the lines shown."""
 

@@ -1,4 +1,4 @@
-"""osft-tui at 80x24 (issue 20): every field and button of the new-run form can be reached with Tab
+"""osft-tui at 80x24: every field and button of the new-run form can be reached with Tab
 and is on screen when focused, dialogs keep their buttons on screen and answer single keys, the help
 text wraps to its dialog, the command palette has one entry per command, the button row can be
 hidden, and the footer always shows ?, q and ^p."""

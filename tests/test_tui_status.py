@@ -1,4 +1,4 @@
-"""osft-tui tells the truth about a run's state (issue 20): a launch that fails at once, a launcher
+"""osft-tui tells the truth about a run's state: a launch that fails at once, a launcher
 that has not written its run.json yet, an unreadable run.json, a run that died without a word, a
 run whose steps stall. Pilot tests against the fake trainer and hand-written run directories."""
 
