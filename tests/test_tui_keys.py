@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from osft.tui.components.checkpoints import CheckpointTable
-from osft.tui.controls import REPEAT_S
+from osft.tui.keys import REPEAT_S
 from test_tui_pilot import checkpoint, launch, records, run, signals_received
 from textual.widgets import Button
 from tui_support import wait_until
@@ -28,10 +28,10 @@ def test_held_c_on_two_nodes_is_one_signal_one_checkpoint_one_toast_and_s_still_
     to one launcher and gives one checkpoint; a press while it is pending sends nothing and says so
     once; a pending checkpoint never blocks a stop."""
     async def scenario(app, pilot, out):
-        await launch(app, pilot, tmp_path, out, nnodes=2, nproc=1, extra="--fake-step-seconds 1.2")
+        await launch(app, pilot, tmp_path, out, nnodes=2, nproc=1, extra="--fake-step-seconds 0.5 --fake-save-seconds 1.5")
         dash = app.dashboard
 
-        async def after_a_step() -> None:  # then a request waits about a step for its checkpoint
+        async def after_a_step() -> None:  # then a request waits a step and a save (1.5 s) for its checkpoint
             step = dash.run.step
             await wait_until(pilot, lambda: dash.run.step > step, 10, "a step", step=0.05)
 
@@ -47,7 +47,7 @@ def test_held_c_on_two_nodes_is_one_signal_one_checkpoint_one_toast_and_s_still_
 
         await after_a_step()
         await pilot.press("c")
-        await wait_until(pilot, lambda: dash.query_one("#button-checkpoint", Button).disabled, 5, "the dimmed button")
+        await wait_until(pilot, lambda: dash.controls.requests.pending.steps, 5, "the request pending")
         for _ in range(2):  # pressed again, twice, while it is pending: said once
             await pilot.pause(REPEAT_S)
             await pilot.press("c")
@@ -62,7 +62,7 @@ def test_held_c_on_two_nodes_is_one_signal_one_checkpoint_one_toast_and_s_still_
         await wait_until(pilot, lambda: dash.run.state == "stopped", 30, "the stop")
         assert signals_received(out, 0) + signals_received(out, 1) == ["SIGUSR1"] * 3 + ["SIGUSR2"]
         await wait_until(pilot, lambda: written(app)[-1:] == ["checkpoint and stop"], 10, "the stop's notification")
-        assert not dash.controls.pending.steps
+        assert not dash.controls.requests.pending.steps
 
     run(tmp_path, scenario)
 

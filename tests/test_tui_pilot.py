@@ -29,7 +29,7 @@ from osft.tui.components.new_run import NewRunScreen
 from osft.tui.components.nodes import NodeTable
 from osft.tui.components.ranks import RankTable
 from osft.tui.components.violations import ViolationCounters
-from osft.tui.controls import REPEAT_S
+from osft.tui.keys import REPEAT_S
 from osft.tui.format import fmt_rate
 from textual.widgets import Button, Input, RichLog
 from tui_support import kill_run, no_processes_left, wait_until
@@ -112,7 +112,7 @@ async def checkpoint(app, pilot, out: Path) -> dict:
     await pilot.pause(REPEAT_S)  # a press, not the auto-repeat of the one before
     await pilot.press("c")
     await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done
-                     and not dash.controls.pending.steps, 20, "a checkpoint")
+                     and not dash.controls.requests.pending.steps, 20, "a checkpoint")
     return records(out, event="checkpoint_saved")[done]
 
 
@@ -388,7 +388,7 @@ def test_a_run_on_another_host_is_asked_through_the_control_directory(tmp_path):
             await wait_until(pilot, lambda: any(n.message.startswith("cannot resume: the run is live on "
                                                                       "gpu-node-7.example: stop it first")
                                                 for n in app._notifications), 10, "r's reason")
-            assert not app.dashboard.controls.started and not isinstance(app.screen, Choice)
+            assert not app.dashboard.controls.launches.started and not isinstance(app.screen, Choice)
             assert "running" in str(app.dashboard.query_one(RunHeader).content)
 
     asyncio.run(main())

@@ -9,7 +9,7 @@ import asyncio
 import re
 from types import SimpleNamespace
 
-from osft.tui import controls
+from osft.tui import request_flow
 from osft.tui.app import OsftTui
 from osft.tui.components.modals import Choice, HelpScreen
 from osft.tui.components.new_run import NewRunScreen
@@ -121,7 +121,7 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
     button) and the kill confirmation (cancel c, kill y) of a run that looks alive: the key that
     opened a dialog, or another dashboard key, never answers one that acts; kill reaches no real process."""
     killed = []
-    monkeypatch.setattr(controls, "kill_processes", lambda targets: killed.append(targets) or [])
+    monkeypatch.setattr(request_flow, "kill_processes", lambda targets: killed.append(targets) or [])
     target = SimpleNamespace(pid=4242, role="launcher of node 0")
 
     async def check(app, pilot):

@@ -88,7 +88,7 @@ def test_a_launcher_that_has_not_written_run_json_yet_is_starting(tmp_path):
         dash = app.dashboard
         await wait_until(pilot, lambda: app.screen is dash and "starting" in header(app), 20, "the starting state")
         assert "no run.json" not in header(app)
-        for s in dash.controls.started:
+        for s in dash.controls.launches.started:
             s.proc.kill()
 
     in_app(None, scenario, launcher=["sh", "-c", "exec sleep 60"])
@@ -247,7 +247,7 @@ def test_a_deleted_run_directory_is_said_and_the_keys_that_need_it_say_why(tmp_p
         for key, answer in (("y", "nothing to copy: "), ("r", "cannot resume: "), ("l", "no logs: ")):
             await pilot.press(key)
             await wait_until(pilot, lambda a=answer: any(n.message == a + said for n in app._notifications), 10, key)
-        assert app.clipboard == "" and app.screen is dash and not dash.controls.started
+        assert app.clipboard == "" and app.screen is dash and not dash.controls.launches.started
         assert not root.exists()
 
     in_app(root, scenario)

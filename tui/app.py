@@ -18,7 +18,7 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from .cli import ENDING_SIGNALS
-from .controls import offered
+from .keys import QUIT, offered
 from .dashboard import Dashboard
 from .launch import DEFAULT_LAUNCHER
 from .runs import run_dirs
@@ -67,11 +67,11 @@ class OsftTui(App[int]):
 
             self.push_screen(RunBrowser(self.browse), self.dashboard.attach)
         elif self.run_dir is None and not self.readonly:
-            self.dashboard.controls.new_run()
+            self.dashboard.controls.launches.new_run()
 
     def action_quit(self) -> None:
         """ctrl+q goes through the dashboard's quit question too."""
-        self.dashboard.controls.request_quit()
+        self.dashboard.action_control(QUIT.action)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The command palette: every dashboard control (those that signal only without --readonly),

@@ -1,7 +1,8 @@
 """The dashboard screen: one run's state, violation counters, nodes, charts, checkpoints, ranks and events.
 
 It polls the run (through a reader process) and redraws; the keys, buttons and palette commands
-run the control flows of :mod:`.controls`.
+(:data:`~.keys.CONTROLS`) run the control flows of :mod:`.controls`, which report back by messages
+(:mod:`.messages`, handled here with ``@on``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from osft.trainer.contract import RunState
 from rich.text import Text
+from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
@@ -27,7 +29,10 @@ from .components.modals import ask_search
 from .components.nodes import NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .controls import ACTING, CONTROL_BY_ACTION, CONTROLS, HELP, QUIT, Controls, Presses, offered
+from .controls import Controls
+from .flow import Shown
+from .keys import ACTING, CONTROL_BY_ACTION, CONTROLS, HELP, QUIT, Presses, offered
+from .messages import Offered, Said, Told, Watch
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
 from .requests import CHECKPOINT, STOP
@@ -73,7 +78,7 @@ class Dashboard(Screen):
 
     def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
         super().__init__(id="dashboard")
-        self.controls = Controls(self, launcher)
+        self.controls = Controls(launcher, readonly)
         self.presses = Presses()
         self.readonly = readonly
         self.poll_s = poll_s
@@ -110,6 +115,7 @@ class Dashboard(Screen):
             for c in offered(self.readonly):
                 key = self.app.get_key_display(c.binding)
                 yield Button(f"{c.title} ({key})", id=f"button-{c.action}", compact=True)
+        yield self.controls
         yield Footer()
 
     def on_mount(self) -> None:
@@ -152,8 +158,8 @@ class Dashboard(Screen):
         self.reader = Reader(run_dir, self.poll_s)
         self.run = RunModel(run_dir)
         self.view = ProcessView(self.run)
-        self.controls.pending.clear()
-        self.controls.failure = None
+        self.controls.requests.pending.clear()
+        self.controls.launches.failure = None
         self._queued = Update(RunModel("."))
         self._stats, self._live, self._live_of, self._sampled, self._told, self._said = \
             {}, None, (), float("-inf"), None, {}
@@ -172,7 +178,7 @@ class Dashboard(Screen):
 
     def poll(self) -> None:
         """Take the reader's update, sample the processes (every :data:`SAMPLE_S`), redraw."""
-        self.controls.reap()
+        self.controls.launches.reap(self.shown())
         if self.reader is None or self.run is None or self.view is None:
             self.query_one(RunHeader).show(None, None, self.readonly)
             return
@@ -205,7 +211,8 @@ class Dashboard(Screen):
             cpu, rss = usage.get(node, (0.0, 0))
             usage[node] = ((cpu or 0.0) + (s.cpu_percent or 0.0), (rss or 0) + (s.rss_bytes or 0))
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
-        status = judge(run, self._live if here else None, self.controls.starting(), self.controls.failure, time.time())
+        launches = self.controls.launches
+        status = judge(run, self._live if here else None, launches.starting(run), launches.failure, time.time())
         self.query_one(RunHeader).show(run, status, self.readonly)
         self._tell(status)
         self.query_one(ViolationCounters).show(run.violations)
@@ -217,7 +224,7 @@ class Dashboard(Screen):
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
         for record in update.checkpoint_records if update else []:
-            self.controls.answer(record)
+            self.controls.requests.answer(record, self.shown())
         if slow:
             self.offer_controls()
 
@@ -225,7 +232,8 @@ class Dashboard(Screen):
         """Dim the buttons that cannot act now, with the reason as their tooltip: checkpoint and
         stop while a request of their kind waits for its checkpoint, checkpoint, stop and kill
         while no process of the run is alive here (the keys say why when pressed)."""
-        why, pending = self.controls.unavailable(self._live), self.controls.pending.steps
+        requests = self.controls.requests
+        why, pending = requests.unavailable(self.shown()), requests.pending.steps
         for action, kind in (("checkpoint", CHECKPOINT), ("stop", STOP), ("kill", None)):
             reason = why
             if reason is None and kind in pending:
@@ -305,15 +313,42 @@ class Dashboard(Screen):
         """Append a line of the dashboard's own (a request, a kill, a launch) to the event pane."""
         self.query_one(LineView).add([("error" if "red" in style else "info", Text(message, style))])
 
+    def shown(self) -> Shown:
+        """What the dashboard shows now, for a control flow."""
+        checkpoints = self.query_one(CheckpointTable)
+        return Shown(self.run, self.view, self._live, checkpoints.selected(), checkpoints.has_focus,
+                     self.query_one(RankTable).selected_rank())
+
+    # ------------------------------------------------------------------ what the flows say
+    @on(Said)
+    def _said(self, message: Said) -> None:
+        self.log_event(message.text, message.style)
+
+    @on(Told)
+    def _told_toast(self, message: Told) -> None:
+        self.notify(message.message, title=message.title, severity=message.severity, timeout=message.timeout)
+
+    @on(Watch)
+    def _watch(self, message: Watch) -> None:
+        self.attach(message.root)
+        self.poll()
+
+    @on(Offered)
+    def _offered(self, _: Offered) -> None:
+        self.offer_controls()
+
     # ------------------------------------------------------------------ controls (see .controls)
     def action_control(self, name: str) -> None:
-        """Every key, button and palette command of :data:`~.controls.CONTROLS`: the control
+        """Every key, button and palette command of :data:`~.keys.CONTROLS`: the control
         ``name``'s flow (:class:`.Controls`) or view (below). A press of an acting control within
-        :data:`~.controls.REPEAT_S` of the one before (a held key's auto-repeat) does nothing."""
+        :data:`~.keys.REPEAT_S` of the one before (a held key's auto-repeat) does nothing."""
         control = CONTROL_BY_ACTION[name]
         if self.presses.repeated(control):
             return
-        getattr(self if control.view else self.controls, name)()
+        if control.flow == "view":
+            getattr(self, name)()
+        else:
+            self.controls.run(control, self.shown())
 
     def search(self) -> None:
         """``/``: show only the event lines holding a text."""
