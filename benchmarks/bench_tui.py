@@ -502,7 +502,7 @@ async def run_flood(args, root: Path, logs: list[Path], job_id: str, max_steps: 
 
 def check_counts(reports: list[dict], dash, richlog) -> dict:
     """Written vs read per file and per node; what the dashboard shows; bounded buffers."""
-    from osft.tui.format import fmt_rate
+    from osft.tui.format import fmt_compact
     from osft.tui.components.nodes import NodeTable
 
     w, table = dash.run, dash.query_one(NodeTable)
@@ -520,7 +520,7 @@ def check_counts(reports: list[dict], dash, richlog) -> dict:
         if r["last_node_tokens_per_s"] is not None and node is not None:
             cell = str(table.get_cell(f"node{r['node']}", "tokens/s"))
             shown[str(r["node"])] = {"written": r["last_node_tokens_per_s"], "read": node.tokens_per_s, "cell": cell,
-                                     "ok": cell == fmt_rate(r["last_node_tokens_per_s"])
+                                     "ok": cell == fmt_compact(r["last_node_tokens_per_s"])
                                      and node.tokens_per_s == r["last_node_tokens_per_s"]}
     node0 = next(r for r in reports if r["node"] == 0 and r["local"] == 0)
     v = w.violations

@@ -30,7 +30,7 @@ from osft.tui.components.nodes import NodeTable
 from osft.tui.components.ranks import RankTable
 from osft.tui.components.violations import ViolationCounters
 from osft.tui.keys import REPEAT_S
-from osft.tui.format import fmt_rate
+from osft.tui.format import fmt_compact
 from textual.widgets import Button, Input, RichLog
 from tui_support import kill_run, no_processes_left, wait_until
 
@@ -130,7 +130,7 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
             def cell(column: str) -> str:
                 return str(table.get_cell(f"node{node}", column))
 
-            tokens = fmt_rate(last["node_tokens_per_s"])
+            tokens = fmt_compact(last["node_tokens_per_s"])
             assert cell("node") == ("[b red]1 slow[/]" if node == 1 else "0")  # the straggler, on its row
             assert cell("ranks") == ("0-1" if node == 0 else "2-3") and cell("step") == "6"
             assert cell("tokens/s") == (f"[b red]{tokens}[/]" if node == 1 else tokens)

@@ -130,6 +130,9 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
         labels = [str(b.label) for b in app.screen.query(Button)]
         assert labels == ["detach (d)", "checkpoint and stop", "kill", "cancel (c)"], labels
+        await pilot.pause(0.2)
+        inside = app.screen.query_one(".dialog").content_region
+        assert all(inside.contains_region(b.region) for b in app.screen.query(Button))  # whole, at 80 columns
         await pilot.press("q", "k", "s", "y")
         await pilot.pause(0.2)
         assert isinstance(app.screen, Choice) and not killed

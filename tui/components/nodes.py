@@ -6,13 +6,14 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
-from ..format import fmt_bytes, fmt_num, fmt_rate
+from ..format import fit_name, fmt_bytes, fmt_compact, fmt_num
 from ..run_state import NodeStats, RunModel
 
 #: Columns, most telling first (an 80-column terminal shows the first seven), and their widths
 #: (fixed, so the header never lags rows that arrive later).
 COLUMNS = (("node", 9), ("host", 10), ("step", 6), ("tokens/s", 8), ("step time", 9), ("loss", 7), ("lr", 8),
            ("grad norm", 9), ("MFU", 4), ("ranks", 5), ("CPU %", 5), ("RSS", 8), ("GPU mem", 8))
+HOST_WIDTH = dict(COLUMNS)["host"]
 #: How a straggler's node and tokens/s cells look.
 SLOW = "b red"
 #: How a stalled node's cell looks.
@@ -32,6 +33,7 @@ class NodeTable(DataTable):
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
+        self.fixed_columns = 1  # the node stays when the table scrolls sideways
         for name, width in COLUMNS:
             self.add_column(name, key=name, width=width)
 
@@ -46,10 +48,10 @@ class NodeTable(DataTable):
             ranks = sorted(r.rank for r in model.ranks.values() if r.node_rank == n and r.job_id == model.job_id)
             cpu, rss = usage.get(n, (None, None))
             host = s.hostname if n in model.nodes else next((r.hostname for r in model.ranks.values() if r.node_rank == n), "?")
-            tokens = fmt_rate(s.tokens_per_s)
+            tokens = fmt_compact(s.tokens_per_s)
             row = (
                 f"[{STALLED}]{n} stalled[/]" if n in stalled else f"[{SLOW}]{n} slow[/]" if n in slow else str(n),
-                Text(host),
+                Text(fit_name(host, HOST_WIDTH)),
                 "-" if s.step is None else str(s.step),
                 f"[{SLOW}]{tokens}[/]" if n in slow else tokens,
                 fmt_num(s.step_time_s, ".2f") + (" s" if s.step_time_s is not None else ""),

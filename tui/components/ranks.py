@@ -7,7 +7,7 @@ from osft.trainer.contract import ended_well
 from rich.text import Text
 from textual.widgets import DataTable
 
-from ..format import fmt_bytes
+from ..format import fit_name, fmt_bytes
 from ..processes import ProcStats
 from ..run_state import RankInfo
 
@@ -24,6 +24,7 @@ class RankTable(DataTable):
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
+        self.fixed_columns = 1  # the rank stays when the table scrolls sideways
         for name, width in zip(COLUMNS, WIDTHS):
             self.add_column(name, key=name, width=width)
         self._order: list[int] = []
@@ -34,7 +35,7 @@ class RankTable(DataTable):
         for info in ranks:
             s = stats.get(info.rank)
             row = (str(info.rank), rank_state(info, s, node_codes.get(info.node_rank)), str(info.node_rank),
-                   str(info.local_rank), str(info.pid), Text(info.hostname),
+                   str(info.local_rank), str(info.pid), Text(fit_name(info.hostname, WIDTHS[COLUMNS.index("host")])),
                    "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
                    fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-")
             key = f"rank{info.rank}"
