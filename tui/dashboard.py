@@ -46,9 +46,10 @@ if TYPE_CHECKING:
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
 #: checkpoint tables and the violation counters follow every poll.
 SAMPLE_S = 1.0
-#: Event lines written to the event pane per SAMPLE_S at most; the others are counted in a
-#: "… not shown" line (a flooding run cannot make the UI slow to answer keys). Rank output is not
-#: an event: the log view (l) shows it.
+#: Warning lines written to the event pane per SAMPLE_S at most; the others are counted in a
+#: "… not shown" line (a flooding run cannot make the UI slow to answer keys). Lifecycle lines
+#: (starts, requests, saves, errors, ends) are never dropped. Rank output is not an event: the
+#: log view (l) shows it.
 EVENT_LINES = 20
 #: Seconds an event line is not repeated: the same warning of every rank (or written again by
 #: the same rank) within this time is one line naming the ranks.
@@ -260,8 +261,9 @@ class Dashboard(Screen):
         self._told = told
 
     def _queue_events(self, update: Update) -> None:
-        """Keep the update's event lines for the next write (the newest :data:`EVENT_LINES`; the
-        others are counted); rank output is dropped (the log view reads it)."""
+        """Keep the update's event lines for the next write (every lifecycle line and the newest
+        :data:`EVENT_LINES` warnings; the others are counted); rank output is dropped (the log view
+        reads it)."""
         self._queued.merge(update).cap(EVENT_LINES, 0)
 
     def _write_events(self) -> None:

@@ -56,12 +56,15 @@ class Update:
     read_s: float = 0.0
 
     def cap(self, events: int = EVENTS_PER_UPDATE, logs: int = LOG_LINES_PER_UPDATE) -> Update:
-        """Keep the newest ``events`` event lines and ``logs`` log lines, counting the rest."""
-        infos = [e for e in self.events if e.level != "log"]
+        """Keep every lifecycle line (:attr:`~.run_state.Event.lifecycle`: starts, requests, saves,
+        resumes, errors, ends), the newest ``events`` of the other event lines (warnings) and the
+        newest ``logs`` log lines, counting the rest; the order stays."""
+        warnings = [e for e in self.events if e.level == "warning"]
         lines = [e for e in self.events if e.level == "log"]
-        self.dropped_events += max(0, len(infos) - events)
+        self.dropped_events += max(0, len(warnings) - events)
         self.dropped_logs += max(0, len(lines) - logs)
-        self.events = infos[max(0, len(infos) - events):] + lines[max(0, len(lines) - logs):]  # 0 keeps none
+        kept = {id(e) for e in warnings[max(0, len(warnings) - events):] + lines[max(0, len(lines) - logs):]}
+        self.events = [e for e in self.events if e.lifecycle or id(e) in kept]  # 0 keeps none
         return self
 
     def merge(self, later: Update) -> Update:

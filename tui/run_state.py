@@ -22,6 +22,8 @@ from .series import Curve
 
 #: A node whose tokens/s is below this fraction of the other nodes' mean is a straggler.
 STRAGGLER_FRACTION = 0.8
+#: Steps after a violation during which the violation counters stay in their alert state.
+RECENT_STEPS = 20
 
 
 @dataclass
@@ -106,16 +108,23 @@ class Violations:
         worst_dev_deg: the worst deviation from 90° seen in any step read (degrees).
         records_sum: sum of ``ortho_violations`` over every step record read (a consistency check:
             equals ``total`` for a run read from its start).
+        step: the latest step checked.
+        last_at: the latest step with violations (None: none read).
     """
 
     this_step: int = 0
     total: int = 0
     worst_dev_deg: float | None = None
     records_sum: int = 0
+    step: int | None = None
+    last_at: int | None = None
 
     @property
     def alert(self) -> bool:
-        return self.this_step > 0 or self.total > 0
+        """Violations in one of the last :data:`RECENT_STEPS` steps (the total alone stays non-zero
+        for the rest of a run after one violation)."""
+        return self.this_step > 0 or (self.last_at is not None and self.step is not None
+                                      and self.step - self.last_at < RECENT_STEPS)
 
 
 @dataclass
@@ -145,6 +154,12 @@ class Event:
     ts: float
     level: str
     text: str
+
+    @property
+    def lifecycle(self) -> bool:
+        """A line of the run's life (start, request, save, resume, error, end): never dropped by a cap,
+        unlike warnings and rank output, which a run can write without bound."""
+        return self.level in ("info", "error")
 
 
 def describe(record: dict) -> Event | None:
@@ -364,6 +379,9 @@ class RunModel:
             v = self.violations
             v.this_step = this
             v.records_sum += this
+            v.step = step
+            if this:
+                v.last_at = step
             v.total = int(record.get("ortho_violations_total") or 0)
             dev = record.get("ortho_max_dev_deg")
             if dev is not None and (v.worst_dev_deg is None or dev > v.worst_dev_deg):
