@@ -32,13 +32,16 @@ class RunWatcher:
     Args:
         root: the run directory (``--output-dir``).
         log_lines: lines of each rank's stderr kept in memory.
+        last: read only the last ``last`` bytes each metrics file has when first found (a quick
+            picture of a long run; :class:`~.tail.JsonlTail`), None: whole files.
     """
 
-    def __init__(self, root: str | Path, log_lines: int = 200) -> None:
+    def __init__(self, root: str | Path, log_lines: int = 200, last: int | None = None) -> None:
         self.model = RunModel(root)
         self.root = Path(root)
         self.rundir = RunDir(self.root)
         self.log_lines = log_lines
+        self.last = last
         self._tails: dict[Path, JsonlTail] = {}
         self._logs: dict[tuple[int, int], LogTail] = {}
         self._launcher_logs: dict[int, LogTail] = {}
@@ -137,7 +140,8 @@ class RunWatcher:
         self._read_run_jsons()
         try:
             for path in self.rundir.metrics.glob("*.jsonl"):
-                self._tails.setdefault(path, JsonlTail(path))
+                if path not in self._tails:
+                    self._tails[path] = JsonlTail(path, last=self.last)
         except OSError:
             pass
         for tail in self._tails.values():
@@ -167,6 +171,16 @@ class RunWatcher:
                                                      "skipped_bytes": t.skipped_bytes}
                              for (n, lr), t in sorted(self._logs.items())}
         return result
+
+    def backlog(self) -> int:
+        """Bytes of the metrics files not read yet (0: caught up with them)."""
+        left = 0
+        for tail in self._tails.values():
+            try:
+                left += max(0, tail.path.stat().st_size - tail.offset)
+            except OSError:
+                continue
+        return left
 
     def _read_launcher_logs(self) -> None:
         """Exit codes of ranks that died without a record, from torchrun's report in the output of
