@@ -83,6 +83,11 @@ def test_the_browser_lists_the_runs_and_enter_opens_one(tmp_path):
             dash = app.dashboard
             await wait_until(pilot, lambda: app.screen is dash and dash.run.root == tmp_path / "b-live"
                              and dash.run.step == 7, 10, "the chosen run attached")
+            await pilot.press("escape")  # back to the runs, and another one
+            browser = await wait_until(pilot, lambda: isinstance(app.screen, RunBrowser) and app.screen, 10, "back")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: app.screen is dash and dash.run.root == tmp_path / "a-done"
+                             and dash.run.step == 20, 10, "the other run attached")
 
     asyncio.run(main())
 

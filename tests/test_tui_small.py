@@ -6,6 +6,7 @@ hidden, and the footer always shows ?, q and ^p."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from types import SimpleNamespace
 
@@ -175,3 +176,21 @@ def test_b_hides_the_button_row_and_the_footer_keeps_help_quit_and_palette(tmp_p
         await wait_until(pilot, lambda: row.display and below_charts() == height, 10, "the row back")
 
     on_dashboard(tmp_path, monkeypatch, check)
+
+
+def test_the_theme_chosen_is_kept_for_the_next_session(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+    async def session(choose: str | None) -> str:
+        app = OsftTui(None, readonly=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            if choose:
+                app.theme = choose
+                await pilot.pause()
+            return app.theme
+
+    assert asyncio.run(session(None)) == "textual-dark"
+    assert asyncio.run(session("nord")) == "nord"
+    assert asyncio.run(session(None)) == "nord"
+    assert json.loads((tmp_path / "config" / "osft-tui" / "settings.json").read_text()) == {"theme": "nord"}

@@ -8,6 +8,8 @@ resumes in :mod:`.launch_flow`, logs, copy, help and quit in :mod:`.screen_flow`
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from textual.widget import Widget
 
 from .flow import Shown
@@ -23,6 +25,7 @@ class Controls(Widget):
     Args:
         launcher: the command that runs ``osft-train`` (the launcher).
         readonly: quit at once (``--readonly``: nothing may stop or kill a run).
+        runs: the directory of runs the run was chosen from (``escape`` lists them again), or None.
 
     Attributes:
         requests: checkpoint, stop, evaluate, kill, and the answers to requests.
@@ -32,11 +35,11 @@ class Controls(Widget):
 
     DEFAULT_CSS = "Controls { display: none; }"
 
-    def __init__(self, launcher: list[str], readonly: bool = False) -> None:
+    def __init__(self, launcher: list[str], readonly: bool = False, runs: Path | None = None) -> None:
         super().__init__(id="controls")
         self.requests = RequestFlow(self)
         self.launches = LaunchFlow(self, launcher, self.requests)
-        self.screens = ScreenFlow(self, self.requests, self.launches, readonly)
+        self.screens = ScreenFlow(self, self.requests, self.launches, readonly, runs)
 
     def run(self, control: Control, shown: Shown) -> None:
         """Run ``control``'s flow (not a ``view`` control) on what is ``shown``."""

@@ -31,7 +31,7 @@ from .components.ranks import RankTable
 from .components.violations import ViolationCounters
 from .controls import Controls
 from .flow import Shown
-from .keys import ACTING, CONTROL_BY_ACTION, CONTROLS, HELP, QUIT, Presses, offered
+from .keys import ACTING, BACK, CONTROL_BY_ACTION, CONTROLS, HELP, QUIT, Presses, offered
 from .messages import Offered, Said, Told, Watch
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
@@ -72,14 +72,17 @@ class Dashboard(Screen):
         launcher: the command that runs ``osft-train`` (the launcher), e.g. ``[python, -m, osft.trainer.cli]``.
         readonly: remove every control that signals a run.
         poll_s: seconds between polls of the run directory and the processes.
+        runs: the directory of runs this dashboard's run was chosen from (``escape`` goes back to
+            its run browser), or None.
     """
 
     #: Help and quit first: the footer cuts what does not fit on its right (80 columns).
     BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in (HELP.command, QUIT.command))
 
-    def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
+    def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25,
+                 runs: Path | None = None) -> None:
         super().__init__(id="dashboard")
-        self.controls = Controls(launcher, readonly)
+        self.controls = Controls(launcher, readonly, runs)
         self.presses = Presses()
         self.readonly = readonly
         self.poll_s = poll_s
@@ -113,7 +116,7 @@ class Dashboard(Screen):
                 yield RankTable(id="ranks")
         yield LineView("events (/ search, v level)", 1000, id="events")
         with Horizontal(id="buttons"):
-            for c in offered(self.readonly):
+            for c in offered(self.readonly, self.controls.screens.runs is not None):
                 key = self.app.get_key_display(c.binding)
                 yield Button(f"{c.title} ({key})", id=f"button-{c.action}", compact=True)
         yield self.controls
@@ -143,8 +146,13 @@ class Dashboard(Screen):
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """--readonly hides and disables every control that acts on a run or starts one."""
-        return not (self.readonly and action == "control" and parameters and parameters[0] in ACTING)
+        """--readonly hides and disables every control that acts on a run or starts one; the way back
+        to the run browser is there only for a run chosen in it."""
+        if action != "control" or not parameters:
+            return True
+        if parameters[0] == BACK.action:
+            return self.controls.screens.runs is not None
+        return not (self.readonly and parameters[0] in ACTING)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
@@ -179,7 +187,8 @@ class Dashboard(Screen):
 
     def poll(self) -> None:
         """Take the reader's update, sample the processes (every :data:`SAMPLE_S`), redraw."""
-        self.controls.launches.reap(self.shown())
+        if self.controls.launches.started:
+            self.controls.launches.reap(Shown(self.run, self.view, self._live))
         if self.reader is None or self.run is None or self.view is None:
             self.query_one(RunHeader).show(None, None, self.readonly)
             return
@@ -225,7 +234,7 @@ class Dashboard(Screen):
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
         for record in update.checkpoint_records if update else []:
-            self.controls.requests.answer(record, self.shown())
+            self.controls.requests.answer(record, Shown(run, self.view, self._live))
         if slow:
             self.offer_controls()
 
@@ -234,7 +243,7 @@ class Dashboard(Screen):
         stop while a request of their kind waits for its checkpoint, checkpoint, stop and kill
         while no process of the run is alive here (the keys say why when pressed)."""
         requests = self.controls.requests
-        why, pending = requests.unavailable(self.shown()), requests.pending.steps
+        why, pending = requests.unavailable(Shown(self.run, self.view, self._live)), requests.pending.steps
         for action, kind in (("checkpoint", CHECKPOINT), ("stop", STOP), ("kill", None)):
             reason = why
             if reason is None and kind in pending:

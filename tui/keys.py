@@ -76,10 +76,12 @@ CONTROLS = (
             "screens"),
     Control("b", "toggle_buttons", "buttons", "Button row", "show or hide the button row (the footer has every key)",
             "view"),
+    Control("escape", "browse", "runs", "Back to runs", "back to the run browser (osft-tui DIR on a directory of runs)",
+            "screens"),
 )
 #: Each control by its action name.
 CONTROL_BY_ACTION = {c.action: c for c in CONTROLS}
-HELP, QUIT = CONTROL_BY_ACTION["help"], CONTROL_BY_ACTION["request_quit"]
+HELP, QUIT, BACK = CONTROL_BY_ACTION["help"], CONTROL_BY_ACTION["request_quit"], CONTROL_BY_ACTION["browse"]
 #: Actions that act on a run or start one (removed by ``--readonly``).
 ACTING = frozenset(c.action for c in CONTROLS if c.acts)
 #: Seconds within which a press of an acting control repeats the one before (a terminal repeats a
@@ -89,9 +91,10 @@ REPEAT_S = 0.5
 TEXTUAL_KEYS = (("ctrl+p", "command palette"), ("tab", "next panel"))
 
 
-def offered(readonly: bool) -> list[Control]:
-    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not act."""
-    return [c for c in CONTROLS if not (readonly and c.acts)]
+def offered(readonly: bool, browsing: bool = False) -> list[Control]:
+    """The controls a dashboard offers: all of them, or with ``readonly`` those that do not act;
+    the way back to the run browser only when ``browsing`` (its run was chosen in one)."""
+    return [c for c in CONTROLS if not (readonly and c.acts) and (browsing or c.action != "browse")]
 
 
 class Presses:

@@ -1,14 +1,16 @@
-"""The screen flows: a rank's logs (``l``), copying a path (``y``), the help (``?``) and quitting
-(``q``: with a live run, detach, checkpoint and stop, or kill)."""
+"""The screen flows: a rank's logs (``l``), copying a path (``y``), the help (``?``), back to the
+run browser (``escape``) and quitting (``q``: with a live run, detach, checkpoint and stop, or kill)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from .components.modals import Choice, LogScreen
 from .flow import Flow, Shown, gone
 from .keys import HELP_SCREEN, help_screen
 from .launch_flow import LaunchFlow
+from .messages import Watch
 from .processes import kill as kill_processes
 from .request_flow import RequestFlow
 
@@ -21,11 +23,18 @@ class ScreenFlow(Flow):
         requests: the request flows (quit can checkpoint and stop first).
         launches: the launch flows (quit waits for the launchers started here too).
         readonly: quit at once (nothing here may stop or kill a run).
+        runs: the directory of runs the run was chosen from, or None.
     """
 
-    def __init__(self, host, requests: RequestFlow, launches: LaunchFlow, readonly: bool) -> None:
+    def __init__(self, host, requests: RequestFlow, launches: LaunchFlow, readonly: bool,
+                 runs: Path | None = None) -> None:
         super().__init__(host)
-        self.requests, self.launches, self.readonly = requests, launches, readonly
+        self.requests, self.launches, self.readonly, self.runs = requests, launches, readonly, runs
+
+    def runs_again(self, chosen: Path | None) -> None:
+        """The run browser was dismissed with ``chosen``: watch it (None: stay)."""
+        if chosen is not None:
+            self.host.post_message(Watch(chosen))
 
     def logs(self, shown: Shown) -> None:
         """The selected rank's stdout and stderr, live, with its exit code and error when it crashed."""
@@ -74,7 +83,16 @@ class ScreenFlow(Flow):
             app.install_screen(help_screen(), HELP_SCREEN)
         app.push_screen(HELP_SCREEN)
 
+    def browse(self, shown: Shown) -> None:
+        """Back to the run browser of :attr:`runs` (the run shown goes on); Enter watches the one chosen."""
+        if self.runs is None:
+            return
+        from .components.browser import RunBrowser  # only for a directory of runs
+
+        self.host.app.push_screen(RunBrowser(self.runs), self.runs_again)
+
     def request_quit(self, shown: Shown) -> None:
+
         """Quit; with a live run, ask whether to detach, checkpoint and stop, or kill."""
         app, view = self.host.app, shown.view
         if self.readonly or view is None or not view.any_alive():
