@@ -144,5 +144,18 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
                 ["0.37 s", "1.00e-04", "0.167", "1.9000"]
             assert "samples/s" not in [str(c.label) for c in table.columns.values()]  # the job's value: once,
             assert str(dash.query_one(RunHeader).render()).endswith("  8.00 samples/s")  # in the run line
+            # a click on a header sorts by its column: ascending, descending, then the table's order
+            order = []
+            for _ in range(3):
+                await pilot.click(NodeTable, offset=(33, 0))  # the tokens/s header (node 11 + host 12 + step 8)
+                await pilot.pause()
+                order.append([str(r.key.value) for r in table.ordered_rows])
+            assert order == [["node1", "node0"], ["node0", "node1"], ["node0", "node1"]]
+            assert table.sorted_by is None and [str(c.label) for c in table.columns.values()][3] == "tokens/s"
+            await pilot.click(NodeTable, offset=(1, 0))  # node: ascending, then descending
+            await pilot.click(NodeTable, offset=(1, 0))
+            await pilot.pause()
+            assert [str(r.key.value) for r in table.ordered_rows] == ["node1", "node0"] and table.sorted_by == ("node", True)
+            assert str(table.columns[next(iter(table.columns))].label) == "node ▼"
 
     asyncio.run(main())

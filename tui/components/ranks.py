@@ -5,9 +5,10 @@ from __future__ import annotations
 from osft.trainer.checkpoint.signals import signal_name
 from osft.trainer.contract import ended_well
 from rich.text import Text
-from textual.widgets import DataTable
+from textual.coordinate import Coordinate
 
 from ..format import fit_name, fmt_bytes
+from .sortable import SortableTable
 from ..processes import ProcStats
 from ..run_state import RankInfo
 
@@ -19,19 +20,21 @@ WIDTHS = (4, 20, 4, 5, 8, 10, 6, 9)
 ALARM = "b red"
 
 
-class RankTable(DataTable):
-    """One row per rank of the current job (key ``rank<R>``)."""
+class RankTable(SortableTable):
+    """One row per rank of the current job (key ``rank<R>``); a click on a column's header sorts by it."""
+
+    home = ("rank", False)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.fixed_columns = 1  # the rank stays when the table scrolls sideways
         for name, width in zip(COLUMNS, WIDTHS):
             self.add_column(name, key=name, width=width)
-        self._order: list[int] = []
 
     def show(self, ranks: list[RankInfo], stats: dict[int, ProcStats | None], node_codes: dict[int, int]) -> None:
         """Redraw; ``stats[rank]`` is None for a rank on another host; ``node_codes`` maps each node
         whose launcher ended to its exit code."""
+        moved = False
         for info in ranks:
             s = stats.get(info.rank)
             row = (str(info.rank), rank_state(info, s, node_codes.get(info.node_rank)), str(info.node_rank),
@@ -43,20 +46,18 @@ class RankTable(DataTable):
                 for name, value in zip(COLUMNS, row):
                     if self.get_cell(key, name) != value:  # an unchanged cell costs a redraw too
                         self.update_cell(key, name, value)
+                        moved = moved or (self.sorted_by is not None and self.sorted_by[0] == name)
             else:
                 self.add_row(*row, key=key)
-                self._order.append(info.rank)
-
-    def clear(self, columns: bool = False) -> RankTable:
-        """Remove every row (and with ``columns`` the columns)."""
-        self._order = []
-        return super().clear(columns)
+                moved = True
+        if moved:
+            self.resort()
 
     def selected_rank(self) -> int | None:
-        """The rank under the cursor, if any."""
-        if not self._order or not 0 <= self.cursor_row < len(self._order):
+        """The rank under the cursor, if any (whatever the sort)."""
+        if not 0 <= self.cursor_row < self.row_count:
             return None
-        return self._order[self.cursor_row]
+        return int(str(self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value).removeprefix("rank"))
 
 
 def rank_state(info: RankInfo, stats: ProcStats | None, node_code: int | None = None) -> Text:
