@@ -82,6 +82,13 @@ def test_a_curve_replaces_replayed_steps_and_keeps_a_long_run_in_bounded_points(
     assert long.steps == sorted(set(long.steps)) and len(long.steps) > CURVE_POINTS // 2
 
 
+def test_smoothing_is_a_debiased_moving_average():
+    curve = Curve([1, 2, 3], [0.0, 10.0, 10.0])
+    assert curve.smoothed(0.0) is curve
+    assert [round(v, 3) for v in curve.smoothed(0.5).values] == [0.0, 6.667, 8.571]
+    assert curve.smoothed(0.5).steps == [1, 2, 3] and curve.values == [0.0, 10.0, 10.0]
+
+
 def test_ticks_are_round_and_keep_their_decimals():
     assert nice_ticks(0, 1533) == ([0, 500, 1000, 1500], ["0", "500", "1,000", "1,500"])
     assert nice_ticks(0.9, 1.8) == ([1.0, 1.25, 1.5, 1.75], ["1.00", "1.25", "1.50", "1.75"])
@@ -136,6 +143,12 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
                 seen.append((metric.view, [name for name, _ in metric.curves]))
             assert seen == [("lr", ["lr"]), ("grad_norm", ["grad_norm"]), ("forgetting", ["forgetting ret"]),
                             ("loss", ["train", "eval_loss chat", "eval_loss ret"])]
+            await pilot.press("m")  # smoothed: the same steps, each point an average of those before
+            (label, smooth), *_ = metric.curves
+            assert "smoothed 0.6" in str(metric.border_title) and smooth.steps == loss.steps
+            assert smooth.values == Curve(loss.steps, loss.values).smoothed(0.6).values != loss.values
+            await pilot.press("m", "m")  # 0.9, then none
+            assert metric.curves[0][1].values == loss.values
             table = dash.query_one(NodeTable)
             await wait_until(pilot, lambda: "node1" in table.rows, 10, "node 1's row")
             assert str(table.get_cell("node0", "node")) == "0" and str(table.get_cell("node1", "node")) == "[b red]1 slow[/]"

@@ -370,6 +370,11 @@ class Dashboard(Screen):
         if self.charts:
             self.notify(f"chart: {self.charts[0].next_view(self.run)}", timeout=2)
 
+    def smooth(self) -> None:
+        """``m``: the metric chart's next smoothing (none, 0.6, 0.9)."""
+        if self.charts:
+            self.notify(f"smoothing: {self.charts[0].next_smoothing(self.run):g}", timeout=2)
+
     def level(self) -> None:
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""
         self.notify(f"events: {self.query_one(LineView).next_level()}", timeout=2)

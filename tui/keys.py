@@ -69,6 +69,8 @@ CONTROLS = (
             "screens"),
     Control("g", "next_chart", "chart", "Next chart",
             "the metric chart: loss (and evaluation losses), learning rate, grad norm, forgetting", "view"),
+    Control("m", "smooth", "smooth", "Smooth chart",
+            "the metric chart's smoothing: none, 0.6, 0.9 (an exponential moving average)", "view"),
     Control("slash", "search", "search", "Search events", "events: show only the lines holding a text", "view"),
     Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only", "view"),
     Control("question_mark", "help", "help", "Help", "the keys and what each does (this screen)", "screens"),

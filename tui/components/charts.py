@@ -19,6 +19,8 @@ from ..series import Curve
 VIEWS = (("loss", "loss, nats/token", ("loss", "eval_loss ")), ("lr", "learning rate", ("lr",)),
          ("grad_norm", "grad norm (before clipping)", ("grad_norm",)),
          ("forgetting", "forgetting, nats/token", ("forgetting ",)))
+#: Smoothing weights the metric chart cycles through (``m``): none, light, strong.
+SMOOTHING = (0.0, 0.6, 0.9)
 #: Tick marks per axis at most.
 TICKS = 4
 #: Colours of the curves, in order (names that both plotext and Rich know: the title's legend
@@ -120,6 +122,14 @@ class MetricChart(Chart):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.view = VIEWS[0][0]
+        self.smoothing = SMOOTHING[0]
+
+    def next_smoothing(self, model: RunModel | None) -> float:
+        """Smooth the curves by the next weight of :data:`SMOOTHING`; returns it."""
+        self.smoothing = SMOOTHING[(SMOOTHING.index(self.smoothing) + 1) % len(SMOOTHING)]
+        if model is not None:
+            self.show(model)
+        return self.smoothing
 
     def next_view(self, model: RunModel | None) -> str:
         """Show the next view the run has data for (the loss view always counts); returns its name."""
@@ -132,7 +142,9 @@ class MetricChart(Chart):
     def show(self, model: RunModel) -> None:
         """Draw the current view of ``model``."""
         _, title, wanted = next(v for v in VIEWS if v[0] == self.view)
-        self.draw(f"{title} (g: next)", _curves(model, wanted))
+        curves = [(label, c.smoothed(self.smoothing)) for label, c in _curves(model, wanted)]
+        smooth = f", smoothed {self.smoothing:g}" if self.smoothing else ""
+        self.draw(f"{title}{smooth} (g: next, m: smooth)", curves)
 
 
 class ThroughputChart(Chart):
