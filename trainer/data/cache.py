@@ -24,7 +24,7 @@ from pathlib import Path
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
 
 #: Bump when the tokenization or the stored layout changes.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 #: Environment variable overriding the default cache directory.
 DATA_CACHE_ENV = "OSFT_DATA_CACHE"
 

@@ -28,6 +28,7 @@ Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the fiel
 - ``content_missing``: ``missing content in messages[i].content``
 - ``content_not_string``: ``messages[i].content must be a string, got <type>``
 - ``empty_assistant_content``: ``empty assistant content in messages[i].content`` (not with tool calls)
+- ``empty_instruction``: ``empty instruction`` (an alpaca row whose instruction and input are both blank)
 - ``bad_field``: a tool or reasoning field of the wrong type or on the wrong role, e.g.
   ``messages[1].tool_calls[0].function.name must be a non-empty string``, ``"tools" must be a list
   of objects``, ``messages[0].train is only allowed on assistant messages``
