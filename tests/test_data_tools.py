@@ -1,11 +1,13 @@
 """Item 1 of issue 18: tool calls, tool results, per-row tools and reasoning, with a Qwen3-style
 template that renders earlier turns differently; what is trained is checked on decoded tokens."""
 
+import json
+
 import pytest
 
 from helpers import TOOL_REASONING_TEMPLATE, save_tiny_model, tiny_chat_tokenizer, write_jsonl
 from osft.trainer.config import TrainConfig, build_parser, check_config, config_from_args, config_to_argv
-from osft.trainer.data import tokenize_chat_file
+from osft.trainer.data import DataValidationError, tokenize_chat_file
 from osft.trainer.data.tokenize import IGNORE_INDEX
 from osft.trainer.data.validate import validate_chat_file
 from osft.trainer.model_loading import load_tokenizer
@@ -114,6 +116,52 @@ def test_validation_knows_the_tool_and_reasoning_fields(tmp_path):
         "5: messages[1].reasoning_content must be a string, got int",
         "5: messages[1].tool_calls[0].arguments must be an object or a JSON string, got int",
     ]
+
+
+#: ChatML rendering each tool call as {"name": ..., "parameters": <arguments | tojson>} (as Llama 3.1's
+#: template does), or looping over the arguments' items (as Qwen3-Coder's does).
+_CHATML_CALLS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                 "{% for c in m['tool_calls'] or [] %}CALL{% endfor %}{{ '<|im_end|>\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TOJSON_CALLS = _CHATML_CALLS.replace(
+    "CALL", "{{ '{\"name\": \"' + c['function']['name'] + '\", \"parameters\": ' }}"
+            "{{ c['function']['arguments'] | tojson }}{{ '}' }}")
+ITEMS_CALLS = _CHATML_CALLS.replace(
+    "CALL", "{{ '<function=' + c['function']['name'] + '>' }}"
+            "{% for k, v in c['function']['arguments'] | items %}{{ '<parameter=' + k + '>' + v + '</parameter>' }}"
+            "{% endfor %}{{ '</function>' }}")
+
+
+def weather_call(arguments) -> dict:
+    return {"messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]}
+
+
+@pytest.mark.parametrize("template", [TOJSON_CALLS, ITEMS_CALLS], ids=["tojson", "items"])
+def test_tool_call_arguments_as_a_json_string_train_as_the_object_and_other_strings_are_refused(tmp_path, template):
+    """The OpenAI wire format gives arguments as the JSON text of an object: the template gets the
+    object, so it is neither encoded twice (tojson) nor a crash (items); a string that is not the
+    JSON text of an object is refused, located by file, line and field."""
+    tok = tiny_chat_tokenizer(chat_template=template)
+    arguments = {"city": "Paris", "unit": "C"}
+    rows = [weather_call(arguments), weather_call(json.dumps(arguments)), weather_call(json.dumps(arguments, indent=2))]
+    data = tokenize_chat_file(write_jsonl(tmp_path / "calls.jsonl", rows), tok, 1024)
+    assert len(data) == 3
+    assert data[0]["input_ids"] == data[1]["input_ids"] == data[2]["input_ids"]
+    assert data[0]["labels"] == data[1]["labels"] == data[2]["labels"]
+    call = trained_texts(tok, data)[0][0]
+    assert "Paris" in call and "\\" not in call
+    bad = write_jsonl(tmp_path / "bad.jsonl", [weather_call("city=Paris"), weather_call("[1, 2]"), rows[1]])
+    with pytest.raises(DataValidationError) as exc:
+        tokenize_chat_file(bad, tok, 1024)
+    assert [str(p).removeprefix(f"{bad}:") for p in exc.value.problems] == [
+        "1: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (invalid JSON: "
+        "Expecting value at column 1); give the arguments as an object, or as the JSON text of one",
+        "2: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (it holds array); "
+        "give the arguments as an object, or as the JSON text of one"]
 
 
 def test_chat_template_file_replaces_the_tokenizer_s_and_the_flags_round_trip(tmp_path):

@@ -31,7 +31,9 @@ Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the fiel
 - ``empty_instruction``: ``empty instruction`` (an alpaca row whose instruction and input are both blank)
 - ``bad_field``: a tool or reasoning field of the wrong type or on the wrong role, e.g.
   ``messages[1].tool_calls[0].function.name must be a non-empty string``, ``"tools" must be a list
-  of objects``, ``messages[0].train is only allowed on assistant messages``
+  of objects``, ``messages[0].train is only allowed on assistant messages``, tool-call
+  ``arguments`` as a string that is not the JSON text of an object (as an object's JSON text they
+  are handed to the template as that object)
 - ``tool_without_call``: ``messages[i] is a tool result, but no assistant tool call comes before it``
 - ``no_assistant``: ``no assistant turn in messages (nothing to train on)``
 - ``roles_not_alternating`` (only when the chat template requires it):
@@ -214,7 +216,7 @@ def _check_fields(msg: dict, role: Any, name) -> list[tuple[str, str, str]]:
         bad("tool_calls", "must be a non-empty list of tool calls")
         return out
     for j, call in enumerate(calls or []):
-        function = call.get("function", call) if isinstance(call, dict) else None
+        function = _function(call) if isinstance(call, dict) else None
         where = f"tool_calls[{j}]" + (".function" if isinstance(call, dict) and "function" in call else "")
         if not isinstance(function, dict):
             bad(f"tool_calls[{j}]", 'must be an object {"type": "function", "function": {"name": ..., "arguments": ...}}')
@@ -222,7 +224,19 @@ def _check_fields(msg: dict, role: Any, name) -> list[tuple[str, str, str]]:
             bad(f"{where}.name", "must be a non-empty string")
         elif not isinstance(function.get("arguments", {}), (dict, str)):
             bad(f"{where}.arguments", f"must be an object or a JSON string, got {_type_name(function['arguments'])}")
+        elif isinstance(function.get("arguments"), str) and (why := _not_json_object(function["arguments"])):
+            bad(f"{where}.arguments", f"is a string that is not a JSON object ({why}); give the arguments as an "
+                "object, or as the JSON text of one")
     return out
+
+
+def _not_json_object(text: str) -> str | None:
+    """Why ``text`` is not the JSON text of an object (None: it is)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON: {e.msg} at column {e.colno}"
+    return None if isinstance(value, dict) else f"it holds {_type_name(value)}"
 
 
 def check_alternation(messages: list[dict], name: FieldName = messages_field) -> tuple[str, str, str] | None:
@@ -270,8 +284,31 @@ def render(tokenizer, conversation: Conversation | list[dict], tools: list[dict]
 
 
 def _normalized(messages: list[dict]) -> list[dict]:
-    """Messages as templates expect them: an assistant tool call without content gets ``""``."""
-    return [dict(m, content="") if m.get("content") is None else m for m in messages]
+    """Messages as templates expect them: an assistant tool call without content gets ``""``, and
+    tool-call ``arguments`` given as the JSON text of an object (the OpenAI wire format) become that
+    object, so every template renders them once, as it renders an object (:func:`check_row` has
+    checked that they parse)."""
+    out = []
+    for m in messages:
+        if m.get("content") is None:
+            m = dict(m, content="")
+        if any(isinstance(_function(c).get("arguments"), str) for c in m.get("tool_calls") or []):
+            m = dict(m, tool_calls=[_parsed_arguments(c) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _function(call: dict) -> dict:
+    """The ``function`` object of a tool call (``{"type": "function", "function": {...}}``), or the call itself."""
+    return call.get("function", call)
+
+
+def _parsed_arguments(call: dict) -> dict:
+    function = _function(call)
+    if not isinstance(function.get("arguments"), str):
+        return call
+    function = dict(function, arguments=json.loads(function["arguments"]))
+    return dict(call, function=function) if "function" in call else function
 
 
 def scan_chat_file(path, tokenizer=None, data_format: str = "auto", cache_dir=None):
