@@ -164,6 +164,63 @@ def test_tool_call_arguments_as_a_json_string_train_as_the_object_and_other_stri
         "give the arguments as an object, or as the JSON text of one"]
 
 
+#: REASONING_CHATML_TEMPLATE that, as Qwen3's does, takes the reasoning out of an assistant content
+#: holding </think> (after an optional leading <think>) when the message has no reasoning_content.
+THINK_IN_CONTENT_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% set ns.content = m['content'] %}"
+    "{% set ns.reasoning = m['reasoning_content'] if m['reasoning_content'] is defined else '' %}"
+    "{% if m['role'] == 'assistant' and not ns.reasoning and '</think>' in ns.content %}"
+    "{% set ns.reasoning = ns.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{% set ns.content = ns.content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{ '<think>\\n' + ns.reasoning + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{ ns.content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+THINK_ROWS = [
+    {"messages": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "2+2 equals 4.\n</think>\n\nThe answer is 4."}]},
+    {"messages": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "<think>\n2+2 equals 4.\n</think>\n\nThe answer is 4."}]},
+    {"messages": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "The answer is 4.", "reasoning_content": "2+2 equals 4."}]},
+    {"messages": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "<think>\n2+2 equals 4.\n</think>\n\nThe answer is 4."},
+                  {"role": "user", "content": "3+3?"},
+                  {"role": "assistant", "content": "<think>\n3+3 equals 6.\n</think>\n\nThe answer is 6."}]},
+]
+
+
+@pytest.mark.parametrize("template", [THINK_IN_CONTENT_TEMPLATE, TOOL_REASONING_TEMPLATE.replace(
+    "loop.index0 > ns.last_user", "false")], ids=["splits-think", "renders-content-as-is"])
+def test_no_train_reasoning_leaves_reasoning_inside_the_content_untrained(tmp_path, template):
+    """Reasoning written into the content (<think>R</think>C, or R</think>C as raw completions have
+    it) is left untrained by --no-train-reasoning as reasoning_content is, in every turn, whether the
+    template splits it out into its reasoning block or renders the content as it is."""
+    tok = tiny_chat_tokenizer(chat_template=template)
+    path = write_jsonl(tmp_path / "think.jsonl", THINK_ROWS)
+    lean = tokenize_chat_file(path, tok, 1024, train_reasoning=False)
+    texts = trained_texts(tok, lean)
+    by_row = {}
+    for k in range(len(lean)):
+        by_row.setdefault(lean[k]["line"], []).append(k)
+    for row in (1, 2, 3):
+        (k,) = by_row[row]
+        assert texts[k] == ["The answer is 4." + END], row
+    trained_ids = [[i for i, label in zip(lean[by_row[row][0]]["input_ids"], lean[by_row[row][0]]["labels"])
+                    if label != IGNORE_INDEX] for row in (1, 2, 3)]
+    assert trained_ids[0] == trained_ids[1] == trained_ids[2]
+    assert sorted(t for k in by_row[4] for t in texts[k]) == ["The answer is 4." + END, "The answer is 6." + END]
+    full = trained_texts(tok, tokenize_chat_file(path, tok, 1024))  # with the reasoning trained, as before
+    assert full[0] == ["2+2 equals 4.\n</think>\n\nThe answer is 4." + END]
+    if template == THINK_IN_CONTENT_TEMPLATE:  # its <think>\n before row 1's reasoning is the template's
+        assert full[1] == full[2] == ["<think>\n2+2 equals 4.\n</think>\n\nThe answer is 4." + END]
+        inserted = tokenize_chat_file(path, tok, 1024).report.template_inserted
+        assert [(e["text"], e["samples"]) for e in inserted] == [("<think>\n", 1)]
+
+
 def test_chat_template_file_replaces_the_tokenizer_s_and_the_flags_round_trip(tmp_path):
     model = save_tiny_model(tmp_path / "model")
     template = tmp_path / "qwen3ish.jinja"
