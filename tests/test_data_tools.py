@@ -157,11 +157,11 @@ def test_tool_call_arguments_as_a_json_string_train_as_the_object_and_other_stri
     bad = write_jsonl(tmp_path / "bad.jsonl", [weather_call("city=Paris"), weather_call("[1, 2]"), rows[1]])
     with pytest.raises(DataValidationError) as exc:
         tokenize_chat_file(bad, tok, 1024)
+    hint = "give the arguments as an object, or as the JSON text of one"
     assert [str(p).removeprefix(f"{bad}:") for p in exc.value.problems] == [
-        "1: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (invalid JSON: "
-        "Expecting value at column 1); give the arguments as an object, or as the JSON text of one",
-        "2: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (it holds array); "
-        "give the arguments as an object, or as the JSON text of one"]
+        ("1: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (invalid JSON: "
+         f"Expecting value at column 1); {hint}"),
+        f"2: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (it holds array); {hint}"]
 
 
 #: REASONING_CHATML_TEMPLATE that, as Qwen3's does, takes the reasoning out of an assistant content
