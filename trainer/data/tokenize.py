@@ -103,6 +103,16 @@ class DataReport:
                        + listed(self.split, lambda x: f"{self.unit} {x[0]} ({x[1]} samples)"))
         return out + template_text.describe(self.template_inserted, self.train_on_all)
 
+    def nothing_kept(self) -> str:
+        """Why no sample was kept: ``all 5 samples were dropped (longer than --max-seq-len 200)``."""
+        overlong = (f"longer than --max-seq-len {self.max_seq_len}", len(self.dropped_overlong))
+        untrained = (f"with {no_trainable_message(self.max_seq_len, self.overlong == 'truncate')}",
+                     len(self.dropped_no_trainable))
+        reasons = [(why, n) for why, n in (overlong, untrained) if n]
+        total = sum(n for _, n in reasons)
+        why = reasons[0][0] if len(reasons) == 1 else ", ".join(f"{n} {why}" for why, n in reasons)
+        return f"all {total} sample{'s' if total != 1 else ''} were dropped ({why})"
+
     def to_dict(self) -> dict:
         """Plain-data form (tuples become lists)."""
         return json.loads(json.dumps(asdict(self)))
@@ -461,6 +471,8 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
             rows that the policy would drop for lack of trained tokens (and, under the ``error``
             policy, the overlong ones); or a template that does not render prefixes consistently.
         OverlongSampleError: overlong samples under the ``error`` policy.
+        DataValidationError: no sample left (every one dropped; rule ``no_usable_samples``, naming
+            the count and the reasons), so an empty dataset is never returned or cached.
         ValueError: bad arguments, a file without any row, or a tokenizer without a chat template
             or offset support.
     """
@@ -513,5 +525,8 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
     if overlong_problems:
         raise OverlongSampleError(overlong_problems, report)
+    if not report.kept:  # never an empty dataset: a source that gives nothing is refused, naming why
+        raise DataValidationError([Problem(str(path), 0, None, None, "no_usable_samples", report.nothing_kept(),
+                                           report.unit)])
     ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length", "inserted_tokens"]).flatten_indices()
     return TokenizedChat(dataset=ds, report=report)

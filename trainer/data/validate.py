@@ -43,6 +43,8 @@ Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the fiel
   of a message (any field, nested ones too: ``messages[i].tool_calls[0].name``) that holds half of
   a UTF-16 surrogate pair (JSON ``"\ud83d"`` without its partner), which no tokenizer can encode
 - ``template_error``: ``chat template failed on this row: <error type>: <error message>``
+- ``no_usable_samples`` (the whole source, after tokenization): ``all 5 samples were dropped
+  (longer than --max-seq-len 200)``
 
 A UTF-8 byte-order mark at the start of a JSON file is stripped (not an error). Blank lines are skipped.
 """
@@ -68,7 +70,7 @@ class Problem:
     """One validation problem, located in its source.
 
     ``line`` is the 1-based line (``unit`` "line": JSON Lines) or row (``unit`` "row": JSON arrays
-    and columnar sources; 0 for the whole source); ``column`` is None unless the JSON itself is
+    and columnar sources), 0 for the whole source; ``column`` is None unless the JSON itself is
     broken. ``field`` names the offending field (e.g. ``messages[2].content``), ``rule`` the rule
     broken (see the module docstring), ``message`` the human-readable text (it names both).
     """
@@ -82,8 +84,10 @@ class Problem:
     unit: str = "line"
 
     def __str__(self) -> str:
+        if not self.line:
+            return f"{self.path}: {self.message}"
         if self.unit == "row":
-            return f"{self.path}: row {self.line}: {self.message}" if self.line else f"{self.path}: {self.message}"
+            return f"{self.path}: row {self.line}: {self.message}"
         col = f":{self.column}" if self.column is not None else ""
         return f"{self.path}:{self.line}{col}: {self.message}"
 
