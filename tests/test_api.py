@@ -121,7 +121,8 @@ def test_a_call_from_another_thread_is_refused_before_anything_is_written(tiny_m
     calls train from a worker thread gets an InputError saying so (not Python's ValueError), and
     nothing is written."""
     caught = []
-    settings = {"model_name_or_path": str(tiny_model_dir), "data_path": str(chat_file), "output_dir": str(tmp_path / "r")}
+    settings = {"model_name_or_path": str(tiny_model_dir), "data_path": str(chat_file),
+                "output_dir": str(tmp_path / "r")}
     worker = threading.Thread(target=lambda: caught.append(_raised(lambda: train(settings, max_steps=1))))
     worker.start()
     worker.join()

@@ -166,7 +166,8 @@ def test_alpaca_prompt_is_the_non_blank_instruction_and_input_and_null_is_absent
     input (or system) of null is absent, in JSON Lines as in parquet (where Arrow fills in nulls);
     both formats give the same tokens for every row, all rows together or each next to a normal row."""
     tok = tiny_chat_tokenizer()
-    cases = [(ALPACA, ALPACA_USER)] + [([ALPACA[0], r], [ALPACA_USER[0], u]) for r, u in zip(ALPACA[1:], ALPACA_USER[1:])]
+    cases = [(ALPACA, ALPACA_USER)] + [([ALPACA[0], r], [ALPACA_USER[0], u])
+                                       for r, u in zip(ALPACA[1:], ALPACA_USER[1:])]
     for rows, users in cases:
         write_jsonl(tmp_path / "alpaca.jsonl", rows)
         Dataset.from_list(rows).to_parquet(str(tmp_path / "alpaca.parquet"))

@@ -105,7 +105,8 @@ def test_a_tracker_installed_but_not_importable_is_refused_before_any_rank_start
     for module in [m for m in sys.modules if m.split(".")[0] in ("tensorboard", "wandb") or
                    m.startswith("torch.utils.tensorboard")]:
         monkeypatch.delitem(sys.modules, module)
-    base = ["--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file), "--output-dir", str(tmp_path / "r")]
+    base = ["--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file),
+            "--output-dir", str(tmp_path / "r")]
     for name, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
         for ranks in ("1", "2"):
             assert main([*base, "--report-to", name, "--nproc-per-node", ranks]) == 2
