@@ -161,7 +161,7 @@ def test_tool_call_arguments_as_a_json_string_train_as_the_object_and_other_stri
     assert [str(p).removeprefix(f"{bad}:") for p in exc.value.problems] == [
         ("1: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (invalid JSON: "
          f"Expecting value at column 1); {hint}"),
-        f"2: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (it holds array); "
+        "2: messages[1].tool_calls[0].function.arguments is a string that is not a JSON object (it holds array); "
         + hint]
 
 
