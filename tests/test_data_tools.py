@@ -220,6 +220,13 @@ def test_no_train_reasoning_leaves_reasoning_inside_the_content_untrained(tmp_pa
         assert full[1] == full[2] == ["<think>\n2+2 equals 4.\n</think>\n\nThe answer is 4." + END]
         inserted = tokenize_chat_file(path, tok, 1024).report.template_inserted
         assert [(e["text"], e["samples"]) for e in inserted] == [("<think>\n", 1)]
+    # a <think> without its </think>: the reasoning cannot be told from the answer, and the run says so
+    unclosed = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\n2+2 is"}]}
+    report = tokenize_chat_file(write_jsonl(tmp_path / "open.jsonl", [THINK_ROWS[1], unclosed]), tok, 1024,
+                                train_reasoning=False).report
+    assert report.reasoning_trained == [2]
+    assert ("  warning: 1 assistant turns hold <think> without a closing </think>, so their reasoning is trained in "
+            "spite of --no-train-reasoning: line 2") in report.summary_lines()
 
 
 def test_chat_template_file_replaces_the_tokenizer_s_and_the_flags_round_trip(tmp_path):

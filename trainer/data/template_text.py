@@ -25,8 +25,8 @@ from dataclasses import dataclass
 #: Unicode private-use characters used as content markers in probe renderings.
 OPEN, CLOSE = "\ue000", "\ue001"
 
-#: The tag that closes a reasoning block (``<think>...</think>``) in Qwen3-style and DeepSeek-R1-style text.
-THINK_END = "</think>"
+#: The tags that open and close a reasoning block (``<think>...</think>``) in Qwen3-style and DeepSeek-R1-style text.
+THINK_START, THINK_END = "<think>", "</think>"
 
 #: ``where`` of a default system prompt and of text inserted before an assistant content.
 SYSTEM_PROMPT, BEFORE_ASSISTANT = "default system prompt", "before assistant content"
@@ -110,6 +110,11 @@ def split_inserted(rendered: str, assistants: list[dict], turns: list[tuple[int,
     if not train_reasoning:
         spans = [after_reasoning(rendered, span) for span in spans]
     return spans, inserted
+
+
+def holds_reasoning_tag(text: str) -> bool:
+    """Whether trained text still holds a reasoning tag (``<think>`` or :data:`THINK_END`)."""
+    return THINK_START in text or THINK_END in text
 
 
 def after_reasoning(rendered: str, span: tuple[int, int]) -> tuple[int, int]:
