@@ -228,7 +228,7 @@ def apply_settings(parser: argparse.ArgumentParser, settings: dict[str, Any]) ->
 
 #: Fields that are one-time actions of a launch, not settings of the run: never written to a config
 #: file, so replaying ``<run>/config.yaml`` cannot remove the run's checkpoints again.
-ONE_TIME_FIELDS = ("overwrite_output_dir", "resume_accept_changed_inputs")
+ONE_TIME_FIELDS = ("overwrite_output_dir",)
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:
