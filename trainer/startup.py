@@ -114,7 +114,7 @@ def choose_checkpoint(cfg: TrainConfig) -> ResumeChoice:
 class Resume:
     """A checked resume: the checkpoint, its trainer state (with the evaluation state that depends on
     an input accepted as changed reset: :meth:`.checkpoint.trainer_state.TrainerState.accept_inputs`),
-    and one warning per accepted input and per optimisation setting that changed since it was saved
+    a warning naming the inputs accepted as changed, and one per optimisation setting that changed since it was saved
     (:meth:`.checkpoint.trainer_state.TrainerState.check_compatible`)."""
 
     path: Path

@@ -139,7 +139,8 @@ class TrainerState:
             evaluation and the early-stopping patience after a change of the evaluation set, of
             the tokenizer or chat template, or of the training data with ``--eval-split``; the
             retention baselines after a change of a retention set, tokenizer or chat template: they
-            are measured again at the resumed step), and one warning per changed input saying what was reset.
+            are measured again at the resumed step), and a warning naming every changed input and
+            what was reset (none when nothing changed).
 
         Raises:
             CheckpointError: an input whose content differs, without ``--resume-accept-changed-inputs``;
