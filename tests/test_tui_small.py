@@ -18,6 +18,7 @@ from textual.command import CommandList, CommandPalette
 from textual.geometry import Region
 from textual.widgets import Button, Static
 from textual.widgets._footer import FooterKey
+from textual.widgets._toast import Toast
 from tui_support import wait_until
 
 SIZE = (80, 24)
@@ -61,13 +62,14 @@ def test_the_form_and_the_dialogs_fit_80x24(tmp_path, monkeypatch):
     asyncio.run(main())
 
 
-def on_dashboard(tmp_path, monkeypatch, check) -> None:
-    """Run ``await check(app, pilot)`` on a dashboard without a run at 80x24, its new-run form closed."""
+def on_dashboard(tmp_path, monkeypatch, check, notifications: bool = False) -> None:
+    """Run ``await check(app, pilot)`` on a dashboard without a run at 80x24, its new-run form closed
+    (with ``notifications``, toasts are drawn)."""
     monkeypatch.chdir(tmp_path)
 
     async def main():
         app = OsftTui(None)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=SIZE, notifications=notifications) as pilot:
             await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen), 10, "the form")
             await pilot.press("escape")
             await wait_until(pilot, lambda: app.screen is app.dashboard, 10, "the dashboard")
@@ -134,6 +136,10 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
         await pilot.pause(0.2)
         inside = app.screen.query_one(".dialog").content_region
         assert all(inside.contains_region(b.region) for b in app.screen.query(Button))  # whole, at 80 columns
+        app.dashboard.notify("a toast while the dialog is open")
+        await pilot.pause(0.2)
+        toasts = app.screen.query(Toast)
+        assert toasts and not [t for t in toasts if t.region.area]  # held back: it never covers the answers
         await pilot.press("q", "k", "s", "y")
         await pilot.pause(0.2)
         assert isinstance(app.screen, Choice) and not killed
@@ -154,7 +160,7 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
         await pilot.press("d")
         await wait_until(pilot, lambda: app.return_value == 0, 10, "detach")
 
-    on_dashboard(tmp_path, monkeypatch, check)
+    on_dashboard(tmp_path, monkeypatch, check, notifications=True)
     assert killed == [[target]]
 
 
