@@ -31,6 +31,7 @@ from osft.tui.components.ranks import RankTable
 from osft.tui.components.violations import ViolationCounters
 from osft.tui.keys import REPEAT_S
 from osft.tui.format import fmt_compact
+from textual.command import CommandList
 from textual.widgets import Button, Input, RichLog
 from tui_support import kill_run, no_processes_left, wait_until
 
@@ -72,6 +73,7 @@ def run(tmp_path: Path, scenario) -> None:
     async def main():
         app = OsftTui(None, launcher=[sys.executable, str(FAKE)], poll_s=0.1)
         app.bells = []
+        app.NOTIFICATION_TIMEOUT = 600  # the toasts the tests read stay, however slow the machine
         app.bell = lambda: app.bells.append(app.dashboard.run.state)
         async with app.run_test(size=(140, 42)) as pilot:
             await scenario(app, pilot, out)
@@ -449,7 +451,12 @@ def test_the_command_palette_stops_the_run(tmp_path):
         await pilot.press("ctrl+p")
         await pilot.pause(0.3)
         await pilot.press(*"checkpoint & stop")
-        await pilot.pause(0.5)
+
+        def first() -> str:  # the palette searches in the background
+            options = app.screen.query_one(CommandList)
+            return str(options.get_option_at_index(0).prompt) if options.option_count else ""
+
+        await wait_until(pilot, lambda: first().startswith("Checkpoint & stop"), 10, "the command found")
         await pilot.press("enter")
         await wait_until(pilot, lambda: dash.run.state == "stopped", 30, "the stop")
         assert signals_received(out) == ["SIGUSR2"]

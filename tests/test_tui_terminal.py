@@ -442,7 +442,7 @@ def launch_from_form(term: Terminal, tmp_path: Path, max_steps: int) -> tuple[Pa
     screen = term.screen()
     assert re.search(r"^ node\s+host\s+step\s+tokens/s\s+step time\s+loss\s+lr\s+grad norm", screen, re.MULTILINE), screen
     # node 0 (no straggler: one node) at a step, with its tokens/s and step time, runs ranks 0-1
-    assert re.search(r"^ 0\s+\S+\s+\d+\s+[\d,]+\s+\d+\.\d\d s\s.*\s0-1\s", screen, re.MULTILINE), screen
+    assert re.search(r"^ 0\s+\S+\s+\d+\s+[\d.,]+[kMG]?\s+\d+\.\d\d s\s.*\s0-1\s", screen, re.MULTILINE), screen
     run = read_json(out / "run.json")
     assert run["argv"][0] == str(FAKE) and "--on-demand-checkpointing" in run["argv"]
     return out, launcher, ranks, term.modes()
