@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from .config import ONE_TIME_FIELDS, TrainConfig
 
 #: First line of every file :func:`config_to_yaml` writes.
 HEADER = "# osft-train --config file: flag names with underscores; command-line flags override these values\n"
@@ -224,11 +224,6 @@ def apply_settings(parser: argparse.ArgumentParser, settings: dict[str, Any]) ->
         if settings.get(action.dest) is not None:
             action.required = False
     parser.set_defaults(**settings)
-
-
-#: Fields that are one-time actions of a launch, not settings of the run: never written to a config
-#: file, so replaying ``<run>/config.yaml`` cannot remove the run's checkpoints again.
-ONE_TIME_FIELDS = ("overwrite_output_dir",)
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:
