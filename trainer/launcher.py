@@ -142,7 +142,7 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
 def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
     """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
     ``exit_code``, ``reason`` and ``export_dir`` (:func:`.contract.read_records` reads the file)."""
-    path = run_dir.metrics / f"node{node_rank}.jsonl"
+    path = run_dir.node_metrics(node_rank)
     records = read_records(path)[0] if path.is_file() else []
     return next((r for r in reversed(records) if r.get("event") == Event.RUN_FINISHED and r.get("job_id") == job_id), {})
 

@@ -17,6 +17,14 @@ from .contract import CONTROL_EVALUATE
 #: Name of a complete checkpoint directory under :attr:`RunDir.checkpoints` (docs/architecture.md section 5);
 #: group 1 is the optimizer step it was saved after.
 STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Name of a node's metrics file under :attr:`RunDir.metrics` (:func:`metrics_file_name`); group 1 is the node rank.
+NODE_METRICS = re.compile(r"^node(\d+)\.jsonl$")
+
+
+def metrics_file_name(node_rank: int, rank: int | None = None) -> str:
+    """The metrics file of a writer (docs/architecture.md section 4): ``node<N>.jsonl`` for node N's
+    local rank 0 (``rank`` None), ``rank<R>.jsonl`` for global rank R, any other rank."""
+    return f"node{node_rank}.jsonl" if rank is None else f"rank{rank}.jsonl"
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -63,6 +71,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics"
+
+    def node_metrics(self, node_rank: int | None = None) -> Path:
+        """``metrics/node<N>.jsonl`` of node ``node_rank`` (default: this node's)."""
+        return self.metrics / metrics_file_name(self.node_rank if node_rank is None else node_rank)
 
     @property
     def checkpoints(self) -> Path:
