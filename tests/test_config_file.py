@@ -190,3 +190,23 @@ def test_a_run_writes_its_config_and_relaunches_from_it(tiny_model_dir, tmp_path
     assert main(["--config", str(out / "config.yaml"), "--print-config"]) == 0
     assert capsys.readouterr().out == written
     assert not list(out.glob(".config.yaml.tmp*"))
+
+
+def test_the_worker_group_reads_its_launchers_config_unchanged(tmp_path, monkeypatch):
+    from osft.trainer.config_file import worker_config_yaml
+    from osft.trainer.launcher import torchrun_command
+    from osft.trainer.rundir import RunDir
+
+    monkeypatch.delenv("OSFT_CACHE_V", raising=False)
+    step = tmp_path / "full_state_checkpoints" / "step_2"
+    cfg = TrainConfig("m", ["a.jsonl:0.8", "b.parquet:0.2"], str(tmp_path), overwrite_output_dir=True,
+                      resume_from_full_state_checkpoint=str(step), retention_data_path=["r1", "r2"],
+                      learning_rate=3.3e-5, eps=1e-8, osft=False, report_to=["none"], chat_template="true",
+                      nproc_per_node=2, node_rank=1, nnodes=2, rdzv_endpoint="h:1")
+    run_dir = RunDir(cfg.output_dir, cfg.node_rank)
+    cmd = torchrun_command(cfg, run_dir, "job1")
+    assert cmd[-3:] == ["osft.trainer.worker", "--config", str(tmp_path / "logs" / "node1" / "config-job1.yaml")]
+    run_dir.worker_config("job1").parent.mkdir(parents=True)
+    run_dir.worker_config("job1").write_text(worker_config_yaml(cfg))
+    args = parse_with_config_file(build_parser("osft.trainer.worker"), cmd[-2:])
+    assert config_from_args(args) == cfg  # one-time fields too: the ranks' run_started record keeps them

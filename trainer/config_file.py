@@ -229,7 +229,21 @@ def apply_settings(parser: argparse.ArgumentParser, settings: dict[str, Any]) ->
 def config_to_yaml(cfg: TrainConfig) -> str:
     """``cfg`` as a config file: every field but :data:`ONE_TIME_FIELDS`, in declaration order,
     after :data:`HEADER`."""
-    import yaml
-
     fields = {k: v for k, v in cfg.to_json().items() if k not in ONE_TIME_FIELDS}
-    return HEADER + yaml.safe_dump(fields, sort_keys=False, default_flow_style=False)
+    return HEADER + _dump(fields)
+
+
+#: First line of a worker group's config (:func:`worker_config_yaml`).
+WORKER_HEADER = "# config of one osft-train launch's torchrun worker group, written by its launcher\n"
+
+
+def worker_config_yaml(cfg: TrainConfig) -> str:
+    """``cfg`` as the config file a launcher hands its ranks (``osft.trainer.worker --config FILE``):
+    every field, the one-time ones included, so that it reads back into an equal ``TrainConfig``."""
+    return WORKER_HEADER + _dump(cfg.to_json())
+
+
+def _dump(fields: dict[str, Any]) -> str:
+    import yaml  # here, not at the top: PyYAML is a third of `osft-train --help`'s start-up
+
+    return yaml.safe_dump(fields, sort_keys=False, default_flow_style=False)
