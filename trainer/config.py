@@ -54,7 +54,7 @@ class DataConfig:
 
     TITLE: ClassVar[str] = "model and data"
     model_name_or_path: str = setting(help="HF model directory or a .gguf file", required=True)
-    data_path: list[str] = setting(  # noqa: RUF009 (a dataclasses.field)
+    data_path: list[str] = setting(
         help="training data: .jsonl/.json, .parquet, .arrow or a save_to_disk directory; several paths (repeat the "
         "flag or list them) are one dataset, or with weights (a.jsonl:0.8 b.parquet:0.2) a mixture drawn by weight "
         "in every batch", required=True, many=True, action=DataPaths, metavar="PATH[:WEIGHT]")
@@ -120,7 +120,7 @@ class OSFTConfig:
     osft: bool = setting(True, "plain full fine-tuning (the baseline)", resume=SAME)
     osft_unfreeze_rank_ratio: float = setting(
         0.25, "URR: share of each target's rank that trains; k_high = floor(rank*(1-URR))", values=_UNIT, resume=SAME)
-    osft_target_patterns: list[str] | None = setting(  # noqa: RUF009 (a dataclasses.field)
+    osft_target_patterns: list[str] | None = setting(
         None, "regular expressions selecting target modules (default: built in per architecture)", many=True,
         metavar="REGEX", resume=SAME)
     osft_v_projection: str = setting("factored", "V-side projection: factored (dV V_high^T) V_high, or the M x M "
@@ -203,7 +203,7 @@ class PrecisionConfig:
     hf_export_every_steps: int = setting(0, "also export hf_format/step_N every N steps (0: only at the end)",
                                          values=non_negative_int)
     logging_steps: int = setting(1, "console update interval, steps", values=positive_int)
-    report_to: list[str] | None = setting(  # noqa: RUF009 (a dataclasses.field)
+    report_to: list[str] | None = setting(
         None, "global rank 0 also sends the metrics to these trackers: none, tensorboard (<output_dir>/tensorboard; "
         "pip install 'osft[tensorboard]'), wandb (offline run in <output_dir>/wandb; pip install 'osft[wandb]')",
         many=True, choices=REPORT_TO_CHOICES, metavar="TRACKER")
@@ -263,7 +263,7 @@ class EvaluationConfig:
     eval_max_samples: int | None = setting(
         None, "evaluate at most N samples of each evaluation and retention set (spread evenly)", values=positive_int,
         metavar="N")
-    retention_data_path: list[str] | None = setting(  # noqa: RUF009 (a dataclasses.field)
+    retention_data_path: list[str] | None = setting(
         None, "retention set (chat jsonl, repeatable; e.g. from `osft-train make-retention-set`): its loss minus its "
         "loss at step 0 is the forgetting, nats per token", many=True, action=RepeatableList, metavar="FILE")
     max_forgetting: float | None = setting(

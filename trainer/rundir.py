@@ -86,7 +86,7 @@ def read_state_file(path: Path) -> dict:
     """
     data = json.loads(path.read_text())
     if not isinstance(data, dict):
-        raise ValueError(f"not a JSON object but {type(data).__name__}")  # noqa: TRY004 (bad file content)
+        raise ValueError(f"not a JSON object but {type(data).__name__}")
     return data
 
 

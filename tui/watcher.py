@@ -7,7 +7,6 @@ torch), so it reads runs started by hand, by ``osft-train``, by the dashboard or
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
