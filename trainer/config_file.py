@@ -239,8 +239,10 @@ WORKER_HEADER = "# config of one osft-train launch's torchrun worker group, writ
 
 def worker_config_yaml(cfg: TrainConfig) -> str:
     """``cfg`` as the config file a launcher hands its ranks (``osft.trainer.worker --config FILE``):
-    every field, the one-time ones included, so that it reads back into an equal ``TrainConfig``."""
-    return WORKER_HEADER + _dump(cfg.to_json())
+    every field that is not None, the one-time ones included; it reads back into an equal
+    ``TrainConfig``, a None taking the rank's parser default (``--osft-cache-v-high``: from
+    ``OSFT_CACHE_V``, as on the command line)."""
+    return WORKER_HEADER + _dump({k: v for k, v in cfg.to_json().items() if v is not None})
 
 
 def _dump(fields: dict[str, Any]) -> str:
