@@ -1,5 +1,6 @@
 """`osft-train --config FILE` and `--print-config` (trainer/config_file.py)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -210,3 +211,24 @@ def test_the_worker_group_reads_its_launchers_config_unchanged(tmp_path, monkeyp
     run_dir.worker_config("job1").write_text(worker_config_yaml(cfg))
     args = parse_with_config_file(build_parser("osft.trainer.worker"), cmd[-2:])
     assert config_from_args(args) == cfg  # one-time fields too: the ranks' run_started record keeps them
+
+
+def test_the_declarations_give_the_resume_rules_and_check_configs_made_in_code(tmp_path):
+    from osft.trainer.config import ONE_TIME_FIELDS, RESUME_SETTINGS, RESUME_WARN_SETTINGS, check_config
+
+    assert set(RESUME_SETTINGS) == {
+        "batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
+        "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
+        "osft_max_frozen_ratio", "freeze_non_target", "freeze_router", "train_on_all", "overlong",
+        "osft_protect_subspaces", "data_format", "train_reasoning", "train_last_turn_only", "chat_template", "eval_split"}
+    assert set(RESUME_WARN_SETTINGS) == {"learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1",
+                                         "beta2", "eps", "max_grad_norm", "max_steps", "num_epochs"}
+    assert ONE_TIME_FIELDS == ("overwrite_output_dir",)
+    data = write(tmp_path, '{"messages": []}\n', "d.jsonl")
+    for settings, message in (({"learning_rate": 0.0}, "--learning-rate must be in (0, inf), got 0.0"),
+                              ({"osft_protect_energy": 1.5}, "--osft-protect-energy must be in (0, 1], got 1.5"),
+                              ({"osft_protect_input_samples": 0}, "--osft-protect-input-samples must be at least 1, got 0"),
+                              ({"device": "tpu"}, "--device must be one of auto, cpu, cuda, got 'tpu'"),
+                              ({"report_to": ["none", "nope"]}, "--report-to must be one of")):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            check_config(TrainConfig(str(tmp_path), str(data), str(tmp_path / "out"), **settings))

@@ -5,8 +5,10 @@ generated from them: the argparse parser (:func:`build_parser`), the flags of a 
 resume rules (:data:`RESUME_SETTINGS`, :data:`RESUME_WARN_SETTINGS`). The YAML reader
 (:mod:`.config_file`) takes its keys and checks from the same parser.
 
-:class:`TrainConfig` is every section at once, flat (``cfg.learning_rate``); it is an instance of
-each section class, so a component may declare the section it reads (``OptimizerConfig``).
+:class:`TrainConfig` is every section at once, flat (``cfg.learning_rate``), and the only class
+made with ``__init__``, ``__repr__`` and ``__eq__`` (a section holds fields only); it is an instance
+of each section class, so a component may declare the section it reads (``cfg: OptimizerConfig``).
+A new setting is one :func:`.setting.setting` field in its section plus the code that uses it.
 Flag names follow the older mini_trainer where one exists (``--model-name-or-path``,
 ``--data-path``, ``--output-dir``, ``--max-tokens-per-gpu``, ``--osft-unfreeze-rank-ratio``, ...),
 so its users can switch. Bad values are rejected by the parser with one line, never a traceback.
@@ -48,7 +50,7 @@ _NON_NEGATIVE = Interval(0, INF, hi_open=True)
 SAME, WARN = Resume.SAME, Resume.WARN
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class DataConfig:
     """The model, the training data and how samples are made of it (units: tokens)."""
 
@@ -80,7 +82,7 @@ class DataConfig:
     data_cache: bool = setting(True, "always re-tokenize")
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class BatchConfig:
     """How many samples make a step and how they are packed (units: samples, tokens)."""
 
@@ -91,7 +93,7 @@ class BatchConfig:
         resume=SAME)
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class OptimizerConfig:
     """AdamW, its learning-rate schedule and the length of the run (units: steps)."""
 
@@ -112,7 +114,7 @@ class OptimizerConfig:
     seed: int = setting(42, "seed of the data order and every RNG", values=int, resume=SAME)
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class OSFTConfig:
     """OSFT's targets, ranks, projection and orthogonality checks (units: degrees, steps, samples)."""
 
@@ -160,7 +162,7 @@ class OSFTConfig:
         "exceeds --ortho-margin-deg", values=positive_int)
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class ProtectionConfig:
     """Protected subspaces of earlier OSFT runs (sequential OSFT): what is read and what the export adds."""
 
@@ -186,7 +188,7 @@ class ProtectionConfig:
         "more than fit take one calibration pass per group (--osft-protect-basis inputs)", values=_POSITIVE)
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class PrecisionConfig:
     """Device, dtypes, compilation and memory trades, and the outputs written while training."""
 
@@ -209,7 +211,7 @@ class PrecisionConfig:
         many=True, choices=REPORT_TO_CHOICES, metavar="TRACKER")
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class CheckpointConfig:
     """Full-state checkpoints: when they are written, kept and resumed from (docs/architecture.md sections 5, 6)."""
 
@@ -245,7 +247,7 @@ class CheckpointConfig:
         return self.on_demand_checkpointing or self.checkpoint_every_steps > 0
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class EvaluationConfig:
     """Evaluation and retention sets, the forgetting budget, early stopping and divergence (units: nats per token)."""
 
@@ -293,7 +295,7 @@ class EvaluationConfig:
         return bool(self.eval_data_path or self.eval_split or self.retention_data_path)
 
 
-@dataclass
+@dataclass(init=False, repr=False, eq=False)  # fields only: TrainConfig makes the methods
 class LaunchConfig:
     """The torchrun worker group (read by the launcher; a worker ignores them)."""
 

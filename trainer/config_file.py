@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -104,6 +103,8 @@ def _suggestion(key: str, actions: dict[str, argparse.Action]) -> str:
             if option.lstrip("-").replace("-", "_") == spelled:
                 hint = dest if spelled == dest else f"{dest}: {str(action.const).lower()}"
                 return f"; did you mean '{hint}'?"
+    import difflib  # here, not at the top: only an unknown key needs it (`osft-train --help` start-up)
+
     close = difflib.get_close_matches(spelled, actions, n=1)
     return f"; did you mean '{close[0]}'?" if close else ""
 

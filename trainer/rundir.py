@@ -43,7 +43,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class LauncherRecord:
     """One launcher's state file, ``run.json`` (node 0) or ``run.node<N>.json``: each field is a key
     of the file, None where the file has none yet. Written piecewise by :meth:`RunDir.update_run_json`

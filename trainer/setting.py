@@ -16,7 +16,6 @@ import enum
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 #: Key of a field's :class:`Setting` in its ``dataclasses.Field.metadata``.
@@ -79,9 +78,9 @@ class Interval:
         return None if ok else f"must be in {self.text}, got {value}"
 
 
-@dataclass(frozen=True)
 class Setting:
-    """What a config field declares besides its name, type and default.
+    """What a config field declares besides its name, type and default (a plain class: a
+    dataclass's generated methods would add to ``osft-train --help``'s start-up).
 
     ``values`` parses a flag's text (an :class:`IntAtLeast`, :class:`Interval`, ``int``; None: the
     text itself); ``many``: the flag takes one or more values (a list field); ``action``: a custom
@@ -91,17 +90,15 @@ class Setting:
     action of one launch, never written to a config file.
     """
 
-    help: str | None
-    values: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    many: bool = False
-    action: type[argparse.Action] | None = None
-    resume: Resume = Resume.FREE
-    no_help: str | None = None
-    env: str | None = None
-    required: bool = False
-    one_time: bool = False
+    __slots__ = ("help", "values", "choices", "metavar", "many", "action", "resume", "no_help", "env", "required",
+                 "one_time")
+
+    def __init__(self, help: str | None, *, values: Callable[[str], Any] | None = None,
+                 choices: tuple[str, ...] | None = None, metavar: str | None = None, many: bool = False,
+                 action: type[argparse.Action] | None = None, resume: Resume = Resume.FREE, no_help: str | None = None,
+                 env: str | None = None, required: bool = False, one_time: bool = False) -> None:
+        self.help, self.values, self.choices, self.metavar, self.many, self.action = help, values, choices, metavar, many, action
+        self.resume, self.no_help, self.env, self.required, self.one_time = resume, no_help, env, required, one_time
 
 
 def setting(default: Any = dataclasses.MISSING, help: str | None = None, **declared: Any) -> Any:
