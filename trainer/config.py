@@ -237,6 +237,10 @@ class CheckpointConfig:
     resume_from_full_state_checkpoint: str | None = setting(
         None, "resume from this checkpoint (a full_state_checkpoints/step_N directory)", metavar="STEP_DIR")
     resume: bool = setting(False, "resume from the newest complete checkpoint under --output-dir, if there is one")
+    resume_accept_changed_inputs: bool = setting(
+        False, "resume even though the training data, tokenizer, chat template, evaluation or retention sets differ in "
+        "content from the checkpoint's (refused otherwise): training goes on from the saved data position, and the "
+        "evaluation state that depends on a changed input is reset")
     overwrite_output_dir: bool = setting(
         False, "start a new run in an --output-dir an earlier run (no longer running) left, removing its "
         "checkpoints, exports and metrics (ignored with --resume)", one_time=True)

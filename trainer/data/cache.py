@@ -21,10 +21,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from .fingerprint import hash_source
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
 
 #: Bump when the tokenization or the stored layout changes.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 #: Environment variable overriding the default cache directory.
 DATA_CACHE_ENV = "OSFT_DATA_CACHE"
 
@@ -39,20 +40,11 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("osft")) / "tokenized"
 
 
-def _source_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-
-
 def cache_key(path, tokenizer, max_seq_len: int, overlong: str, **options) -> str:
     """Hex SHA-256 identifying one tokenization result (see the module docstring); ``options`` are
     the keyword arguments of :func:`.tokenize.tokenize_chat_file` that change the result."""
     h = hashlib.sha256()
-    path = Path(path)
-    for file in _source_files(path):
-        h.update(str(file.relative_to(path) if path.is_dir() else "").encode())
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+    hash_source(h, path)
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
     h.update(json.dumps([max_seq_len, overlong, sorted(options.items()), CACHE_FORMAT]).encode())

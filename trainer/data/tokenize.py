@@ -57,7 +57,9 @@ class DataReport:
     Lines) or ``"row"`` (other sources); ``template_inserted``: text the chat template inserted that the
     data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample);
     ``split``: ``(line, samples)`` of each row split into several samples, one per assistant turn the
-    template renders differently as history (:mod:`.turns`).
+    template renders differently as history (:mod:`.turns`); ``reasoning_trained``: under
+    ``--no-train-reasoning``, the lines of assistant turns still trained with reasoning tags in them
+    (a ``<think>`` without its ``</think>``: the reasoning cannot be told from the answer).
     """
 
     path: str
@@ -74,6 +76,7 @@ class DataReport:
     total_loss_tokens: int = 0
     template_inserted: list[dict] = field(default_factory=list)
     split: list[tuple[int, int]] = field(default_factory=list)
+    reasoning_trained: list[int] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary for the console (one string per line)."""
@@ -101,7 +104,21 @@ class DataReport:
             out.append(f"  split {len(self.split)} rows whose earlier turns the chat template renders differently "
                        "into one sample per such assistant turn: "
                        + listed(self.split, lambda x: f"{self.unit} {x[0]} ({x[1]} samples)"))
+        if self.reasoning_trained:
+            out.append(f"  warning: {len(self.reasoning_trained)} assistant turns hold <think> without a closing "
+                       "</think>, so their reasoning is trained in spite of --no-train-reasoning: "
+                       + listed(self.reasoning_trained, lambda x: f"{self.unit} {x}"))
         return out + template_text.describe(self.template_inserted, self.train_on_all)
+
+    def nothing_kept(self) -> str:
+        """Why no sample was kept: ``all 5 samples were dropped (longer than --max-seq-len 200)``."""
+        overlong = (f"longer than --max-seq-len {self.max_seq_len}", len(self.dropped_overlong))
+        untrained = (f"with {no_trainable_message(self.max_seq_len, self.overlong == 'truncate')}",
+                     len(self.dropped_no_trainable))
+        reasons = [(why, n) for why, n in (overlong, untrained) if n]
+        total = sum(n for _, n in reasons)
+        why = reasons[0][0] if len(reasons) == 1 else ", ".join(f"{n} {why}" for why, n in reasons)
+        return f"all {total} sample{'s' if total != 1 else ''} were dropped ({why})"
 
     def to_dict(self) -> dict:
         """Plain-data form (tuples become lists)."""
@@ -349,14 +366,15 @@ def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_al
 def _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning, last_turn_only):
     """The samples of every record as columns (``line``, ``text``, trained ``spans``, ``inserted``
     ranges of text the template inserted as ``[start, end, key]``), the ``(where, text)`` of each
-    key (:mod:`.template_text`), and ``(line, samples)`` of each record split into several
-    (:mod:`.turns`).
+    key (:mod:`.template_text`), ``(line, samples)`` of each record split into several
+    (:mod:`.turns`), and the line of each trained turn left with reasoning tags in it (one per turn;
+    only without ``train_reasoning``).
 
     Raises:
         DataValidationError: rows whose assistant turns cannot be located.
     """
     columns = {"line": [], "text": [], "spans": [], "inserted": []}
-    problems, split = [], []
+    problems, split, tagged = [], [], []
     keys: dict[tuple[str, str], int] = {}
     finder = None if train_on_all else SpanFinder(tokenizer)
     system = template_text.default_system_prompt(tokenizer)
@@ -373,6 +391,8 @@ def _render_all(path, records, rendered, tokenizer, train_on_all, train_reasonin
             ranges = [(a, b, (BEFORE_ASSISTANT, sample_text[a:b])) for a, b in inserted]
             if system and messages[0]["role"] != "system" and sample_text.startswith(system.text, system.start):
                 ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
+            if not train_reasoning:
+                tagged += [line for a, b in spans if template_text.holds_reasoning_tag(sample_text[a:b])]
             columns["line"].append(line)
             columns["text"].append(sample_text)
             columns["spans"].append([list(span) for span in spans])
@@ -381,7 +401,7 @@ def _render_all(path, records, rendered, tokenizer, train_on_all, train_reasonin
         raise DataValidationError(problems, header=(
             f"{len(problems)} row(s) whose assistant turns the chat template does not let us locate; "
             "use a template that renders each turn where its generation prompt ends, or --train-on-all"))
-    return columns, list(keys), split
+    return columns, list(keys), split, tagged
 
 
 def _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only) -> list[tuple] | str:
@@ -461,6 +481,8 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
             rows that the policy would drop for lack of trained tokens (and, under the ``error``
             policy, the overlong ones); or a template that does not render prefixes consistently.
         OverlongSampleError: overlong samples under the ``error`` policy.
+        DataValidationError: no sample left (every one dropped; rule ``no_usable_samples``, naming
+            the count and the reasons), so an empty dataset is never returned or cached.
         ValueError: bad arguments, a file without any row, or a tokenizer without a chat template
             or offset support.
     """
@@ -478,10 +500,10 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
     if not records:
         raise DataValidationError(problems)
-    columns, inserted_keys, split = _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning,
-                                                last_turn_only)
+    columns, inserted_keys, split, tagged = _render_all(path, records, rendered, tokenizer, train_on_all,
+                                                        train_reasoning, last_turn_only)
     report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong, train_on_all=train_on_all,
-                        unit=location_unit(path), rows=len(records), split=split)
+                        unit=location_unit(path), rows=len(records), split=split, reasoning_trained=tagged)
 
     raw = Dataset.from_dict(columns,
                             features=Features({"line": Value("int64"), "text": Value("string"),
@@ -513,5 +535,8 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
     if overlong_problems:
         raise OverlongSampleError(overlong_problems, report)
+    if not report.kept:  # never an empty dataset: a source that gives nothing is refused, naming why
+        raise DataValidationError([Problem(str(path), 0, None, None, "no_usable_samples", report.nothing_kept(),
+                                           report.unit)])
     ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length", "inserted_tokens"]).flatten_indices()
     return TokenizedChat(dataset=ds, report=report)
