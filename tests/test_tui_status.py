@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from osft.trainer.rundir import LauncherRecord
 from osft.tui.app import OsftTui
 from osft.tui.components.header import RunHeader
 from osft.tui.components.modals import Choice
@@ -135,7 +136,7 @@ def test_a_run_that_died_without_a_word_is_dead_with_its_clock_stopped(tmp_path)
 
 def test_a_running_run_whose_last_step_is_old_is_stalled(tmp_path):
     model = RunModel(tmp_path)
-    model.set_launcher(0, {"state": "running", "start_time": 1000.0})
+    model.set_launcher(0, LauncherRecord(state="running", start_time=1000.0))
     node = model.nodes[0] = NodeStats(0, step=5, last_ts=1100.0)
     node.step_times.extend([1.0, 1.2, 0.9])
     assert not judge(model, True, False, None, 1105.0).stalled  # within 10 s

@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
+from . import test_hooks
 from .activation_checkpointing import enable_activation_checkpointing
 from .checkpoint.background import BackgroundWriter
 from .checkpoint.full_state import (
@@ -165,13 +166,6 @@ def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
     """Per sample, the tokens that carry loss after the next-token shift: trained labels at
     positions 1..L-1 (the first token has no prediction). int64 array [num_samples]."""
     return np.fromiter((sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels), dtype=np.int64, count=len(labels))
-
-
-#: Test-only hook (tests/test_distributed.py, local-rank-1 warnings): "STEP:LOCAL_RANK" makes that local rank log a warning after that step.
-TEST_WARNING_ENV = "OSFT_TEST_WARN_AT"
-#: Test-only hook: "1" adds ``state_sha256`` (every parameter and optimizer tensor of every rank)
-#: to each step record, to compare runs bit for bit.
-TEST_STATE_HASH_ENV = "OSFT_TEST_STATE_HASH"
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -593,7 +587,7 @@ class Trainer:
             self._poll("before_forward", step, m)
             batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
             mb_loss = self._micro_batch_loss(batch)
-            if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
+            if m == 0 and inject in ("loss", "spike"):  # test hook (.test_hooks.DIVERGE_AT_ENV)
                 mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
             self._poll("before_backward", step, m)
             (mb_loss * scale).backward()
@@ -846,10 +840,10 @@ class Trainer:
                 self.counters["ortho_violations_total"] += record["ortho_violations"]
                 self.counters["samples_seen"] += record["num_samples"]
                 self.counters["tokens_seen"] += record["num_tokens"]
-                if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
+                if test_hooks.warns_at(step, self.dist.local_rank):
                     self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
                 last_loss = record["loss"]
-                if os.environ.get(TEST_STATE_HASH_ENV) == "1":
+                if test_hooks.hashes_state():
                     record["state_sha256"] = self.state_sha256()
                 self.metrics.log(
                     Event.STEP, step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],

@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from .contract import ALWAYS_RECORDED
 from .distributed import DistEnv
+from .rundir import metrics_file_name
 
 if TYPE_CHECKING:
     from .trackers import Tracker
@@ -44,8 +45,7 @@ class MetricsLogger:
         self.job_id = job_id
         self.sinks = list(sinks)
         metrics_dir.mkdir(parents=True, exist_ok=True)
-        name = f"node{dist.node_rank}.jsonl" if dist.is_local_main else f"rank{dist.rank}.jsonl"
-        self.path = metrics_dir / name
+        self.path = metrics_dir / metrics_file_name(dist.node_rank, None if dist.is_local_main else dist.rank)
         self._file: IO[str] | None = None
 
     def log(self, event: str, **fields: Any) -> None:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from .checkpoint.store import newest_complete
 from .distributed import agree, control_group, is_distributed
-from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
+from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position
+from .test_hooks import injected_divergence
 from .eval_sets import EVAL, RETENTION, EvalSet
 from .contract import EXIT_COMPLETED, EXIT_FAILED, Event, FinishReason
 from .evaluation import EvalResult, evaluate_set, evaluation_mode
@@ -92,7 +93,7 @@ class RunMonitor:
 
     # -- divergence --------------------------------------------------------------------------------
     def injected(self, step: int) -> str | None:
-        """The test hook's divergence for ``step`` (see :data:`.divergence.TEST_DIVERGE_ENV`)."""
+        """The test hook's divergence for ``step`` (see :data:`.test_hooks.DIVERGE_AT_ENV`)."""
         return injected_divergence(step, self._fired)
 
     def check_step(self, step: int, loss: float, grad_norm: float, lines: Callable[[], list[int]]) -> None:

@@ -201,7 +201,7 @@ class Controls:
         """A ``checkpoint_requested`` or ``checkpoint_saved`` record arrived: a save that serves a
         pending request of ours answers it, in one notification titled with the request's kind."""
         d = self.dashboard
-        action = (d.run.run.get("config") or {}).get("sigusr1_action") if d.run else None
+        action = (d.run.run.config or {}).get("sigusr1_action") if d.run else None
         kind = self.pending.take(record, action)
         if kind is not None:
             d.notify(f"checkpoint of step {record.get('step')} written to {record.get('path')}", title=kind)
@@ -308,7 +308,7 @@ class Controls:
         if entry is None or not entry.complete:
             d.notify("select a complete checkpoint in the checkpoint list first", severity="warning")
             return
-        argvs = [info.data.get("argv") for _, info in sorted(d.run.launchers.items())]
+        argvs = [info.data.argv for _, info in sorted(d.run.launchers.items())]
         if not argvs or not all(argvs):
             d.notify("run.json has no command line to relaunch", severity="error")
             return
@@ -340,7 +340,7 @@ class Controls:
         """Wait until no process of the run is alive here (grace period + margin); False on timeout."""
         d = self.dashboard
         assert d.run is not None and d.view is not None
-        grace = float((d.run.run.get("config") or {}).get("checkpoint_grace_seconds") or 300)
+        grace = float((d.run.run.config or {}).get("checkpoint_grace_seconds") or 300)
         deadline = time.monotonic() + grace + STOP_MARGIN_S
         while d.view.any_alive() or any(s.proc.poll() is None for s in self.started):
             if time.monotonic() > deadline:

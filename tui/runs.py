@@ -6,14 +6,13 @@ with a ``run.json``: a ``runs/`` folder) lists them instead of waiting for a run
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 from osft.trainer.contract import Event, parse_lines
-from osft.trainer.rundir import RunDir
+from osft.trainer.rundir import LauncherRecord, RunDir, read_launcher_record
 
 #: Bytes read from the end of a run's ``metrics/node0.jsonl`` to find its last step record.
 TAIL_BYTES = 256 * 1024
@@ -69,13 +68,12 @@ def summarize(path: Path, now: float | None = None) -> RunSummary:
     """The browser's line for the run directory ``path`` (``now``: unix time, default the clock)."""
     run = RunDir(path)
     try:
-        data = json.loads(run.run_json.read_text())
+        record = read_launcher_record(run.run_json)
+        state = str(record.state or "unknown")
     except (OSError, ValueError):
-        data = None
-    state = str(data.get("state") or "unknown") if isinstance(data, dict) else "unreadable run.json"
-    data = data if isinstance(data, dict) else {}
-    step = last_step_record(run.metrics / "node0.jsonl") or {}
-    times = [t for t in (data.get("updated_at"), step.get("ts")) if t]
+        record, state = LauncherRecord(), "unreadable run.json"
+    step = last_step_record(run.node_metrics(0)) or {}
+    times = [t for t in (record.updated_at, step.get("ts")) if t]
     age = (time.time() if now is None else now) - max(times) if times else None
     loss = step.get("loss")
     return RunSummary(path, state, step.get("step"), None if loss is None else float(loss), age)

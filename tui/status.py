@@ -72,7 +72,7 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
             launcher wrote ``run.json`` itself.
         now: unix time.
     """
-    if failure is not None and not starting and failure.pid != model.run.get("launcher_pid"):
+    if failure is not None and not starting and failure.pid != model.run.launcher_pid:
         return Status("launch failed", f"launcher of node {failure.node_rank} exited with code {failure.exit_code}")
     if starting:
         return Status(RunState.STARTING, "launcher started; waiting for its run.json")
@@ -86,7 +86,7 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
     if live is False and state in LIVE_STATES:
         state, detail = "dead", f"run.json says {model.state}, but no process of the run is left on this host"
     running = state in LIVE_STATES
-    start = model.run.get("start_time")
+    start = model.run.start_time
     end = now if running else model.last_activity()
     elapsed = None if start is None or end is None else max(0.0, end - start)
     node = model.nodes.get(0)
