@@ -33,7 +33,6 @@ from .checkpoint.full_state import (
     PendingSave,
     SavedCheckpoint,
     capture_rng,
-    local_tensor,
     restore_rng,
 )
 from .checkpoint.hf_export import save_hf_model, source_generation_config
@@ -56,6 +55,7 @@ from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
 from .data.tokenize import IGNORE_INDEX
 from .divergence import Diverged
+from .dtensor import full_tensor, local_tensor
 from .distributed import (
     DistEnv,
     agree,
@@ -606,7 +606,7 @@ class Trainer:
         if self.projector:
             self.projector.project_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        grad_norm = full_tensor(grad_norm)
         # The step's one host sync before the update: the divergence check needs the loss and the grad norm
         # (after it, a step between full orthogonality checks reads the bound: _bound_exceeds_margin).
         *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
