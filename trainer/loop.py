@@ -12,7 +12,6 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -27,29 +26,21 @@ from rich.table import Table
 from torch import nn
 
 from .activation_checkpointing import enable_activation_checkpointing
-from .checkpoint.background import BackgroundWriter
 from .checkpoint.full_state import (
-    Checkpointer,
-    PendingSave,
-    SavedCheckpoint,
     capture_rng,
     restore_rng,
 )
+from .checkpoint.manager import CheckpointManager
 from .checkpoint.hf_export import save_hf_model, source_generation_config
-from .checkpoint.requests import Request, RequestPoller, Seen
+from .checkpoint.requests import Request
 from .checkpoint.signals import (
     Action,
-    TriggerDir,
-    install_handlers,
-    job_start_time,
-    restore_handlers,
 )
 from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
-from .checkpoint.store import check_shared
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .compile import compile_blocks
 from .config import TrainConfig
-from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, LAUNCHER_PID_ENV, Event, FinishReason
+from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
 from .data.collate import collate_packed
 from .data.packing import plan_micro_batches
@@ -69,7 +60,7 @@ from .distributed import (
 )
 from .flops import Utilization, flop_model
 from .matmul_peak import measure_matmul_peak
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, Reporter
 from .model_build import build_model, load_protected_bases
 from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import RunEnd, RunMonitor
@@ -192,20 +183,12 @@ class Trainer:
         trackers = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_json(), self.job_id) if self.dist.rank == 0 else []
         self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id, sinks=trackers)
         self.device, self.dtype = resolve_device_dtype(cfg)
-        self.trigger = TriggerDir(self.job_id)
-        self.poller: RequestPoller | None = None
-        self._handlers: dict = {}
-        if cfg.on_demand_checkpointing:  # as early as possible: a request during start-up is kept
-            self.trigger.create()
-            self._handlers = install_handlers(self.trigger.record)
-            self.poller = RequestPoller(self.trigger, self.run_dir.control, cfg.sigusr1_action, self.dist.rank)
+        self.report = Reporter(self._say, self._warn, self.metrics.log, self.console.print)
+        # as early as possible: a request during start-up is kept
+        self.checkpoints = CheckpointManager(cfg, self.dist, self.job_id, self.run_dir, self.report)
         init_distributed(self.dist, self.device)
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
-        self.checkpointer: Checkpointer | None = None
-        self._saved: tuple[int, str] | None = None  # (step, path) of this run's newest complete checkpoint
-        #: the checkpoint being written in the background (--async-checkpoint) and the requests it serves
-        self._writing: tuple[PendingSave, Seen | None] | None = None
         self.rank_plan: RankPlan | None = None
         self.monitor = RunMonitor(self)
 
@@ -226,9 +209,7 @@ class Trainer:
         self.flop_model = flop_model(load_config(cfg.model_name_or_path))
         self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
         plan = self._prepare_data()
-        if self.poller and self.dist.is_local_main:
-            for stale in self.poller.remove_stale(job_start_time()):
-                self._warn(f"stale checkpoint request removed ({stale}): it is older than this job")
+        self.checkpoints.remove_stale()
         # rank 0 reads the disk, every rank gets its answer
         choice = agree(lambda: choose_checkpoint(cfg), self.dist.rank) if resume_requested(cfg) else ResumeChoice(None)
         if self.dist.rank == 0:
@@ -348,16 +329,10 @@ class Trainer:
         load the checkpoint to resume from."""
         cfg = self.cfg
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
-        root = RunDir(cfg.output_dir).checkpoints
-        # Always: a divergence or an evaluation rule that ends the run checkpoints it.
-        self.checkpointer = Checkpointer(root, self.dist, self.job_id, self.model, self.optimizer, self.scheduler, self.osft,
-                                         keep_last=cfg.checkpoint_keep_last,
-                                         writer=BackgroundWriter(self.device) if cfg.async_checkpoint else None)
-        if cfg.checkpointing:
-            check_shared(root, self.dist.rank, self.dist.hostname)
+        self.checkpoints.open(self.model, self.optimizer, self.scheduler, self.osft, self.device, self._trainer_state)
         if resume is not None:
             self.start_step = self.load_checkpoint(resume.path)
-            self._saved = (self.start_step, str(resume.path))  # a request before the first step is served by it
+            self.checkpoints.saved = (self.start_step, str(resume.path))  # a request before the first step is served by it
             self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume.path),
                              changed={k: list(v) for k, v in resume.state.changed_settings(cfg).items()})
             self._say(f"resumed from {resume.path} at step {self.start_step}")
@@ -378,7 +353,7 @@ class Trainer:
         """Load a verified full-state checkpoint into this run (collective): model, optimizer,
         scheduler, counters, the evaluation and divergence state (a ``rollback`` keeps this run's
         skipped batches), and last the generators. Returns the checkpoint's step."""
-        state, rng = self.checkpointer.load(Path(step_dir))
+        state, rng = self.checkpoints.load(step_dir)
         self.counters = dict(state.counters)
         self.monitor.load_state_dict(state.monitor, keep_divergence=rollback)
         saved = state.sampler  # the data position it was saved at (skipped batches counted)
@@ -460,69 +435,6 @@ class Trainer:
             monitor=self.monitor.state_dict(),
         )
 
-    def checkpoint(self, step: int, request: Request | None) -> str:
-        """Save a full-state checkpoint of the state after ``step`` optimizer steps (collective;
-        the checkpointer applies retention) and return its path. A request for the step this run last saved
-        (it arrived while that checkpoint was written) or resumed from is served by that
-        checkpoint: no step is saved twice (the rule: :mod:`.checkpoint.requests`).
-
-        With ``--async-checkpoint`` the write in flight is waited for first (at most one), and a
-        periodic or plain checkpoint request is staged here and written in the background
-        (:meth:`.checkpoint.full_state.Checkpointer.save_async`): it is logged, and serves its
-        requests, once complete (:meth:`check_checkpoint`). A stop request's checkpoint is written
-        before this returns."""
-        if request is not None:
-            self.metrics.log(Event.CHECKPOINT_REQUESTED, signal=request.signal, step=step, point=request.point)
-        self.check_checkpoint(wait=True)
-        if request is not None:
-            if self._saved and self._saved[0] == step and Path(self._saved[1]).is_dir():
-                self.poller.served()
-                self._say(f"{request.signal}: served by the complete checkpoint of step {step}: {self._saved[1]}")
-                return self._saved[1]
-            self._say(f"{request.signal}: saving a full-state checkpoint of step {step} (requested {request.point.replace('_', ' ')})")
-        if self.cfg.async_checkpoint and (request is None or request.action is Action.CHECKPOINT):
-            pending = self.checkpointer.save_async(step, self._trainer_state(step), capture_rng())
-            self._writing = (pending, self.poller.claim() if request is not None else None)
-            if request is not None:
-                barrier()  # see below
-            self._say(f"checkpoint: writing {pending.path} in the background (training blocked {pending.blocking_s:.2f} s)")
-            return str(pending.path)
-        saved = self.checkpointer.save(step, self._trainer_state(step), capture_rng())
-        self._checkpoint_complete(saved, self.poller.served if request is not None else None)
-        if request is not None:
-            # Every rank has removed (or claimed) the trigger files it saw before any rank polls
-            # again: a rank that read the node's trigger directory before a peer's removal would
-            # otherwise agree the same request once more.
-            barrier()
-        return str(saved.path)
-
-    def check_checkpoint(self, wait: bool = False) -> None:
-        """Finish the checkpoint written in the background, if any, once it is complete (with
-        ``wait``: wait for it): log it and serve the requests it was written for. Not collective
-        without ``wait``; every rank waits before anything that depends on the newest checkpoint.
-
-        Raises:
-            CheckpointWriteError: its write failed on some rank (it has no manifest).
-        """
-        if self._writing is None or not (wait or self._writing[0].done()):
-            return
-        pending, claimed = self._writing
-        self._writing = None
-        saved = pending.result()
-        self._checkpoint_complete(saved, None if claimed is None else lambda: self.poller.served(claimed))
-
-    def _checkpoint_complete(self, saved: SavedCheckpoint, serve: Callable[[], None] | None) -> None:
-        """A checkpoint is complete: remember it, serve its requests (``serve``, or None), log it."""
-        self._saved = (saved.step, str(saved.path))
-        if serve is not None:
-            serve()
-        self.metrics.log(Event.CHECKPOINT_SAVED, step=saved.step, path=str(saved.path), bytes=saved.bytes,
-                         seconds=saved.seconds, blocking_s=saved.blocking_s, frozen_bytes=saved.frozen_bytes)
-        for path in saved.removed:  # rank 0's list; empty on the other ranks
-            self._say(f"checkpoint retention: removed {path}")
-        blocked = f"; training blocked {saved.blocking_s:.2f} s" if saved.blocking_s < saved.seconds else ""
-        self._say(f"checkpoint: {saved.path} ({saved.bytes / 1e6:.1f} MB in {saved.seconds:.1f} s{blocked})")
-
     def _micro_batch_loss(self, batch: dict | None, float64_sum: bool = False) -> torch.Tensor:
         """Summed token loss of one packed micro-batch (float32 scalar, on the device; with
         ``float64_sum`` the float32 token losses are summed in float64, as evaluation does, so the
@@ -557,7 +469,7 @@ class Trainer:
         return losses.double().sum() if float64_sum else losses
 
     def _poll(self, point: str, step: int, micro: int) -> None:
-        if self.poller and (request := self.poller.poll(point, step, micro)):
+        if request := self.checkpoints.poll(point, step, micro):
             raise StepInterrupted(request)
 
     def train_step(self, step: int, indices: list[int]) -> dict:
@@ -624,7 +536,7 @@ class Trainer:
             # The check gathers whole factors (DTensor.full_tensor, functional collectives); one ran
             # beside a background checkpoint's collectives and crashed rank 0 (SIGSEGV) once in a
             # fresh-clone suite: the write in flight finishes first (every --ortho-check-every steps).
-            self.check_checkpoint(wait=True)
+            self.checkpoints.check(wait=True)
             report = self.projector.check(cfg.ortho_margin_deg)
             violations, max_dev = report.violations, report.max_dev_deg
             if report.violating:
@@ -794,13 +706,10 @@ class Trainer:
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
         """End the run: wait for the checkpoint written in the background (a stop never leaves one
         half-written), log ``run_finished``, close the metrics and leave the process group."""
-        self.check_checkpoint(wait=True)
-        self.checkpointer.close()
+        self.checkpoints.close()
         self.metrics.log(Event.RUN_FINISHED, reason=reason, exit_code=exit_code, step=step, **fields)
         self.metrics.close()
-        restore_handlers(self._handlers)
-        if self.dist.is_local_main and not os.environ.get(LAUNCHER_PID_ENV):
-            self.trigger.remove()  # under the launcher, the launcher removes it
+        self.checkpoints.release()
         shutdown_distributed()
 
     def run(self) -> TrainResult:
@@ -817,7 +726,7 @@ class Trainer:
         self.monitor.start(step)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
-                self.check_checkpoint()  # a failed background write ends the run here
+                self.checkpoints.check()  # a failed background write ends the run here
                 position = self.monitor.position(step + 1)
                 epoch = position // self.sampler.steps_per_epoch
                 rng_at_start = capture_rng()
@@ -828,13 +737,13 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     restore_rng(rng_at_start)
                     if isinstance(cut, Diverged):
-                        self.check_checkpoint(wait=True)  # a rollback picks the newest complete checkpoint
+                        self.checkpoints.check(wait=True)  # a rollback picks the newest complete checkpoint
                         outcome = self.monitor.on_divergence(cut, step)
                         if isinstance(outcome, RunEnd):
                             return self._end_early(step, last_loss, outcome)
                         step = outcome  # rolled back: go on after the reloaded step
                         continue
-                    last_checkpoint = self.checkpoint(step, cut.request)
+                    last_checkpoint = self.checkpoints.save(step, cut.request)
                     if cut.request.action is Action.CHECKPOINT_AND_EXIT:
                         return self._stopped(step, last_loss, last_checkpoint, cut.request)
                     continue  # replay the step from its start
@@ -860,9 +769,8 @@ class Trainer:
                                     self.counters["ortho_violations_total"], record["mfu"],
                                     self.monitor.console_stats())
                 end = self.monitor.after_step(step, final=step == self.total_steps)
-                request = self.poller.poll("after_step", step) if self.poller else None
-                if request or (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
-                    last_checkpoint = self.checkpoint(step, request)
+                request = self.checkpoints.poll("after_step", step)
+                last_checkpoint = self.checkpoints.save_if_due(step, request) or last_checkpoint
                 if request and request.action is Action.CHECKPOINT_AND_EXIT:
                     return self._stopped(step, last_loss, last_checkpoint, request)
                 if end is not None:
@@ -871,11 +779,7 @@ class Trainer:
                     progress.print(f"exported {self.export(step)}")
         export_dir = self.export(step)
         self._say(f"export: {export_dir}")
-        late = self.poller.poll("after_export", step) if self.poller else None
-        if late:  # after the last step's safe point: the completed run answers it (.checkpoint.requests)
-            self.poller.served()
-            self.metrics.log(Event.REQUEST_AFTER_COMPLETION, signal=late.signal, step=step)
-            self._say(f"{late.signal} arrived after the last step: the run completed (exit code 0), nothing to resume")
+        self.checkpoints.answer_late(step)
         self._finish(FinishReason.COMPLETED, EXIT_COMPLETED, step, export_dir=export_dir)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
                            export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
@@ -884,11 +788,7 @@ class Trainer:
         """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state
         checkpoint of that step (unless one was just written), the final export when ``end`` asks
         for it, its message and ``run_finished`` with its reason and exit code."""
-        self.check_checkpoint(wait=True)
-        if self._saved and self._saved[0] == step:
-            checkpoint = self._saved[1]  # written (or resumed from) at this very state
-        else:
-            checkpoint = self.checkpoint(step, None)
+        checkpoint = self.checkpoints.at_step(step)
         export_dir = self.export(step) if end.export_final else end.export_dir
         self._say(end.message)
         self._finish(end.reason, end.exit_code, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -81,3 +82,19 @@ class MetricsLogger:
             sink.close()
         self.sinks = []
 
+
+
+@dataclass(frozen=True)
+class Reporter:
+    """How a component of a run speaks, without holding the trainer.
+
+    ``say(message)``: one console line, printed by each node's local rank 0; ``warn(message)``: a
+    ``warning`` record (:data:`.contract.Event.WARNING`, every rank keeps its own) and a console
+    line; ``log(event, **fields)``: one metrics record (:meth:`MetricsLogger.log`); ``show(renderable)``:
+    a rich table on this process's console (the caller decides which ranks show it).
+    """
+
+    say: Callable[[str], None]
+    warn: Callable[[str], None]
+    log: Callable[..., None]
+    show: Callable[[Any], None]

@@ -122,7 +122,7 @@ class RunMonitor:
             if self.divergence.rollbacks >= cfg.max_rollbacks:
                 why = f"; --max-rollbacks {cfg.max_rollbacks} already used"
             else:
-                found = agree(lambda: str(newest_complete(t.checkpointer.root, max_step=step)[0] or ""), t.dist.rank)
+                found = agree(lambda: str(newest_complete(t.checkpoints.root, max_step=step)[0] or ""), t.dist.rank)
                 if found:
                     return self._rollback(bad, found)
                 why = f"; no complete checkpoint at or before step {step} to roll back to"
@@ -136,7 +136,7 @@ class RunMonitor:
         self.divergence.skipped = sorted(self.divergence.skipped + [position])
         self.divergence.rollbacks += 1
         step = t.load_checkpoint(path, rollback=True)
-        t._saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
+        t.checkpoints.saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
         epoch, index = divmod(position, t.sampler.steps_per_epoch)
         t.metrics.log(Event.ROLLBACK, step=bad.step, reason=bad.reason, to_step=step, path=path,
                       skipped_batch={"position": position, "epoch": epoch, "index": index},
