@@ -42,8 +42,7 @@ from .compile import compile_blocks
 from .config import TrainConfig
 from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
-from .data.collate import collate_packed
-from .data.packing import plan_micro_batches
+from .data.micro_batches import micro_batches
 from .data.tokenize import IGNORE_INDEX
 from .divergence import Diverged
 from .dtensor import full_tensor, local_tensor
@@ -491,17 +490,16 @@ class Trainer:
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self._lines(idx)})")
-        plans = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)
-        plan = plans[self.dist.rank]
+        batches = micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], cfg.max_tokens_per_gpu,
+                                self.dist.world_size, self.dist.rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         num_tokens = 0
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
         scale = self.dist.world_size / total_loss_tokens
         inject = self.monitor.injected(step)
-        for m, micro in enumerate(plan):
+        for m, batch in enumerate(batches):
             self._poll("before_forward", step, m)
-            batch = collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
             mb_loss = self._micro_batch_loss(batch)
             if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
                 mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
@@ -545,7 +543,7 @@ class Trainer:
                 forgetting = self.projector.indicators().fields()
         elapsed = time.perf_counter() - start
         exceeded_before = self.utilization.peak_exceeded
-        utilization = self.utilization.fields([self.lengths[idx[[i for micro in p for i in micro]]] for p in plans], elapsed)
+        utilization = self.utilization.fields(batches.lengths_by_rank(), elapsed)
         if self.utilization.peak_exceeded and not exceeded_before:
             self._warn(f"step {step} ran faster than the matmul peak measured at start-up allows "
                        f"({self.utilization.measured[0] / 1e9:,.1f} GFLOP/s): that measurement was disturbed; "
@@ -674,18 +672,16 @@ class Trainer:
         full state dict (rank 0), whose Q each module's directions avoid."""
         cfg = self.cfg
         idx = np.arange(min(cfg.osft_protect_input_samples, len(self.data)))
-        plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
-
-        def batch(micro: list[int]) -> dict | None:
-            return collate_packed([self.data[int(idx[i])] for i in micro]) if micro else None
+        batches = micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], cfg.max_tokens_per_gpu,
+                                self.dist.world_size, self.dist.rank)
 
         def probe() -> None:
-            self._micro_batch_loss(batch(plan[0]))
+            self._micro_batch_loss(next(iter(batches)))
 
         def run(recording) -> None:
-            for micro in plan:
-                recording(bool(micro))
-                self._micro_batch_loss(batch(micro))
+            for batch in batches:
+                recording(batch is not None)
+                self._micro_batch_loss(batch)
 
         modules = [(name, m) for name, m in self.osft.modules if not m.plan.experts and not m.plan.frozen]
         q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
