@@ -30,19 +30,19 @@ from .checkpoint.full_state import (
     capture_rng,
     restore_rng,
 )
+from .checkpoint.export import Exporter
 from .checkpoint.manager import CheckpointManager
-from .checkpoint.hf_export import save_hf_model, source_generation_config
 from .checkpoint.requests import Request
 from .checkpoint.signals import (
     Action,
 )
-from .checkpoint.subspaces import SUBSPACES_FILE, write_subspaces
+from .checkpoint.subspaces import SUBSPACES_FILE
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .compile import compile_blocks
 from .config import TrainConfig
 from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
-from .data.micro_batches import micro_batches
+from .data.micro_batches import MicroBatches, micro_batches
 from .data.tokenize import IGNORE_INDEX
 from .divergence import Diverged
 from .dtensor import full_tensor, local_tensor
@@ -53,7 +53,6 @@ from .distributed import (
     gather_float,
     gather_on_device,
     init_distributed,
-    map_over_ranks,
     node_ranks,
     shutdown_distributed,
 )
@@ -68,10 +67,8 @@ from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ForwardForm, ModulePlan, plan_table
 from .osft.projection import Projector
-from .osft.input_grams import InputBases, check_gram_budget, input_bases
-from .osft.protect import ModuleFold, fold_bank, fold_module, no_bases
+from .osft.input_grams import check_gram_budget
 from .osft.settings import OSFTSettings
-from .osft.surgery import dense_state_dict, full_state_dict
 from .osft.targets import describe_unconstrained, find_target_modules
 from .packed_attention import BOUNDS_KWARG, use_packed_attention
 from .progress import TrainProgress
@@ -223,6 +220,8 @@ class Trainer:
                     self._warn(message)
         self.sampler, self.total_steps = plan.sampler, plan.total_steps
         self._build_model_and_optimizer(start.resume)
+        self.exporter = Exporter(cfg, self.dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
+                                 self.tokenizer, self.device, self._micro_batch_loss, self._micro_batches, len(self.data))
         self._restore(start.resume)
 
     def _prepare_data(self) -> DataPlan:
@@ -467,6 +466,11 @@ class Trainer:
         )
         return losses.double().sum() if float64_sum else losses
 
+    def _micro_batches(self, idx: np.ndarray) -> MicroBatches:
+        """The training samples at positions ``idx`` packed into this rank's micro-batches."""
+        return micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], self.cfg.max_tokens_per_gpu,
+                             self.dist.world_size, self.dist.rank)
+
     def _poll(self, point: str, step: int, micro: int) -> None:
         if request := self.checkpoints.poll(point, step, micro):
             raise StepInterrupted(request)
@@ -490,8 +494,7 @@ class Trainer:
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self._lines(idx)})")
-        batches = micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], cfg.max_tokens_per_gpu,
-                                self.dist.world_size, self.dist.rank)
+        batches = self._micro_batches(idx)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
         num_tokens = 0
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
@@ -594,111 +597,6 @@ class Trainer:
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
-    def export(self, step: int, out: Path | None = None) -> str:
-        """Write the dense HF export of the model after ``step`` steps to ``out`` (default
-        ``hf_format/step_<step>``) with its protected subspaces (``osft_subspaces.safetensors``/
-        ``.json``, see :meth:`_fold_subspaces`); rank 0 writes, every rank takes part in gathering
-        the shards. Returns its path."""
-        out = out or self.run_dir.hf_export(step)
-        state = full_state_dict(self.model)
-        inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
-        folds = self._fold_subspaces(state, inputs, step) if self.osft else None
-        if self.dist.rank == 0:
-            extra = None
-            if self.osft:
-                settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
-                            ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
-                if inputs is not None:
-                    settings.update(input_energy=self.cfg.osft_protect_input_energy,
-                                    input_samples=self.cfg.osft_protect_input_samples, input_passes=inputs.passes)
-                source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
-
-                def extra(directory: Path) -> None:
-                    write_subspaces(directory, folds, settings, source)
-            else:
-                self._say(f"export: no {SUBSPACES_FILE}: a --no-osft run (full fine-tuning) has no protected "
-                          "subspaces to pass on")
-            save_hf_model(
-                self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
-                getattr(torch, self.cfg.save_dtype), overwrite=True, extra=extra,
-                generation_config=source_generation_config(self.cfg.model_name_or_path),
-            )
-        barrier()
-        return str(out)
-
-    def _fold_subspaces(self, state: dict[str, torch.Tensor], inputs: InputBases | None,
-                        step: int) -> dict[str, ModuleFold] | None:
-        """Every module's protected bases after this run (:func:`.osft.protect.fold_module` on the
-        full tensors of rank 0, with the ``inputs`` variant's directions where collected), module i
-        folded by rank i mod world size (:func:`.distributed.map_over_ranks`); on rank 0 logs a
-        ``subspaces_folded`` record and the modules where the cap bound (with the energy actually
-        kept) and returns the folds, on the others None. Collective."""
-        cfg = self.cfg
-        keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
-
-        def fold_args(name: str, plan) -> tuple[dict[str, torch.Tensor], bool, tuple | None]:
-            empty = dict(zip("PQ", no_bases(plan.n, plan.m, experts=plan.experts)))  # p = 0: no parameter
-            factors = {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
-            return factors, bool(plan.experts), None if inputs is None else inputs.directions.get(name)
-
-        def fold(args: tuple[dict[str, torch.Tensor], bool, tuple | None]) -> ModuleFold:
-            factors, bank, directions = args
-            if bank:  # the update variant, per expert
-                return fold_bank(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio)
-            return fold_module(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio, directions)
-
-        modules = self.osft.modules
-        args = [fold_args(name, module.plan) for name, module in modules] if self.dist.rank == 0 else None
-        results = map_over_ranks(fold, args, len(modules))
-        if results is None:
-            return None
-        folds = {name: f for (name, _), f in zip(modules, results)}
-        capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
-        passes = {} if inputs is None else {"input_passes": inputs.passes}
-        self.metrics.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
-                         added_left=sum(f.added_left for f in folds.values()),
-                         added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped, **passes)
-        if capped:
-            self._say(f"protected subspaces: the rank cap (--osft-protect-max-rank-ratio {cfg.osft_protect_max_rank_ratio}) "
-                      f"bound in {len(capped)} modules; energy kept there {min(capped.values()):.3f}-"
-                      f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
-        return folds
-
-    def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
-        """The ``inputs`` variant's directions of every trainable OSFT module (not banks) from its
-        layer inputs over the first ``--osft-protect-input-samples`` training samples
-        (:func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
-        group of Grams that fits ``--osft-protect-input-memory-gb``; collective). ``state``: the
-        full state dict (rank 0), whose Q each module's directions avoid."""
-        cfg = self.cfg
-        idx = np.arange(min(cfg.osft_protect_input_samples, len(self.data)))
-        batches = micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], cfg.max_tokens_per_gpu,
-                                self.dist.world_size, self.dist.rank)
-
-        def probe() -> None:
-            self._micro_batch_loss(next(iter(batches)))
-
-        def run(recording) -> None:
-            for batch in batches:
-                recording(batch is not None)
-                self._micro_batch_loss(batch)
-
-        modules = [(name, m) for name, m in self.osft.modules if not m.plan.experts and not m.plan.frozen]
-        q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                found = input_bases(modules, q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
-                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device)
-        finally:
-            self.model.train()
-        shared = sum(len(c) for c in found.classes) - len(found.classes)
-        if found.passes > 1:
-            self._say(f"protected subspaces (inputs): {len(found.classes)} distinct layer inputs of {len(modules)} modules "
-                      f"({shared} shared) collected in {found.passes} passes over {len(idx)} samples "
-                      f"(--osft-protect-input-memory-gb {cfg.osft_protect_input_memory_gb:g})")
-        return found
-
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
         """End the run: wait for the checkpoint written in the background (a stop never leaves one
         half-written), log ``run_finished``, close the metrics and leave the process group."""
@@ -772,8 +670,8 @@ class Trainer:
                 if end is not None:
                     return self._end_early(step, last_loss, end)
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
-                    progress.print(f"exported {self.export(step)}")
-        export_dir = self.export(step)
+                    progress.print(f"exported {self.exporter.export(step)}")
+        export_dir = self.exporter.export(step)
         self._say(f"export: {export_dir}")
         self.checkpoints.answer_late(step)
         self._finish(FinishReason.COMPLETED, EXIT_COMPLETED, step, export_dir=export_dir)
@@ -785,7 +683,7 @@ class Trainer:
         checkpoint of that step (unless one was just written), the final export when ``end`` asks
         for it, its message and ``run_finished`` with its reason and exit code."""
         checkpoint = self.checkpoints.at_step(step)
-        export_dir = self.export(step) if end.export_final else end.export_dir
+        export_dir = self.exporter.export(step) if end.export_final else end.export_dir
         self._say(end.message)
         self._finish(end.reason, end.exit_code, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)
         return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],

@@ -248,7 +248,7 @@ class RunMonitor:
         In :func:`.evaluation.evaluation_mode`: the input-basis export runs forward passes."""
         t = self.trainer
         with evaluation_mode(t.model):
-            out = t.export(step, t.run_dir.hf_best)
+            out = t.exporter.export(step, t.run_dir.hf_best)
         info = {"step": step, "eval_loss": self.state.best_loss, "forgetting": verdict.forgetting,
                 "forgetting_max": verdict.forgetting_max, "max_forgetting": self.cfg.max_forgetting}
         if t.dist.rank == 0:
