@@ -61,7 +61,7 @@ from .matmul_peak import measure_matmul_peak
 from .metrics import MetricsLogger, Reporter
 from .model_build import build_model, load_protected_bases
 from .model_loading import load_config, load_tokenizer, model_vocab_size
-from .monitor import RunEnd, RunMonitor
+from .monitor import MonitorContext, RunEnd, RunMonitor, say_sets
 from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
@@ -186,7 +186,6 @@ class Trainer:
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
         self.rank_plan: RankPlan | None = None
-        self.monitor = RunMonitor(self)
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -222,6 +221,10 @@ class Trainer:
         self._build_model_and_optimizer(start.resume)
         self.exporter = Exporter(cfg, self.dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
                                  self.tokenizer, self.device, self._micro_batch_loss, self._micro_batches, len(self.data))
+        context = MonitorContext(self.report, self.dist, self.run_dir, self.model, self.checkpoints,
+                                 lambda batch: self._micro_batch_loss(batch, float64_sum=True), self.exporter.export,
+                                 lambda path: self.load_checkpoint(path, rollback=True), self.sampler.steps_per_epoch)
+        self.monitor = RunMonitor(cfg, context, self.eval_sets)
         self._restore(start.resume)
 
     def _prepare_data(self) -> DataPlan:
@@ -237,7 +240,8 @@ class Trainer:
             barrier()
         if data.cache_hit:
             self._say("data: tokenized data loaded from the cache")
-        self.monitor.use_sets(data.sets)
+        say_sets(data.sets, self._say, cfg.eval_split)
+        self.eval_sets = data.sets
         self.data = data.train
         plan = check_data(cfg, self.data, self.dist.world_size)
         if self.dist.rank == 0:
