@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import get_args
 
 import numpy as np
-import psutil
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -53,12 +52,11 @@ from .distributed import (
     gather_float,
     gather_on_device,
     init_distributed,
-    node_ranks,
     shutdown_distributed,
 )
-from .flops import Utilization, flop_model
-from .matmul_peak import measure_matmul_peak
+from .flops import flop_model
 from .metrics import MetricsLogger, Reporter
+from .step_record import StepRecorder
 from .model_build import build_model, load_protected_bases
 from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import MonitorContext, RunEnd, RunMonitor, say_sets
@@ -320,11 +318,7 @@ class Trainer:
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
             fused=self.device.type == "cuda" or None,
         )
-        self.node_of_rank = node_ranks(self.dist)
-        peaks = gather_float(measure_matmul_peak(self.device, self.dtype))
-        self.utilization = Utilization(self.flop_model, tuple(peaks), tuple(self.node_of_rank), self.dist.node_rank)
-        self._say(f"matmul peak measured: {sum(peaks) / 1e9:,.1f} GFLOP/s ({self.dtype}, {len(peaks)} rank(s)); "
-                  f"model FLOPs per token {self.flop_model.dense_flops_per_token / 1e9:.3f} G + attention")
+        self.steps = StepRecorder.measure(self.flop_model, self.dist, self.device, self.dtype, self.report)
 
     def _restore(self, resume: Resume | None) -> None:
         """Build the LR schedule and the checkpointer (checking the checkpoint root is shared), and
@@ -548,31 +542,10 @@ class Trainer:
                 self._warn(f"step {step}: orthogonality violations in {report.violating}")
             if scheduled:
                 forgetting = self.projector.indicators().fields()
-        elapsed = time.perf_counter() - start
-        exceeded_before = self.utilization.peak_exceeded
-        utilization = self.utilization.fields(batches.lengths_by_rank(), elapsed)
-        if self.utilization.peak_exceeded and not exceeded_before:
-            self._warn(f"step {step} ran faster than the matmul peak measured at start-up allows "
-                       f"({self.utilization.measured[0] / 1e9:,.1f} GFLOP/s): that measurement was disturbed; "
-                       "MFU is taken against the fastest step from here on")
-        global_tokens = sum(tokens_by_rank)
-        node_tokens = sum(t for t, node in zip(tokens_by_rank, self.node_of_rank) if node == self.dist.node_rank)
-        return dict(
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            num_tokens=global_tokens,
-            num_loss_tokens=total_loss_tokens,
-            num_samples=len(indices),
-            step_time_s=elapsed,
-            tokens_per_s=global_tokens / elapsed,
-            node_tokens_per_s=node_tokens / elapsed,
-            samples_per_s=len(indices) / elapsed,
-            **utilization,
-            ortho_violations=violations,
-            ortho_max_dev_deg=max_dev,
-            **forgetting,
-        )
+        return self.steps.fields(step, time.perf_counter() - start, loss=loss, grad_norm=grad_norm, lr=lr,
+                                 tokens_by_rank=tokens_by_rank, loss_tokens=total_loss_tokens, samples=len(indices),
+                                 lengths_by_rank=batches.lengths_by_rank(), violations=violations, max_dev=max_dev,
+                                 forgetting=forgetting)
 
     def _bound_exceeds_margin(self) -> bool:
         """Between the full checks: whether :meth:`.osft.projection.Projector.deviation_bound` fails
@@ -620,7 +593,6 @@ class Trainer:
         """
         cfg = self.cfg
         step, last_loss, last_checkpoint = self.start_step, float("nan"), None
-        process = psutil.Process()
         self.monitor.start(step)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
@@ -656,12 +628,7 @@ class Trainer:
                 last_loss = record["loss"]
                 if os.environ.get(TEST_STATE_HASH_ENV) == "1":
                     record["state_sha256"] = self.state_sha256()
-                self.metrics.log(
-                    Event.STEP, step=step, epoch=epoch, ortho_violations_total=self.counters["ortho_violations_total"],
-                    rss_bytes=process.memory_info().rss,
-                    gpu_mem_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-                    **record,
-                )
+                self.steps.log(step, epoch, self.counters["ortho_violations_total"], record)
                 if step % cfg.logging_steps == 0 or step == self.total_steps:
                     progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
                                     self.counters["ortho_violations_total"], record["mfu"],
