@@ -14,17 +14,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
-from torch import nn
 
-from .activation_checkpointing import enable_activation_checkpointing
 from .checkpoint.full_state import (
     capture_rng,
     restore_rng,
@@ -35,9 +31,7 @@ from .checkpoint.requests import Request
 from .checkpoint.signals import (
     Action,
 )
-from .checkpoint.subspaces import SUBSPACES_FILE
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
-from .compile import compile_blocks
 from .config import TrainConfig
 from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
@@ -57,18 +51,12 @@ from .distributed import (
 from .flops import flop_model
 from .metrics import MetricsLogger, Reporter
 from .step_record import StepRecorder
-from .model_build import build_model, load_protected_bases
-from .model_loading import load_config, load_tokenizer, model_vocab_size
+from .model_build import build_run_model
+from .model_loading import load_config, load_tokenizer
 from .monitor import MonitorContext, RunEnd, RunMonitor, say_sets
-from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
 from .osft.indicators import INDICATOR_FIELDS
-from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
-from .osft.plan import ForwardForm, ModulePlan, plan_table
-from .osft.projection import Projector
-from .osft.input_grams import check_gram_budget
-from .osft.settings import OSFTSettings
-from .osft.targets import describe_unconstrained, find_target_modules
-from .packed_attention import BOUNDS_KWARG, use_packed_attention
+from .osft.layer_importance import RankPlan
+from .packed_attention import BOUNDS_KWARG
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 from .schedule import build_scheduler
@@ -256,63 +244,12 @@ class Trainer:
         return plan
 
     def _build_model_and_optimizer(self, resume: Resume | None) -> None:
-        """Build the model (from the checkpoint's vocabulary size and OSFT plans when resuming: no
-        SVD), report the OSFT decomposition, and make the projector and AdamW."""
+        """Build the model (:func:`.model_build.build_run_model`), AdamW and the step records."""
         cfg = self.cfg
-        bases, plans = None, None
-        if resume is not None:
-            vocab = resume.state.model.vocab_size
-            if resume.state.osft_plan:  # None for a --no-osft run
-                plans = {name: ModulePlan.from_dict(d) for name, d in resume.state.osft_plan.items()}
-        else:
-            vocab = max(len(self.tokenizer), model_vocab_size(cfg.model_name_or_path))
-            bases = self._protected_bases()
-        osft_settings = OSFTSettings.from_config(cfg) if cfg.osft else None
-        self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, osft=osft_settings, vocab_size=vocab,
-                                            from_checkpoint=resume is not None, bases=bases, plans=plans,
-                                            plan_ranks=self._plan_ranks)
-        if self.osft and cfg.osft_protect_basis == "inputs":  # fails now, not at the first export
-            check_gram_budget({n: m.in_features for n, m in self.osft.modules if not (m.plan.experts or m.plan.frozen)},
-                              cfg.osft_protect_input_memory_gb * 1e9)
-            if banks := [n for n, m in self.osft.modules if m.plan.experts]:
-                self._say(f"protected subspaces: --osft-protect-basis inputs does not apply to the {len(banks)} expert "
-                          "banks (each expert sees only the tokens routed to it): their exports protect the update "
-                          "directions of each expert")
-        if self.osft and resume is not None:
-            self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume.path} (no SVD)")
-        elif self.osft:
-            forms = [m.forward_form for m in self.osft.osft_modules]
-            urrs = [m.plan.urr for m in self.osft.osft_modules]
-            urr = f"{min(urrs):.3g}-{max(urrs):.3g} by block importance" if self.rank_plan else f"{cfg.osft_unfreeze_rank_ratio}"
-            self._say(
-                f"OSFT: {len(forms)} modules decomposed in {self.osft.svd_seconds:.1f} s "
-                f"(URR {urr}; forward: {', '.join(f'{forms.count(f)} {f}' for f in get_args(ForwardForm))})"
-            )
-            if self.rank_plan:
-                self._report_rank_plan()
-        if self.osft and self.dist.rank == 0:
-            self.console.print(plan_table([(n, m.plan) for n, m in self.osft.modules]))
-        # each packed sample attends within itself (no T x T mask); compiled blocks keep transformers'
-        # SDPA, whose graph does not depend on where the samples of a row start
-        self.packed_attention = not cfg.compile and use_packed_attention(self.model)
-        if cfg.activation_checkpointing:
-            self._say(f"activation checkpointing: {enable_activation_checkpointing(self.model)} decoder blocks "
-                      "recompute their activations in the backward pass")
-        if cfg.compile:
-            self._say(f"compile: {compile_blocks(self.model)} decoder blocks (torch.compile, inductor)")
-        if cfg.freeze_non_target:
-            freeze_non_targets(self.model, self.osft)
-        if cfg.freeze_router:
-            self._say(f"MoE routers frozen: {len(freeze_routers(self.model, cfg.model_name_or_path))} parameters")
-        self._say(count_parameters(self.model, self.osft).describe())
-        if self.osft and self.dist.rank == 0:
-            warning, note = describe_unconstrained(self.model, [name for name, _ in self.osft.modules])
-            if note:
-                self._say(note)
-            if warning:
-                self._warn(warning)
-        trained = [(n, m) for n, m in self.osft.modules if not m.plan.frozen] if self.osft else []
-        self.projector = Projector(trained, osft_settings.v_projection, osft_settings.caches_v_basis(self.device)) if self.osft else None
+        built = build_run_model(cfg, self.dist, self.device, self.dtype, resume, self.tokenizer, self.data,
+                                self.lengths, self.report)
+        self.model, self.osft, self.projector = built.model, built.osft, built.projector
+        self.rank_plan, self.packed_attention = built.rank_plan, built.packed_attention
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(  # fused kernels on CUDA (PyTorch's fused AdamW)
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -356,62 +293,6 @@ class Trainer:
         self.sampler.restore(saved, saved["next_epoch"] * self.sampler.steps_per_epoch + saved["next_index"])
         restore_rng(rng)  # last: nothing after this draws random numbers before training
         return state.step
-
-    def _plan_ranks(self, model: nn.Module) -> dict[str, float] | None:
-        """The URR of each OSFT target under ``--osft-rank-schedule importance`` (None: uniform).
-
-        Called by every rank with its freshly built dense ``model`` (real weights on rank 0, the meta
-        device elsewhere): rank 0 scores the decoder blocks on the first ``--osft-importance-samples``
-        training samples, packed as for training (:mod:`.osft.layer_importance`), and every rank
-        receives the same plan (:func:`.distributed.agree`), kept in ``self.rank_plan``.
-        """
-        cfg = self.cfg
-        if cfg.osft_rank_schedule != "importance":
-            return None
-
-        def plan() -> RankPlan:
-            targets = find_target_modules(model, model.config.model_type, cfg.osft_target_patterns)
-            batches = calibration_batches(self.data, self.lengths, cfg.osft_importance_samples, cfg.max_tokens_per_gpu)
-            return importance_rank_plan(model, batches, targets, cfg.osft_min_frozen_ratio, cfg.osft_max_frozen_ratio)
-
-        self.rank_plan = agree(plan, self.dist.rank)
-        return self.rank_plan.urr_by_module
-
-    def _report_rank_plan(self) -> None:
-        """Print the importance plan (rich table) and log it as one ``osft_rank_plan`` record, with the
-        k_high each target got."""
-        plan = self.rank_plan
-        k_high = {name: m.plan.k_high for name, m in self.osft.modules}
-        self.metrics.log(Event.OSFT_RANK_PLAN, **plan.to_json(), k_high_by_module=k_high)
-        table = Table(title=f"OSFT rank plan: block importance on {plan.tokens} calibration tokens")
-        for column in ("block", "cos(input, output)", "frozen", "URR", "k_high"):
-            table.add_column(column, justify="left" if column == "block" else "right")
-        for i, block in enumerate(plan.blocks):
-            ks = [k for name, k in k_high.items() if plan.block_of(name) == i]
-            shown = "-" if not ks else str(ks[0]) if min(ks) == max(ks) else f"{min(ks)}-{max(ks)}"
-            table.add_row(block, f"{plan.similarity[i]:.4f}", f"{plan.frozen[i]:.3f}", f"{plan.urr[i]:.3f}", shown)
-        if self.dist.is_local_main:
-            self.console.print(table)
-
-    def _protected_bases(self) -> dict | None:
-        """The protected subspaces of the model directory (None without), announced on the console."""
-        cfg = self.cfg
-        found = load_protected_bases(self.cfg)
-        if found is None:
-            if cfg.osft and not cfg.osft_protect_subspaces and (Path(cfg.model_name_or_path) / SUBSPACES_FILE).is_file():
-                self._say(f"protected subspaces: {Path(cfg.model_name_or_path) / SUBSPACES_FILE} not used "
-                          "(--no-osft-protect-subspaces): every direction of the model may train again")
-            return None
-        path, bases = found
-        p_left = [P.shape[-1] for P, _ in bases.values()]
-        p_right = [Q.shape[-1] for _, Q in bases.values()]
-        banks = sum(P.dim() == 3 for P, _ in bases.values())
-        of_banks = f" ({banks} of them expert banks, a basis per expert)" if banks else ""
-        self._say(f"protected subspaces: {len(bases)} modules{of_banks} from {path} are frozen; protected rank per module "
-                  f"p_L {min(p_left, default=0)}-{max(p_left, default=0)} (total {sum(p_left)}), "
-                  f"p_R {min(p_right, default=0)}-{max(p_right, default=0)} (total {sum(p_right)}); "
-                  "--no-osft-protect-subspaces turns this off")
-        return bases
 
     def _trainer_state(self, step: int) -> TrainerState:
         """The trainer state (``trainer_state.json``) after ``step`` optimizer steps."""
