@@ -7,12 +7,11 @@ batch (all micro-batches of all ranks), so it does not depend on how samples wer
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ from .checkpoint.signals import (
 )
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .config import TrainConfig
-from .contract import EXIT_COMPLETED, EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
+from .contract import EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from .data.cache import tokenize_source
 from .data.micro_batches import MicroBatches, micro_batches
 from .data.tokenize import IGNORE_INDEX
@@ -53,7 +52,9 @@ from .metrics import MetricsLogger, Reporter
 from .step_record import StepRecorder
 from .model_build import build_run_model
 from .model_loading import load_config, load_tokenizer
-from .monitor import MonitorContext, RunEnd, RunMonitor, say_sets
+from .monitor import MonitorContext, RunMonitor, say_sets
+from .run_end import RunEnd
+from .state_hash import state_sha256
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan
 from .packed_attention import BOUNDS_KWARG
@@ -71,35 +72,6 @@ from .startup import (
     resume_requested,
 )
 from .trackers import open_trackers
-
-
-@dataclass
-class TrainResult:
-    """Outcome of :meth:`Trainer.run`: the step reached, the last loss (NaN when this run trained
-    no step), the total orthogonality violations, the final HF export (None when the run stopped on
-    request), the last full-state checkpoint written (or None), the exit code (0 completed or ended
-    by an evaluation rule, :data:`.exit_codes.EXIT_STOPPED`, :data:`.exit_codes.EXIT_FAILED` after a divergence), the
-    steps trained by this run (fewer than ``steps`` after a resume) and the reason of
-    ``run_finished``."""
-
-    steps: int
-    last_loss: float
-    violations_total: int
-    export_dir: str | None
-    checkpoint: str | None = None
-    exit_code: int = 0
-    steps_run: int = 0
-    reason: str = FinishReason.COMPLETED
-
-    def summary(self) -> str:
-        """One line for the console: steps, last loss and violations; after a resume with no
-        step left, that no step was trained (tests/test_stop_rule.py)."""
-        if self.steps_run == 0:
-            return (f"no step left to train: the run was resumed at step {self.steps}, its last step; "
-                    f"orthogonality violations {self.violations_total}")
-        resumed = f" ({self.steps_run} in this run)" if self.steps_run != self.steps else ""
-        return (f"{self.steps} steps{resumed}, last loss {self.last_loss:.4f}, "
-                f"orthogonality violations {self.violations_total}")
 
 
 class StepInterrupted(Exception):
@@ -145,11 +117,6 @@ TEST_WARNING_ENV = "OSFT_TEST_WARN_AT"
 #: Test-only hook: "1" adds ``state_sha256`` (every parameter and optimizer tensor of every rank)
 #: to each step record, to compare runs bit for bit.
 TEST_STATE_HASH_ENV = "OSFT_TEST_STATE_HASH"
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of a tensor of any dtype (bfloat16 included)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class Trainer:
@@ -435,117 +402,107 @@ class Trainer:
         bound = self.projector.deviation_bound()
         return bound is not None and bound > self.cfg.ortho_margin_deg
 
-    def state_sha256(self) -> str:
-        """SHA-256 over every rank's local parameter shards and optimizer state, in a fixed order
-        (collective). Equal digests mean bit-identical training states."""
-        h = hashlib.sha256()
-        for name, p in self.model.named_parameters():
-            h.update(name.encode())
-            h.update(_tensor_bytes(local_tensor(p.detach())))
-        for i, state in sorted(self.optimizer.state_dict()["state"].items()):
-            for key, value in sorted(state.items()):
-                h.update(f"{i}.{key}".encode())
-                h.update(_tensor_bytes(local_tensor(value)))
-        digests = [h.hexdigest()]
-        if self.dist.world_size > 1:
-            digests = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(digests, h.hexdigest())
-        return hashlib.sha256("".join(digests).encode()).hexdigest()
-
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
 
-    def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
-        """End the run: wait for the checkpoint written in the background (a stop never leaves one
-        half-written), log ``run_finished``, close the metrics and leave the process group."""
-        self.checkpoints.close()
-        self.metrics.log(Event.RUN_FINISHED, reason=reason, exit_code=exit_code, step=step, **fields)
-        self.metrics.close()
-        self.checkpoints.release()
-        shutdown_distributed()
-
-    def run(self) -> TrainResult:
+    def run(self) -> RunEnd:
         """Train to ``total_steps`` optimizer steps (from the resumed step), log every step, serve
-        checkpoint requests and periodic checkpoints, export at the end.
+        checkpoint requests and periodic checkpoints (:class:`.checkpoint.manager.CheckpointManager`),
+        export at the end.
 
         A request agreed in the middle of a step saves the state at the start of that step
         (partial gradients dropped, generators rewound), so a resume replays the step exactly.
         Evaluations, the rules that may end the run and divergences: :class:`.monitor.RunMonitor`.
         """
         cfg = self.cfg
-        step, last_loss, last_checkpoint = self.start_step, float("nan"), None
+        step, self.last_loss, self.last_checkpoint = self.start_step, float("nan"), None
         self.monitor.start(step)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
                 self.checkpoints.check()  # a failed background write ends the run here
                 position = self.monitor.position(step + 1)
-                epoch = position // self.sampler.steps_per_epoch
-                rng_at_start = capture_rng()
-                indices = self.sampler.indices(position)
+                rng_at_start, indices = capture_rng(), self.sampler.indices(position)
                 try:
                     record = self.train_step(step + 1, indices)
                 except (StepInterrupted, Diverged) as cut:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    restore_rng(rng_at_start)
-                    if isinstance(cut, Diverged):
-                        self.checkpoints.check(wait=True)  # a rollback picks the newest complete checkpoint
-                        outcome = self.monitor.on_divergence(cut, step)
-                        if isinstance(outcome, RunEnd):
-                            return self._end_early(step, last_loss, outcome)
-                        step = outcome  # rolled back: go on after the reloaded step
-                        continue
-                    last_checkpoint = self.checkpoints.save(step, cut.request)
-                    if cut.request.action is Action.CHECKPOINT_AND_EXIT:
-                        return self._stopped(step, last_loss, last_checkpoint, cut.request)
-                    continue  # replay the step from its start
+                    outcome = self._cut(cut, step, rng_at_start)
+                    if isinstance(outcome, RunEnd):
+                        return outcome
+                    step = outcome  # the step is replayed, or the run rolled back to a checkpoint
+                    continue
                 step += 1
-                if len(self.data.parts) > 1:
-                    record["dataset_samples"] = self.data.counts(indices)
-                self.counters["ortho_violations_total"] += record["ortho_violations"]
-                self.counters["samples_seen"] += record["num_samples"]
-                self.counters["tokens_seen"] += record["num_tokens"]
-                if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
-                    self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
-                last_loss = record["loss"]
-                if os.environ.get(TEST_STATE_HASH_ENV) == "1":
-                    record["state_sha256"] = self.state_sha256()
-                self.steps.log(step, epoch, self.counters["ortho_violations_total"], record)
-                if step % cfg.logging_steps == 0 or step == self.total_steps:
-                    progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
-                                    self.counters["ortho_violations_total"], record["mfu"],
-                                    self.monitor.console_stats())
+                self._record(step, position // self.sampler.steps_per_epoch, indices, record, progress)
                 end = self.monitor.after_step(step, final=step == self.total_steps)
                 request = self.checkpoints.poll("after_step", step)
-                last_checkpoint = self.checkpoints.save_if_due(step, request) or last_checkpoint
+                self.last_checkpoint = self.checkpoints.save_if_due(step, request) or self.last_checkpoint
                 if request and request.action is Action.CHECKPOINT_AND_EXIT:
-                    return self._stopped(step, last_loss, last_checkpoint, request)
+                    return self._stopped(step, request)
                 if end is not None:
-                    return self._end_early(step, last_loss, end)
+                    return self._end_early(step, end)
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
                     progress.print(f"exported {self.exporter.export(step)}")
         export_dir = self.exporter.export(step)
         self._say(f"export: {export_dir}")
         self.checkpoints.answer_late(step)
-        self._finish(FinishReason.COMPLETED, EXIT_COMPLETED, step, export_dir=export_dir)
-        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
-                           export_dir=export_dir, checkpoint=last_checkpoint, steps_run=step - self.start_step)
+        return self._finish(RunEnd(), step, export_dir=export_dir)
 
-    def _end_early(self, step: int, last_loss: float, end: RunEnd) -> TrainResult:
+    def _cut(self, cut: StepInterrupted | Diverged, step: int, rng_at_start: dict) -> RunEnd | int:
+        """A step cut before its update (``step`` is the last one applied): drop its gradients,
+        rewind the generators, then checkpoint for its request (a stop ends the run) or act on its
+        divergence (:meth:`.monitor.RunMonitor.on_divergence`). Returns how the run ends, or the step
+        to go on after."""
+        self.optimizer.zero_grad(set_to_none=True)
+        restore_rng(rng_at_start)
+        if isinstance(cut, Diverged):
+            self.checkpoints.check(wait=True)  # a rollback picks the newest complete checkpoint
+            outcome = self.monitor.on_divergence(cut, step)
+            return self._end_early(step, outcome) if isinstance(outcome, RunEnd) else outcome
+        self.last_checkpoint = self.checkpoints.save(step, cut.request)
+        if cut.request.action is Action.CHECKPOINT_AND_EXIT:
+            return self._stopped(step, cut.request)
+        return step
+
+    def _record(self, step: int, epoch: int, indices: list[int], record: dict, progress: TrainProgress) -> None:
+        """Count step ``step`` in the run's counters, log its ``step`` record and update the progress line."""
+        if len(self.data.parts) > 1:
+            record["dataset_samples"] = self.data.counts(indices)
+        self.counters["ortho_violations_total"] += record["ortho_violations"]
+        self.counters["samples_seen"] += record["num_samples"]
+        self.counters["tokens_seen"] += record["num_tokens"]
+        if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
+            self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
+        self.last_loss = record["loss"]
+        if os.environ.get(TEST_STATE_HASH_ENV) == "1":
+            record["state_sha256"] = state_sha256(self.model, self.optimizer, self.dist.world_size)
+        self.steps.log(step, epoch, self.counters["ortho_violations_total"], record)
+        if step % self.cfg.logging_steps == 0 or step == self.total_steps:
+            progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
+                            self.counters["ortho_violations_total"], record["mfu"], self.monitor.console_stats())
+
+    def _end_early(self, step: int, end: RunEnd) -> RunEnd:
         """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state
         checkpoint of that step (unless one was just written), the final export when ``end`` asks
         for it, its message and ``run_finished`` with its reason and exit code."""
         checkpoint = self.checkpoints.at_step(step)
         export_dir = self.exporter.export(step) if end.export_final else end.export_dir
         self._say(end.message)
-        self._finish(end.reason, end.exit_code, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)
-        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
-                           export_dir=export_dir, checkpoint=checkpoint, exit_code=end.exit_code, reason=end.reason,
-                           steps_run=step - self.start_step)
+        return self._finish(end, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)
 
-    def _stopped(self, step: int, last_loss: float, checkpoint: str, request: Request) -> TrainResult:
+    def _stopped(self, step: int, request: Request) -> RunEnd:
+        checkpoint = self.last_checkpoint
         self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "
                   f"--resume-from-full-state-checkpoint {checkpoint}")
-        self._finish(FinishReason.STOPPED, EXIT_STOPPED, step, signal=request.signal, checkpoint=checkpoint)
-        return TrainResult(steps=step, last_loss=last_loss, violations_total=self.counters["ortho_violations_total"],
-                           export_dir=None, checkpoint=checkpoint, exit_code=EXIT_STOPPED,
-                           steps_run=step - self.start_step)
+        return self._finish(RunEnd(FinishReason.STOPPED, EXIT_STOPPED), step, signal=request.signal, checkpoint=checkpoint)
+
+    def _finish(self, end: RunEnd, step: int, **fields) -> RunEnd:
+        """End the run: wait for the checkpoint written in the background (a stop never leaves one
+        half-written), log ``run_finished`` with ``fields``, close the metrics and leave the process
+        group. Returns ``end`` with the run's numbers."""
+        self.checkpoints.close()
+        self.metrics.log(Event.RUN_FINISHED, reason=end.reason, exit_code=end.exit_code, step=step, **fields)
+        self.metrics.close()
+        self.checkpoints.release()
+        shutdown_distributed()
+        return replace(end, steps=step, steps_run=step - self.start_step, last_loss=self.last_loss,
+                       violations_total=self.counters["ortho_violations_total"], export_dir=fields.get("export_dir"),
+                       checkpoint=fields.get("checkpoint", self.last_checkpoint))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,23 +31,10 @@ from .evaluation import EvalResult, evaluate_set, evaluation_mode
 from .forgetting import EvalRules, EvalState, Verdict
 from .metrics import Reporter
 from .rundir import RunDir, write_json_atomic
+from .run_end import RunEnd
 
 #: ``best_eval.json`` in ``hf_format/best``: the step, evaluation loss and forgetting of the export.
 BEST_INFO = "best_eval.json"
-
-
-@dataclass(frozen=True)
-class RunEnd:
-    """How a run ends before its last step: the ``reason`` for ``run_finished``, the exit code, the
-    console message, whether to export the final model, the export that is the run's result
-    otherwise (None: none), and fields for ``run_finished``."""
-
-    reason: str
-    exit_code: int
-    message: str
-    export_final: bool = False
-    export_dir: str | None = None
-    fields: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
