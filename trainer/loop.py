@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.markup import escape
 
@@ -50,14 +49,13 @@ from .distributed import (
 from .flops import flop_model
 from .metrics import MetricsLogger, Reporter
 from .step_record import StepRecorder
+from .micro_batch_loss import MicroBatchLoss
 from .model_build import build_run_model
 from .model_loading import load_config, load_tokenizer
 from .monitor import MonitorContext, RunMonitor, say_sets
 from .run_end import RunEnd
 from .state_hash import state_sha256
-from .osft.indicators import INDICATOR_FIELDS
-from .osft.layer_importance import RankPlan
-from .packed_attention import BOUNDS_KWARG
+from .osft.projection import check_after_step
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
 from .schedule import build_scheduler
@@ -138,7 +136,6 @@ class Trainer:
         init_distributed(self.dist, self.device)
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
-        self.rank_plan: RankPlan | None = None
 
     def _say(self, message: str) -> None:
         if self.dist.is_local_main:
@@ -173,9 +170,9 @@ class Trainer:
         self.sampler, self.total_steps = plan.sampler, plan.total_steps
         self._build_model_and_optimizer(start.resume)
         self.exporter = Exporter(cfg, self.dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
-                                 self.tokenizer, self.device, self._micro_batch_loss, self._micro_batches, len(self.data))
+                                 self.tokenizer, self.device, self.loss, self._micro_batches, len(self.data))
         context = MonitorContext(self.report, self.dist, self.run_dir, self.model, self.checkpoints,
-                                 lambda batch: self._micro_batch_loss(batch, float64_sum=True), self.exporter.export,
+                                 lambda batch: self.loss(batch, float64_sum=True), self.exporter.export,
                                  lambda path: self.load_checkpoint(path, rollback=True), self.sampler.steps_per_epoch)
         self.monitor = RunMonitor(cfg, context, self.eval_sets)
         self._restore(start.resume)
@@ -216,7 +213,7 @@ class Trainer:
         built = build_run_model(cfg, self.dist, self.device, self.dtype, resume, self.tokenizer, self.data,
                                 self.lengths, self.report)
         self.model, self.osft, self.projector = built.model, built.osft, built.projector
-        self.rank_plan, self.packed_attention = built.rank_plan, built.packed_attention
+        self.loss = MicroBatchLoss(self.model, self.device, built.packed_attention)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(  # fused kernels on CUDA (PyTorch's fused AdamW)
             params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -279,39 +276,6 @@ class Trainer:
             monitor=self.monitor.state_dict(),
         )
 
-    def _micro_batch_loss(self, batch: dict | None, float64_sum: bool = False) -> torch.Tensor:
-        """Summed token loss of one packed micro-batch (float32 scalar, on the device; with
-        ``float64_sum`` the float32 token losses are summed in float64, as evaluation does, so the
-        sum hardly depends on how the samples were packed).
-
-        ``None`` is this rank's empty micro-batch (fewer samples than micro-batches): a one-token
-        forward whose loss is multiplied by 0, so the rank still joins FSDP's collectives.
-        """
-        if batch is None:
-            pad = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            return self.model(input_ids=pad, use_cache=False).logits.float().sum() * 0.0
-        # The LM head runs only where a label is trained (transformers' ``logits_to_keep`` with the
-        # positions as a 1-D tensor): prompts, system turns and padding get no V-wide logits, and no
-        # float32 copy of them is made for the cross-entropy (the packed row is one sample row).
-        # The positions are found on the host, where collate_packed made the labels: a nonzero()
-        # on the device would wait for it once per micro-batch.
-        keep = (batch["labels"][0] != IGNORE_INDEX).nonzero().squeeze(1)
-        bounds = {BOUNDS_KWARG: batch["sample_bounds"]} if self.packed_attention else {}
-        out = self.model(
-            input_ids=batch["input_ids"].to(self.device),
-            position_ids=batch["position_ids"].to(self.device),
-            use_cache=False,
-            logits_to_keep=keep.to(self.device),
-            **bounds,
-        )
-        logits = out.logits
-        losses = F.cross_entropy(
-            logits.view(-1, logits.shape[-1]).float(),
-            batch["labels"][0, keep].to(self.device),
-            reduction="none" if float64_sum else "sum",
-        )
-        return losses.double().sum() if float64_sum else losses
-
     def _micro_batches(self, idx: np.ndarray) -> MicroBatches:
         """The training samples at positions ``idx`` packed into this rank's micro-batches."""
         return micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], self.cfg.max_tokens_per_gpu,
@@ -349,7 +313,7 @@ class Trainer:
         inject = self.monitor.injected(step)
         for m, batch in enumerate(batches):
             self._poll("before_forward", step, m)
-            mb_loss = self._micro_batch_loss(batch)
+            mb_loss = self.loss(batch)
             if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
                 mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
             self._poll("before_backward", step, m)
@@ -377,30 +341,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.projector:
             self.projector.project_parameters()
-        violations, max_dev, forgetting = 0, None, dict.fromkeys(INDICATOR_FIELDS)
-        scheduled = step == 1 or step % cfg.ortho_check_every == 0
-        if self.projector and (scheduled or self._bound_exceeds_margin()):
-            # The check gathers whole factors (DTensor.full_tensor, functional collectives); one ran
-            # beside a background checkpoint's collectives and crashed rank 0 (SIGSEGV) once in a
-            # fresh-clone suite: the write in flight finishes first (every --ortho-check-every steps).
-            self.checkpoints.check(wait=True)
-            report = self.projector.check(cfg.ortho_margin_deg)
-            violations, max_dev = report.violations, report.max_dev_deg
-            if report.violating:
-                self._warn(f"step {step}: orthogonality violations in {report.violating}")
-            if scheduled:
-                forgetting = self.projector.indicators().fields()
+        # The check gathers whole factors (DTensor.full_tensor, functional collectives); one ran beside a
+        # background checkpoint's collectives and crashed rank 0 (SIGSEGV): the write in flight finishes first.
+        report, forgetting = check_after_step(self.projector, step, cfg.ortho_check_every, cfg.ortho_margin_deg,
+                                              lambda: self.checkpoints.check(wait=True))
+        if report and report.violating:
+            self._warn(f"step {step}: orthogonality violations in {report.violating}")
         return self.steps.fields(step, time.perf_counter() - start, loss=loss, grad_norm=grad_norm, lr=lr,
                                  tokens_by_rank=tokens_by_rank, loss_tokens=total_loss_tokens, samples=len(indices),
-                                 lengths_by_rank=batches.lengths_by_rank(), violations=violations, max_dev=max_dev,
-                                 forgetting=forgetting)
-
-    def _bound_exceeds_margin(self) -> bool:
-        """Between the full checks: whether :meth:`.osft.projection.Projector.deviation_bound` fails
-        to rule out a deviation above ``--ortho-margin-deg`` (then the step runs the full check);
-        False where no bound is available (``--osft-v-projection gram``). Collective."""
-        bound = self.projector.deviation_bound()
-        return bound is not None and bound > self.cfg.ortho_margin_deg
+                                 lengths_by_rank=batches.lengths_by_rank(), violations=report.violations if report else 0,
+                                 max_dev=report.max_dev_deg if report else None, forgetting=forgetting)
 
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
