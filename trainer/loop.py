@@ -32,15 +32,11 @@ from .checkpoint.signals import (
 from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .config import TrainConfig
 from .contract import EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
-from .data.cache import tokenize_source
 from .data.micro_batches import MicroBatches, micro_batches
-from .data.tokenize import IGNORE_INDEX
 from .divergence import Diverged
 from .dtensor import full_tensor, local_tensor
 from .distributed import (
     DistEnv,
-    agree,
-    barrier,
     gather_float,
     gather_on_device,
     init_distributed,
@@ -51,23 +47,17 @@ from .metrics import MetricsLogger, Reporter
 from .step_record import StepRecorder
 from .micro_batch_loss import MicroBatchLoss
 from .model_build import build_run_model
-from .model_loading import load_config, load_tokenizer
-from .monitor import MonitorContext, RunMonitor, say_sets
+from .model_loading import load_config
+from .monitor import MonitorContext, RunMonitor
 from .run_end import RunEnd
+from .run_start import choose_start, prepare_inputs
 from .state_hash import state_sha256
 from .osft.projection import check_after_step
 from .progress import TrainProgress
-from .rundir import RunDir, write_json_atomic
+from .rundir import RunDir
 from .schedule import build_scheduler
 from .startup import (
-    DataPlan,
     Resume,
-    ResumeChoice,
-    check_data,
-    check_start,
-    choose_checkpoint,
-    load_data,
-    resume_requested,
 )
 from .trackers import open_trackers
 
@@ -102,12 +92,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def shifted_loss_tokens(labels: list[list[int]]) -> np.ndarray:
-    """Per sample, the tokens that carry loss after the next-token shift: trained labels at
-    positions 1..L-1 (the first token has no prediction). int64 array [num_samples]."""
-    return np.fromiter((sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels), dtype=np.int64, count=len(labels))
 
 
 #: Test-only hook (tests/test_distributed.py, local-rank-1 warnings): "STEP:LOCAL_RANK" makes that local rank log a warning after that step.
@@ -153,59 +137,19 @@ class Trainer:
         seed_everything(cfg.seed)
         self.flop_model = flop_model(load_config(cfg.model_name_or_path))
         self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=self.flop_model.to_json())
-        plan = self._prepare_data()
+        inputs = prepare_inputs(cfg, self.dist, self.run_dir, self.report)
+        self.tokenizer, self.data, self.loss_tokens = inputs.tokenizer, inputs.data, inputs.loss_tokens
+        self.lengths, self.sampler, self.total_steps = self.data.lengths, inputs.plan.sampler, inputs.plan.total_steps
         self.checkpoints.remove_stale()
-        # rank 0 reads the disk, every rank gets its answer
-        choice = agree(lambda: choose_checkpoint(cfg), self.dist.rank) if resume_requested(cfg) else ResumeChoice(None)
-        if self.dist.rank == 0:
-            for message in choice.skipped:
-                self._warn(message)
-        if choice.note:
-            self._say(choice.note)
-        start = check_start(cfg, choice.path, self.dist.world_size, plan)
-        if self.dist.rank == 0:
-            for message in (start.resume.warnings if start.resume else []) + [start.warmup_warning]:
-                if message:
-                    self._warn(message)
-        self.sampler, self.total_steps = plan.sampler, plan.total_steps
+        start = choose_start(cfg, self.dist, inputs.plan, self.report)
         self._build_model_and_optimizer(start.resume)
         self.exporter = Exporter(cfg, self.dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
                                  self.tokenizer, self.device, self.loss, self._micro_batches, len(self.data))
         context = MonitorContext(self.report, self.dist, self.run_dir, self.model, self.checkpoints,
                                  lambda batch: self.loss(batch, float64_sum=True), self.exporter.export,
                                  lambda path: self.load_checkpoint(path, rollback=True), self.sampler.steps_per_epoch)
-        self.monitor = RunMonitor(cfg, context, self.eval_sets)
+        self.monitor = RunMonitor(cfg, context, inputs.sets)
         self._restore(start.resume)
-
-    def _prepare_data(self) -> DataPlan:
-        """Tokenize the training data and the evaluation and retention sets (each node's local
-        rank 0 first, its peers then hit the cache), check them (:func:`.startup.check_data`),
-        write ``data_report.json`` and say what was read."""
-        cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model_name_or_path, chat_template=cfg.chat_template)
-        if not self.dist.is_local_main:
-            barrier()
-        data = load_data(cfg, self.tokenizer, self._warn, self._tokenize)
-        if self.dist.is_local_main:
-            barrier()
-        if data.cache_hit:
-            self._say("data: tokenized data loaded from the cache")
-        say_sets(data.sets, self._say, cfg.eval_split)
-        self.eval_sets = data.sets
-        self.data = data.train
-        plan = check_data(cfg, self.data, self.dist.world_size)
-        if self.dist.rank == 0:
-            write_json_atomic(self.run_dir.data_report, self.data.report_dict())
-        for line in self.data.summary_lines():
-            self._say(line)
-        if self.data.dropped and self.dist.rank == 0:  # every rank sees the same data: one warning is enough
-            self._warn(f"{self.data.dropped} sample(s) of {', '.join(self.data.names)} dropped; "
-                       f"see {self.run_dir.data_report}")
-        if plan.positions_warning and self.dist.rank == 0:
-            self._warn(plan.positions_warning)
-        self.lengths = self.data.lengths
-        self.loss_tokens = shifted_loss_tokens(self.data.dataset["labels"])
-        return plan
 
     def _build_model_and_optimizer(self, resume: Resume | None) -> None:
         """Build the model (:func:`.model_build.build_run_model`), AdamW and the step records."""
@@ -233,18 +177,6 @@ class Trainer:
             self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume.path),
                              changed={k: list(v) for k, v in resume.state.changed_settings(cfg).items()})
             self._say(f"resumed from {resume.path} at step {self.start_step}")
-
-    def _tokenize(self, path: str):
-        """Validate and tokenize one chat file (an evaluation or retention set) as the training
-        sources are (through the data cache unless ``--no-data-cache``).
-
-        Raises:
-            DataValidationError: every problem of the file. ValueError: an unusable file.
-        """
-        data, hit = tokenize_source(self.cfg, path, self.tokenizer, self._warn)
-        if hit:
-            self._say(f"data: tokenized {path} loaded from the cache")
-        return data
 
     def load_checkpoint(self, step_dir: str | Path, rollback: bool = False) -> int:
         """Load a verified full-state checkpoint into this run (collective): model, optimizer,

@@ -58,13 +58,6 @@ class MonitorContext:
     steps_per_epoch: int
 
 
-def say_sets(sets: list[EvalSet], say: Callable[[str], None], eval_split: float | None) -> None:
-    """Say each evaluation and retention set (:attr:`.startup.RunData.sets`) on the console."""
-    for s in sets:
-        say(f"{s.kind} set {s.name}: {len(s)} samples of {s.path}"
-            + (" (held out from training)" if s.kind == EVAL and eval_split else ""))
-
-
 class RunMonitor:
     """The evaluation sets, their rules and the divergence policy of one rank's run (every rank
     holds one and calls every method at the same points: most are collective).
