@@ -12,12 +12,10 @@ import random
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.markup import escape
 
 from .checkpoint.full_state import (
     capture_rng,
@@ -29,7 +27,6 @@ from .checkpoint.requests import Request
 from .checkpoint.signals import (
     Action,
 )
-from .checkpoint.trainer_state import ModelFacts, TrainerState, run_settings
 from .config import TrainConfig
 from .contract import EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from .data.micro_batches import MicroBatches, micro_batches
@@ -43,7 +40,7 @@ from .distributed import (
     shutdown_distributed,
 )
 from .flops import flop_model
-from .metrics import MetricsLogger, Reporter
+from .metrics import MetricsLogger, console_reporter
 from .step_record import StepRecorder
 from .micro_batch_loss import MicroBatchLoss
 from .model_build import build_run_model
@@ -114,20 +111,12 @@ class Trainer:
         trackers = open_trackers(cfg.report_to, cfg.output_dir, cfg.to_json(), self.job_id) if self.dist.rank == 0 else []
         self.metrics = MetricsLogger(self.run_dir.metrics, self.dist, self.job_id, sinks=trackers)
         self.device, self.dtype = resolve_device_dtype(cfg)
-        self.report = Reporter(self._say, self._warn, self.metrics.log, self.console.print)
+        self.report = console_reporter(self.console, self.metrics)
         # as early as possible: a request during start-up is kept
         self.checkpoints = CheckpointManager(cfg, self.dist, self.job_id, self.run_dir, self.report)
         init_distributed(self.dist, self.device)
         self.start_step = 0
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
-
-    def _say(self, message: str) -> None:
-        if self.dist.is_local_main:
-            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
-
-    def _warn(self, message: str) -> None:
-        self.metrics.log(Event.WARNING, message=message)
-        self.console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
 
     def prepare(self) -> None:
         """Prepare the run with the start-up plan the launcher also checks (:mod:`.startup`): the
@@ -147,7 +136,7 @@ class Trainer:
                                  self.tokenizer, self.device, self.loss, self._micro_batches, len(self.data))
         context = MonitorContext(self.report, self.dist, self.run_dir, self.model, self.checkpoints,
                                  lambda batch: self.loss(batch, float64_sum=True), self.exporter.export,
-                                 lambda path: self.load_checkpoint(path, rollback=True), self.sampler.steps_per_epoch)
+                                 lambda path: self.checkpoints.restore(path, rollback=True), self.sampler.steps_per_epoch)
         self.monitor = RunMonitor(cfg, context, inputs.sets)
         self._restore(start.resume)
 
@@ -170,60 +159,49 @@ class Trainer:
         load the checkpoint to resume from."""
         cfg = self.cfg
         self.scheduler = build_scheduler(cfg.lr_scheduler, self.optimizer, cfg.warmup_steps, self.total_steps)
-        self.checkpoints.open(self.model, self.optimizer, self.scheduler, self.osft, self.device, self._trainer_state)
+        self.checkpoints.open(self.model, self.optimizer, self.scheduler, self.osft, self.device, self.sampler,
+                              self.monitor, self.counters, self.total_steps)
         if resume is not None:
-            self.start_step = self.load_checkpoint(resume.path)
-            self.checkpoints.saved = (self.start_step, str(resume.path))  # a request before the first step is served by it
-            self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume.path),
-                             changed={k: list(v) for k, v in resume.state.changed_settings(cfg).items()})
-            self._say(f"resumed from {resume.path} at step {self.start_step}")
-
-    def load_checkpoint(self, step_dir: str | Path, rollback: bool = False) -> int:
-        """Load a verified full-state checkpoint into this run (collective): model, optimizer,
-        scheduler, counters, the evaluation and divergence state (a ``rollback`` keeps this run's
-        skipped batches), and last the generators. Returns the checkpoint's step."""
-        state, rng = self.checkpoints.load(step_dir)
-        self.counters = dict(state.counters)
-        self.monitor.load_state_dict(state.monitor, keep_divergence=rollback)
-        saved = state.sampler  # the data position it was saved at (skipped batches counted)
-        self.sampler.restore(saved, saved["next_epoch"] * self.sampler.steps_per_epoch + saved["next_index"])
-        restore_rng(rng)  # last: nothing after this draws random numbers before training
-        return state.step
-
-    def _trainer_state(self, step: int) -> TrainerState:
-        """The trainer state (``trainer_state.json``) after ``step`` optimizer steps."""
-        position = self.monitor.position(step + 1)  # the data position of the next step (after skipped batches)
-        return TrainerState(
-            step=step,
-            epoch=position // self.sampler.steps_per_epoch,
-            sampler=self.sampler.state(position),
-            counters=dict(self.counters),
-            scheduler=self.scheduler.state_dict(),
-            world_size=self.dist.world_size,
-            total_steps=self.total_steps,
-            settings=run_settings(self.cfg),
-            model=ModelFacts(vocab_size=self.model.get_input_embeddings().weight.shape[0],
-                             model_type=self.model.config.model_type),
-            osft_plan={name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
-            monitor=self.monitor.state_dict(),
-        )
+            self.start_step = self.checkpoints.resume(resume.path, resume.state.changed_settings(cfg))
 
     def _micro_batches(self, idx: np.ndarray) -> MicroBatches:
         """The training samples at positions ``idx`` packed into this rank's micro-batches."""
         return micro_batches(lambda i: self.data[int(idx[i])], self.lengths[idx], self.cfg.max_tokens_per_gpu,
                              self.dist.world_size, self.dist.rank)
 
-    def _poll(self, point: str, step: int, micro: int) -> None:
-        if request := self.checkpoints.poll(point, step, micro):
-            raise StepInterrupted(request)
+    def _forward_backward(self, step: int, batches: MicroBatches, scale: float) -> tuple[torch.Tensor, list[int]]:
+        """Forward and backward of this rank's micro-batches (loss scaled by ``scale``), polling for a
+        request before the forward and before and after the backward of each. Returns every rank's
+        summed token loss (float64 on the device, by rank) and tokens (collective).
+
+        Raises:
+            StepInterrupted: a checkpoint request was agreed.
+        """
+        def poll(point: str, m: int) -> None:
+            if request := self.checkpoints.poll(point, step, m):
+                raise StepInterrupted(request)
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
+        num_tokens, inject = 0, self.monitor.injected(step)
+        for m, batch in enumerate(batches):
+            poll("before_forward", m)
+            mb_loss = self.loss(batch)
+            if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
+                mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
+            poll("before_backward", m)
+            (mb_loss * scale).backward()
+            poll("after_backward", m)
+            loss_sum += mb_loss.detach().double()
+            if batch is not None:
+                num_tokens += int(batch["num_tokens"])  # collate_packed's host tensor
+        gathered = gather_on_device(loss_sum), [int(t) for t in gather_float(num_tokens)]
+        if inject == "grad":
+            local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
+        return gathered
 
     def train_step(self, step: int, indices: list[int]) -> dict:
-        """Forward/backward every micro-batch of this rank, project, clip, step, re-project.
-
-        With on-demand checkpointing every rank polls for requests before the forward and before
-        and after the backward of each micro-batch.
-
-        Returns the numbers of the ``step`` metrics record.
+        """Forward/backward every micro-batch of this rank (:meth:`_forward_backward`), project, clip,
+        step, re-project, check orthogonality. Returns the numbers of the ``step`` metrics record.
 
         Raises:
             RuntimeError: the batch has no loss token.
@@ -237,33 +215,15 @@ class Trainer:
         if total_loss_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self._lines(idx)})")
         batches = self._micro_batches(idx)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
-        num_tokens = 0
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
-        scale = self.dist.world_size / total_loss_tokens
-        inject = self.monitor.injected(step)
-        for m, batch in enumerate(batches):
-            self._poll("before_forward", step, m)
-            mb_loss = self.loss(batch)
-            if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
-                mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
-            self._poll("before_backward", step, m)
-            (mb_loss * scale).backward()
-            self._poll("after_backward", step, m)
-            loss_sum += mb_loss.detach().double()
-            if batch is not None:
-                num_tokens += int(batch["num_tokens"])  # collate_packed's host tensor
-        loss_by_rank = gather_on_device(loss_sum)
-        tokens_by_rank = [int(t) for t in gather_float(num_tokens)]
-        if inject == "grad":
-            local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
+        loss_by_rank, tokens_by_rank = self._forward_backward(step, batches, self.dist.world_size / total_loss_tokens)
         if self.projector:
             self.projector.project_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], cfg.max_grad_norm)
-        grad_norm = full_tensor(grad_norm)
+        grads = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(grads, cfg.max_grad_norm))
         # The step's one host sync before the update: the divergence check needs the loss and the grad norm
-        # (after it, a step between full orthogonality checks reads the bound: _bound_exceeds_margin).
+        # (after it, a step between full orthogonality checks reads the bound: check_after_step).
         *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
         loss = sum(losses) / total_loss_tokens  # the ranks' sums added in rank order, as global_sums does
         self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))
@@ -278,7 +238,7 @@ class Trainer:
         report, forgetting = check_after_step(self.projector, step, cfg.ortho_check_every, cfg.ortho_margin_deg,
                                               lambda: self.checkpoints.check(wait=True))
         if report and report.violating:
-            self._warn(f"step {step}: orthogonality violations in {report.violating}")
+            self.report.warn(f"step {step}: orthogonality violations in {report.violating}")
         return self.steps.fields(step, time.perf_counter() - start, loss=loss, grad_norm=grad_norm, lr=lr,
                                  tokens_by_rank=tokens_by_rank, loss_tokens=total_loss_tokens, samples=len(indices),
                                  lengths_by_rank=batches.lengths_by_rank(), violations=report.violations if report else 0,
@@ -324,7 +284,7 @@ class Trainer:
                 if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
                     progress.print(f"exported {self.exporter.export(step)}")
         export_dir = self.exporter.export(step)
-        self._say(f"export: {export_dir}")
+        self.report.say(f"export: {export_dir}")
         self.checkpoints.answer_late(step)
         return self._finish(RunEnd(), step, export_dir=export_dir)
 
@@ -352,7 +312,7 @@ class Trainer:
         self.counters["samples_seen"] += record["num_samples"]
         self.counters["tokens_seen"] += record["num_tokens"]
         if os.environ.get(TEST_WARNING_ENV) == f"{step}:{self.dist.local_rank}":
-            self._warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
+            self.report.warn(f"test warning from local rank {self.dist.local_rank} at step {step}")
         self.last_loss = record["loss"]
         if os.environ.get(TEST_STATE_HASH_ENV) == "1":
             record["state_sha256"] = state_sha256(self.model, self.optimizer, self.dist.world_size)
@@ -367,12 +327,12 @@ class Trainer:
         for it, its message and ``run_finished`` with its reason and exit code."""
         checkpoint = self.checkpoints.at_step(step)
         export_dir = self.exporter.export(step) if end.export_final else end.export_dir
-        self._say(end.message)
+        self.report.say(end.message)
         return self._finish(end, step, checkpoint=checkpoint, export_dir=export_dir, **end.fields)
 
     def _stopped(self, step: int, request: Request) -> RunEnd:
         checkpoint = self.last_checkpoint
-        self._say(f"stopped after step {step} on {request.signal}; resume with --resume or "
+        self.report.say(f"stopped after step {step} on {request.signal}; resume with --resume or "
                   f"--resume-from-full-state-checkpoint {checkpoint}")
         return self._finish(RunEnd(FinishReason.STOPPED, EXIT_STOPPED), step, signal=request.signal, checkpoint=checkpoint)
 

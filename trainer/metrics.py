@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .contract import ALWAYS_RECORDED
+from .contract import ALWAYS_RECORDED, Event
 from .distributed import DistEnv
 
 if TYPE_CHECKING:
@@ -98,3 +98,19 @@ class Reporter:
     warn: Callable[[str], None]
     log: Callable[..., None]
     show: Callable[[Any], None]
+
+
+def console_reporter(console, metrics: MetricsLogger) -> Reporter:
+    """The :class:`Reporter` of one rank on a rich ``console``: ``say`` prints on each node's local
+    rank 0 only (plain text, no markup), ``warn`` records the warning and prints it on every rank."""
+    from rich.markup import escape
+
+    def say(message: str) -> None:
+        if metrics.dist.is_local_main:
+            console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def warn(message: str) -> None:
+        metrics.log(Event.WARNING, message=message)
+        console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
+
+    return Reporter(say, warn, metrics.log, console.print)

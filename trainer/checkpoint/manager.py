@@ -9,7 +9,10 @@ checkpoint request is staged and written in the background (:class:`.background.
 at most one in flight); it is logged, and serves its requests, once complete. A stop request's
 checkpoint is written before :meth:`CheckpointManager.save` returns.
 
-The loop calls :meth:`CheckpointManager.poll` at its safe points, :meth:`CheckpointManager.save_if_due`
+What a checkpoint holds of the run beside the model and optimizer (:meth:`CheckpointManager.state`:
+counters, data position, schedule, monitor state) and how it is put back
+(:meth:`CheckpointManager.restore`) are the manager's too. The loop calls
+:meth:`CheckpointManager.poll` at its safe points, :meth:`CheckpointManager.save_if_due`
 once after every step, :meth:`CheckpointManager.check` before every step (a failed background
 write ends the run there) and :meth:`CheckpointManager.close` at the end.
 """
@@ -19,22 +22,35 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..config import TrainConfig
 from ..contract import LAUNCHER_PID_ENV, Event
+from ..data.sampler import GlobalBatchSampler, MixtureSampler
 from ..distributed import DistEnv, barrier
 from ..metrics import Reporter
 from ..osft.surgery import OSFTModel
 from ..rundir import RunDir
 from .background import BackgroundWriter
-from .full_state import Checkpointer, PendingSave, SavedCheckpoint, capture_rng
+from .full_state import Checkpointer, PendingSave, SavedCheckpoint, capture_rng, restore_rng
 from .requests import Request, RequestPoller, Seen
 from .signals import Action, TriggerDir, install_handlers, job_start_time, restore_handlers
 from .store import check_shared
-from .trainer_state import TrainerState
+from .trainer_state import ModelFacts, TrainerState, run_settings
+
+
+class RunPosition(Protocol):
+    """What the manager needs of the run's monitor (:class:`..monitor.RunMonitor`): the data
+    position of a step (skipped batches counted) and its state in ``trainer_state.json``."""
+
+    def position(self, step: int) -> int: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, data: dict | None, keep_divergence: bool = False) -> None: ...
 
 
 class CheckpointManager:
@@ -57,7 +73,6 @@ class CheckpointManager:
             self._handlers = install_handlers(self.trigger.record)
             self.poller = RequestPoller(self.trigger, run_dir.control, cfg.sigusr1_action, dist.rank)
         self.checkpointer: Checkpointer | None = None
-        self._state_of: Callable[[int], TrainerState] | None = None
         #: (step, path) of this run's newest complete checkpoint (or the one it resumed from)
         self.saved: tuple[int, str] | None = None
         #: the checkpoint being written in the background (--async-checkpoint) and the requests it serves
@@ -70,22 +85,62 @@ class CheckpointManager:
                 self.report.warn(f"stale checkpoint request removed ({stale}): it is older than this job")
 
     def open(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, osft: OSFTModel | None,
-             device: torch.device, state_of: Callable[[int], TrainerState]) -> None:
+             device: torch.device, sampler: GlobalBatchSampler | MixtureSampler, monitor: RunPosition, counters: dict[str, int],
+             total_steps: int) -> None:
         """Make the checkpointer (always: a divergence or an evaluation rule that ends the run
         checkpoints it) and, with ``--checkpointing``, check the checkpoint root is shared by every
-        node. ``state_of(step)``: the trainer state after ``step`` optimizer steps."""
+        node. ``sampler``, ``monitor``, ``counters`` (updated in place by the loop) and
+        ``total_steps``: the run's part of every checkpoint."""
         cfg = self.cfg
         self.checkpointer = Checkpointer(self.root, self.dist, self.job_id, model, optimizer, scheduler, osft,
                                          keep_last=cfg.checkpoint_keep_last,
                                          writer=BackgroundWriter(device) if cfg.async_checkpoint else None)
-        self._state_of = state_of
+        self._run = (model, scheduler, osft, sampler, monitor, counters, total_steps)
         if cfg.checkpointing:
             check_shared(self.root, self.dist.rank, self.dist.hostname)
 
-    def load(self, path: str | Path) -> tuple[TrainerState, dict]:
-        """The verified trainer state and generator states of the checkpoint at ``path`` (collective;
-        :meth:`.full_state.Checkpointer.load` has loaded the model and optimizer)."""
-        return self.checkpointer.load(Path(path))
+    def state(self, step: int) -> TrainerState:
+        """The trainer state (``trainer_state.json``) after ``step`` optimizer steps."""
+        model, scheduler, osft, sampler, monitor, counters, total_steps = self._run
+        position = monitor.position(step + 1)  # the data position of the next step (after skipped batches)
+        return TrainerState(
+            step=step,
+            epoch=position // sampler.steps_per_epoch,
+            sampler=sampler.state(position),
+            counters=dict(counters),
+            scheduler=scheduler.state_dict(),
+            world_size=self.dist.world_size,
+            total_steps=total_steps,
+            settings=run_settings(self.cfg),
+            model=ModelFacts(vocab_size=model.get_input_embeddings().weight.shape[0],
+                             model_type=model.config.model_type),
+            osft_plan={name: m.plan.to_dict() for name, m in osft.modules} if osft else None,
+            monitor=monitor.state_dict(),
+        )
+
+    def restore(self, path: str | Path, rollback: bool = False) -> int:
+        """Load the verified full-state checkpoint at ``path`` into the run (collective): model,
+        optimizer, scheduler (:meth:`.full_state.Checkpointer.load`), counters, the evaluation and
+        divergence state (a ``rollback`` keeps this run's skipped batches), and last the generators.
+        Returns the checkpoint's step."""
+        _, _, _, sampler, monitor, counters, _ = self._run
+        state, rng = self.checkpointer.load(Path(path))
+        counters.clear()
+        counters.update(state.counters)
+        monitor.load_state_dict(state.monitor, keep_divergence=rollback)
+        saved = state.sampler  # the data position it was saved at (skipped batches counted)
+        sampler.restore(saved, saved["next_epoch"] * sampler.steps_per_epoch + saved["next_index"])
+        restore_rng(rng)  # last: nothing after this draws random numbers before training
+        return state.step
+
+    def resume(self, path: Path, changed: dict) -> int:
+        """Resume from the checked checkpoint at ``path`` (:meth:`restore`, then a ``resumed`` record
+        with the ``changed`` settings); a request before the first step is served by it. Returns its step."""
+        step = self.restore(path)
+        self.saved = (step, str(path))
+        self.report.log(Event.RESUMED, from_step=step, path=str(path), changed={k: list(v) for k, v in changed.items()})
+        self.report.say(f"resumed from {path} at step {step}")
+        return step
 
     def poll(self, point: str, step: int, micro: int = 0) -> Request | None:
         """The request agreed at safe point ``point`` (None: none, or no ``--on-demand-checkpointing``)."""
@@ -122,14 +177,14 @@ class CheckpointManager:
             self.report.say(f"{request.signal}: saving a full-state checkpoint of step {step} "
                             f"(requested {request.point.replace('_', ' ')})")
         if self.cfg.async_checkpoint and (request is None or request.action is Action.CHECKPOINT):
-            pending = self.checkpointer.save_async(step, self._state_of(step), capture_rng())
+            pending = self.checkpointer.save_async(step, self.state(step), capture_rng())
             self._writing = (pending, self.poller.claim() if request is not None else None)
             if request is not None:
                 barrier()  # see below
             self.report.say(f"checkpoint: writing {pending.path} in the background "
                             f"(training blocked {pending.blocking_s:.2f} s)")
             return str(pending.path)
-        saved = self.checkpointer.save(step, self._state_of(step), capture_rng())
+        saved = self.checkpointer.save(step, self.state(step), capture_rng())
         self._complete(saved, self.poller.served if request is not None else None)
         if request is not None:
             # Every rank has removed (or claimed) the trigger files it saw before any rank polls
