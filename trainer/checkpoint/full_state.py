@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .. import test_hooks
 from ..distributed import DistEnv, agree, barrier, is_distributed
+from ..dtensor import local_tensor
 from ..osft.surgery import OSFTModel
 from ..schedule import restore_position
 from .manifest import (
@@ -89,11 +90,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def local_tensor(t: Any) -> Any:
-    """This rank's shard of a DTensor; anything else unchanged."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def with_run_hyperparameters(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
