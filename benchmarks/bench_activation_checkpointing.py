@@ -96,7 +96,7 @@ def worker_main(spec_path: str) -> int:
         process_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         num_tokens=record["num_tokens"], num_samples=len(indices), loss=record["loss"], grad_norm=record["grad_norm"],
         model_flops=record["model_flops"], flops_per_s=record["flops_per_s"], mfu=record["mfu"],
-        gemm_peak_flops_per_s=sum(trainer.utilization.peaks))))
+        gemm_peak_flops_per_s=sum(trainer.steps.utilization.peaks))))
     return 0
 
 

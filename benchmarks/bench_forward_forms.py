@@ -2,7 +2,7 @@
 
 For each of SmolLM2-135M's target shapes (URR 0.25 by default) and each token count T, one
 :class:`osft.trainer.osft.decomposition.OSFTLinear` per form (``dense``, ``hybrid``, ``split``, see
-:func:`~osft.trainer.osft.decomposition.choose_forward_form`) and a plain linear layer of the same
+:func:`~osft.trainer.osft.plan.choose_forward_form`) and a plain linear layer of the same
 weight with its weight gradient (what full fine-tuning computes) run forward and backward on the
 same input; the variants are interleaved round by round. Reported per shape and T: the median time
 (s) of each, each form's median relative to the dense linear, the fastest form measured and the
@@ -36,7 +36,8 @@ def bench_shape(n: int, m: int, tokens: int, urr: float, rounds: int, seed: int)
     import torch
     import torch.nn.functional as F
 
-    from osft.trainer.osft.decomposition import OSFTLinear, choose_forward_form
+    from osft.trainer.osft.decomposition import OSFTLinear
+    from osft.trainer.osft.plan import choose_forward_form
 
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, m, generator=g) / m ** 0.5

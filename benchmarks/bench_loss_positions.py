@@ -55,7 +55,7 @@ def loss_all_positions(model, batch) -> torch.Tensor:
 
 
 def loss_trained_positions(model, batch) -> torch.Tensor:
-    """The head only on the trained positions (what ``Trainer._micro_batch_loss`` does)."""
+    """The head only on the trained positions (what ``osft.trainer.micro_batch_loss.MicroBatchLoss`` does)."""
     keep = (batch["labels"][0] != -100).nonzero().squeeze(1)
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                    logits_to_keep=keep).logits

@@ -90,7 +90,8 @@ class PeftTrainer:
 
         from osft.trainer.data.sampler import GlobalBatchSampler
         from osft.trainer.data.mixture import tokenize_for_run
-        from osft.trainer.loop import seed_everything, shifted_loss_tokens
+        from osft.trainer.loop import seed_everything
+        from osft.trainer.run_start import shifted_loss_tokens
         from osft.trainer.model_loading import load_model, load_tokenizer
         from osft.trainer.packed_attention import use_packed_attention
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import QA, chat, write_jsonl
 from osft.trainer.api import InputError, TrainConfig, train
-from osft.trainer.checkpoint.requests import TEST_SIGNAL_ENV
+from osft.trainer.test_hooks import SIGNAL_AT_ENV as TEST_SIGNAL_ENV
 from osft.trainer.checkpoint.signals import CHECKPOINT_SIGNALS
 from osft.trainer.cli import main
 

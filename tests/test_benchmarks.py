@@ -114,7 +114,7 @@ def test_bench_forward_forms_quick_times_every_form_against_a_dense_linear(tmp_p
     sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_forward_forms
 
-    from osft.trainer.osft.decomposition import choose_forward_form
+    from osft.trainer.osft.plan import choose_forward_form
 
     out = tmp_path / "forward_forms.json"
     assert bench_forward_forms.main(["--quick", "--threads", "0", "--out", str(out)]) == 0

@@ -1,5 +1,6 @@
 """`osft-train --config FILE` and `--print-config` (trainer/config_file.py)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -190,3 +191,44 @@ def test_a_run_writes_its_config_and_relaunches_from_it(tiny_model_dir, tmp_path
     assert main(["--config", str(out / "config.yaml"), "--print-config"]) == 0
     assert capsys.readouterr().out == written
     assert not list(out.glob(".config.yaml.tmp*"))
+
+
+def test_the_worker_group_reads_its_launchers_config_unchanged(tmp_path, monkeypatch):
+    from osft.trainer.config_file import worker_config_yaml
+    from osft.trainer.launcher import torchrun_command
+    from osft.trainer.rundir import RunDir
+
+    monkeypatch.delenv("OSFT_CACHE_V", raising=False)
+    step = tmp_path / "full_state_checkpoints" / "step_2"
+    cfg = TrainConfig("m", ["a.jsonl:0.8", "b.parquet:0.2"], str(tmp_path), overwrite_output_dir=True,
+                      resume_from_full_state_checkpoint=str(step), retention_data_path=["r1", "r2"],
+                      learning_rate=3.3e-5, eps=1e-8, osft=False, report_to=["none"], chat_template="true",
+                      nproc_per_node=2, node_rank=1, nnodes=2, rdzv_endpoint="h:1")
+    run_dir = RunDir(cfg.output_dir, cfg.node_rank)
+    cmd = torchrun_command(cfg, run_dir, "job1")
+    assert cmd[-3:] == ["osft.trainer.worker", "--config", str(tmp_path / "logs" / "node1" / "config-job1.yaml")]
+    run_dir.worker_config("job1").parent.mkdir(parents=True)
+    run_dir.worker_config("job1").write_text(worker_config_yaml(cfg))
+    args = parse_with_config_file(build_parser("osft.trainer.worker"), cmd[-2:])
+    assert config_from_args(args) == cfg  # one-time fields too: the ranks' run_started record keeps them
+
+
+def test_the_declarations_give_the_resume_rules_and_check_configs_made_in_code(tmp_path):
+    from osft.trainer.config import ONE_TIME_FIELDS, RESUME_SETTINGS, RESUME_WARN_SETTINGS, check_config
+
+    assert set(RESUME_SETTINGS) == {
+        "batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
+        "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
+        "osft_max_frozen_ratio", "freeze_non_target", "freeze_router", "train_on_all", "overlong",
+        "osft_protect_subspaces", "data_format", "train_reasoning", "train_last_turn_only", "chat_template", "eval_split"}
+    assert set(RESUME_WARN_SETTINGS) == {"learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1",
+                                         "beta2", "eps", "max_grad_norm", "max_steps", "num_epochs"}
+    assert ONE_TIME_FIELDS == ("overwrite_output_dir",)
+    data = write(tmp_path, '{"messages": []}\n', "d.jsonl")
+    for settings, message in (({"learning_rate": 0.0}, "--learning-rate must be in (0, inf), got 0.0"),
+                              ({"osft_protect_energy": 1.5}, "--osft-protect-energy must be in (0, 1], got 1.5"),
+                              ({"osft_protect_input_samples": 0}, "--osft-protect-input-samples must be at least 1, got 0"),
+                              ({"device": "tpu"}, "--device must be one of auto, cpu, cuda, got 'tpu'"),
+                              ({"report_to": ["none", "nope"]}, "--report-to must be one of")):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            check_config(TrainConfig(str(tmp_path), str(data), str(tmp_path / "out"), **settings))

@@ -183,17 +183,25 @@ def test_osft_cache_v_env_sets_the_flag_default(monkeypatch):
     assert build_parser().parse_args(argv).osft_cache_v_high is None  # decided by device
 
 
-def test_v_bases_are_cached_on_cpu_ranks_unless_set_and_the_setting_reaches_the_workers():
-    from osft.trainer.config import build_parser, config_from_args, config_to_argv
+def test_v_bases_are_cached_on_cpu_ranks_unless_set_and_the_setting_reaches_the_workers(tmp_path, monkeypatch):
+    from osft.trainer.config import build_parser, config_from_args
+    from osft.trainer.config_file import parse_with_config_file, worker_config_yaml
     from osft.trainer.osft.settings import OSFTSettings
 
+    monkeypatch.delenv("OSFT_CACHE_V", raising=False)
     argv = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]
     for flags, cpu, cuda in (([], True, False), (["--osft-cache-v-high"], True, True),
                              (["--no-osft-cache-v-high"], False, False)):
         cfg = config_from_args(build_parser().parse_args(argv + flags))
         settings = OSFTSettings.from_config(cfg)
         assert (settings.caches_v_basis(torch.device("cpu")), settings.caches_v_basis(torch.device("cuda"))) == (cpu, cuda)
-        assert config_from_args(build_parser().parse_args(config_to_argv(cfg))) == cfg  # the launcher's flags to the ranks
+        path = tmp_path / "worker.yaml"
+        path.write_text(worker_config_yaml(cfg))  # the launcher's config to the ranks
+        assert config_from_args(parse_with_config_file(build_parser("osft.trainer.worker"), ["--config", str(path)])) == cfg
+    path.write_text(worker_config_yaml(config_from_args(build_parser().parse_args(argv))))  # None: decided later
+    monkeypatch.setenv("OSFT_CACHE_V", "1")  # ... or by the ranks' environment, as with no flag on their command line
+    worker = config_from_args(parse_with_config_file(build_parser("osft.trainer.worker"), ["--config", str(path)]))
+    assert worker.osft_cache_v_high is True
 
 
 @pytest.mark.torchrun

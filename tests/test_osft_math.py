@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from osft.trainer.osft.decomposition import OSFTLinear, choose_forward_form
+from osft.trainer.osft.decomposition import OSFTLinear
+from osft.trainer.osft.plan import choose_forward_form
 from osft.trainer.osft.plan import split_rank
 from osft.trainer.osft.projection import Projector
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from osft.trainer.rundir import LauncherRecord
 from osft.tui.app import OsftTui
 from osft.tui.components.browser import RunBrowser
 from osft.tui.components.header import RunHeader
@@ -138,7 +139,7 @@ def test_a_run_that_died_without_a_word_is_dead_with_its_clock_stopped(tmp_path)
 
 def test_a_running_run_whose_last_step_is_old_is_stalled(tmp_path):
     model = RunModel(tmp_path)
-    model.set_launcher(0, {"state": "running", "start_time": 1000.0})
+    model.set_launcher(0, LauncherRecord(state="running", start_time=1000.0))
     node = model.nodes[0] = NodeStats(0, step=5, last_ts=1100.0)
     node.step_times.extend([1.0, 1.2, 0.9])
     assert not judge(model, True, False, None, 1105.0).stalled  # within 10 s
@@ -180,7 +181,7 @@ def test_a_directory_an_earlier_run_left_outputs_in_asks_before_launching(tmp_pa
 
 def test_while_a_resume_loads_its_model_the_old_jobs_step_eta_and_stall_are_not_shown(tmp_path):
     model = RunModel(tmp_path)
-    model.set_launcher(0, {"state": "running", "start_time": 1000.0, "job_id": "new", "config": {"max_steps": 50}})
+    model.set_launcher(0, LauncherRecord(state="running", start_time=1000.0, job_id="new", config={"max_steps": 50}))
     model.step = 5
     node = model.nodes[0] = NodeStats(0, step=5, last_ts=900.0, job_id="old")  # the job the resume replaces
     node.step_times.extend([1.0, 1.0])
@@ -195,9 +196,9 @@ def test_while_a_resume_loads_its_model_the_old_jobs_step_eta_and_stall_are_not_
 def test_a_node_that_failed_mid_training_is_the_runs_failure_and_the_hung_node_is_stalled(tmp_path):
     """2 nodes: node 1's rank 1 failed in step 4 and its launcher ended; node 0 still runs, hung."""
     model = RunModel(tmp_path)
-    model.set_launcher(0, {"state": "running", "start_time": 1000.0, "job_id": "j", "launcher_pid": 10,
-                           "config": {"max_steps": 50}})
-    model.set_launcher(1, {"state": "failed", "job_id": "j", "launcher_pid": 11, "exit_code": 1})
+    model.set_launcher(0, LauncherRecord(state="running", start_time=1000.0, job_id="j", launcher_pid=10,
+                                         config={"max_steps": 50}))
+    model.set_launcher(1, LauncherRecord(state="failed", job_id="j", launcher_pid=11, exit_code=1))
     for n in (0, 1):  # node 0 finished step 3 and waits for node 1, whose rank failed in step 3
         node = model.nodes[n] = NodeStats(n, step=3 - n, last_ts=1003.0 - n, job_id="j")
         node.step_times.extend([1.0, 1.0, 1.0])
@@ -210,7 +211,7 @@ def test_a_node_that_failed_mid_training_is_the_runs_failure_and_the_hung_node_i
     assert stalled_nodes(model, 1030.0) == {0} and stalled_nodes(model, 1005.0) == set()
     # a launcher started here that never wrote a state file, beside a run that is live: not its state
     assert judge(model, True, False, LaunchFailure(99, 0, 2, ()), 1030.0).state == "failed"
-    model.set_launcher(1, {"state": "running", "job_id": "j", "launcher_pid": 11})
+    model.set_launcher(1, LauncherRecord(state="running", job_id="j", launcher_pid=11))
     assert judge(model, True, False, LaunchFailure(99, 0, 2, ()), 1030.0).state == "running"
     model.launchers.clear()
     assert judge(model, None, False, LaunchFailure(99, 0, 2, ()), 1030.0).state == "launch failed"

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from .config import ONE_TIME_FIELDS, TrainConfig
 
 #: First line of every file :func:`config_to_yaml` writes.
 HEADER = "# osft-train --config file: flag names with underscores; command-line flags override these values\n"
@@ -104,6 +103,8 @@ def _suggestion(key: str, actions: dict[str, argparse.Action]) -> str:
             if option.lstrip("-").replace("-", "_") == spelled:
                 hint = dest if spelled == dest else f"{dest}: {str(action.const).lower()}"
                 return f"; did you mean '{hint}'?"
+    import difflib  # here, not at the top: only an unknown key needs it (`osft-train --help` start-up)
+
     close = difflib.get_close_matches(spelled, actions, n=1)
     return f"; did you mean '{close[0]}'?" if close else ""
 
@@ -226,15 +227,26 @@ def apply_settings(parser: argparse.ArgumentParser, settings: dict[str, Any]) ->
     parser.set_defaults(**settings)
 
 
-#: Fields that are one-time actions of a launch, not settings of the run: never written to a config
-#: file, so replaying ``<run>/config.yaml`` cannot remove the run's checkpoints again.
-ONE_TIME_FIELDS = ("overwrite_output_dir",)
-
-
 def config_to_yaml(cfg: TrainConfig) -> str:
     """``cfg`` as a config file: every field but :data:`ONE_TIME_FIELDS`, in declaration order,
     after :data:`HEADER`."""
-    import yaml
-
     fields = {k: v for k, v in cfg.to_json().items() if k not in ONE_TIME_FIELDS}
-    return HEADER + yaml.safe_dump(fields, sort_keys=False, default_flow_style=False)
+    return HEADER + _dump(fields)
+
+
+#: First line of a worker group's config (:func:`worker_config_yaml`).
+WORKER_HEADER = "# config of one osft-train launch's torchrun worker group, written by its launcher\n"
+
+
+def worker_config_yaml(cfg: TrainConfig) -> str:
+    """``cfg`` as the config file a launcher hands its ranks (``osft.trainer.worker --config FILE``):
+    every field that is not None, the one-time ones included; it reads back into an equal
+    ``TrainConfig``, a None taking the rank's parser default (``--osft-cache-v-high``: from
+    ``OSFT_CACHE_V``, as on the command line)."""
+    return WORKER_HEADER + _dump({k: v for k, v in cfg.to_json().items() if v is not None})
+
+
+def _dump(fields: dict[str, Any]) -> str:
+    import yaml  # here, not at the top: PyYAML is a third of `osft-train --help`'s start-up
+
+    return yaml.safe_dump(fields, sort_keys=False, default_flow_style=False)

@@ -13,7 +13,6 @@ not skipped, so a run with skips reads one more batch per skip at its end.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from dataclasses import dataclass
 
@@ -21,12 +20,6 @@ from dataclasses import dataclass
 SPIKE_WINDOW = 20
 #: Good steps needed before the spike check starts.
 SPIKE_MIN_STEPS = 5
-
-#: Test-only hook: "STEP" makes the loss of that step non-finite (its first micro-batch's loss is
-#: multiplied by NaN before the backward, so the gradients are NaN too); "STEP:grad" leaves the
-#: loss finite and puts a NaN into one gradient; "STEP:spike" multiplies the loss by 1000. Each fires
-#: once per process (a rollback replays the step on another batch).
-TEST_DIVERGE_ENV = "OSFT_TEST_DIVERGE_AT"
 
 
 class Diverged(Exception):
@@ -97,14 +90,3 @@ class DivergenceCheck:
         state.window = (state.window + [loss])[-SPIKE_WINDOW:]
 
 
-def injected_divergence(step: int, fired: set[int]) -> str | None:
-    """The kind of divergence :data:`TEST_DIVERGE_ENV` injects at ``step`` ("loss", "grad",
-    "spike"), once per process (``fired`` remembers the steps already served), else None."""
-    spec = os.environ.get(TEST_DIVERGE_ENV)
-    if not spec or step in fired:
-        return None
-    at, _, kind = spec.partition(":")
-    if int(at) != step:
-        return None
-    fired.add(step)
-    return kind or "loss"

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from .checkpoint.full_state import capture_rng, restore_rng
-from .data.collate import collate_packed
-from .data.packing import plan_micro_batches
+from .data.micro_batches import micro_batches
 from .distributed import DistEnv, global_sums
 from .eval_sets import EvalSet
 
@@ -75,11 +74,9 @@ def evaluate_set(eval_set: EvalSet, micro_batch_loss: Callable[[dict | None], to
         ValueError: a sample longer than ``max_tokens`` (as the packer raises it).
     """
     start = time.perf_counter()
-    plan = plan_micro_batches(eval_set.lengths, max_tokens, dist.world_size)[dist.rank]
     loss_sum = torch.zeros((), dtype=torch.float64)
     loss_tokens = 0
-    for micro in plan:
-        batch = collate_packed([eval_set.sample(i) for i in micro]) if micro else None
+    for batch in micro_batches(eval_set.sample, eval_set.lengths, max_tokens, dist.world_size, dist.rank):
         loss_sum += micro_batch_loss(batch).double().cpu()
         if batch is not None:
             loss_tokens += int(batch["num_loss_tokens"])

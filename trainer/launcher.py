@@ -37,7 +37,8 @@ from .checkpoint.signals import (
     restore_handlers,
     signal_name,
 )
-from .config import TrainConfig, config_to_argv
+from .config import TrainConfig
+from .config_file import worker_config_yaml
 from .contract import (
     AGENT_FAILURES_ENV,
     EXIT_COMPLETED,
@@ -54,7 +55,7 @@ from .contract import (
 )
 from .exit_codes import stopped_by_signal
 from .failure_report import failure_paragraph
-from .rundir import RunDir
+from .rundir import RunDir, write_text_atomic
 
 #: Signals that stop the job at once when on-demand checkpointing is off.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -126,7 +127,8 @@ def preflight(cfg: TrainConfig, console: Console) -> TrainConfig:
 def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str]:
     """The torchrun command line of this node's worker group (through :mod:`.agent`, which writes
     down how failed ranks ended). Its shutdown timeout (how long it waits for ranks after
-    forwarding a signal it received directly) is the checkpoint grace period."""
+    forwarding a signal it received directly) is the checkpoint grace period. The ranks read their
+    config from :meth:`.rundir.RunDir.worker_config`, which :func:`launch` writes."""
     cmd = [sys.executable, "-m", "osft.trainer.agent", "--nproc-per-node", str(cfg.nproc_per_node),
            "--shutdown-timeout", str(cfg.checkpoint_grace_seconds)]
     if cfg.nnodes == 1 and not cfg.rdzv_endpoint:
@@ -136,13 +138,13 @@ def torchrun_command(cfg: TrainConfig, run_dir: RunDir, job_id: str) -> list[str
                 "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-id", job_id]
     log_dir = run_dir.root / "logs" / f"node{cfg.node_rank}"
     cmd += ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3", "-m", "osft.trainer.worker"]
-    return cmd + config_to_argv(cfg)
+    return cmd + ["--config", str(run_dir.worker_config(job_id))]
 
 
 def finished_record(run_dir: RunDir, node_rank: int, job_id: str) -> dict:
     """This job's last ``run_finished`` record in ``metrics/node<N>.jsonl`` ({} if none): its
     ``exit_code``, ``reason`` and ``export_dir`` (:func:`.contract.read_records` reads the file)."""
-    path = run_dir.metrics / f"node{node_rank}.jsonl"
+    path = run_dir.node_metrics(node_rank)
     records = read_records(path)[0] if path.is_file() else []
     return next((r for r in reversed(records) if r.get("event") == Event.RUN_FINISHED and r.get("job_id") == job_id), {})
 
@@ -177,6 +179,8 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
     trigger = TriggerDir(job_id)
     trigger.create()
     cmd = torchrun_command(cfg, run_dir, job_id)
+    run_dir.worker_config(job_id).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir.worker_config(job_id), worker_config_yaml(cfg))
     failures = run_dir.root / "logs" / f"node{cfg.node_rank}" / f"failures-{job_id}.json"
     failures.unlink(missing_ok=True)
     env = dict(os.environ, **{JOB_ID_ENV: job_id, LAUNCHER_PID_ENV: str(os.getpid()), AGENT_FAILURES_ENV: str(failures)})

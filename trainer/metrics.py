@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .contract import ALWAYS_RECORDED
+from .contract import ALWAYS_RECORDED, Event
 from .distributed import DistEnv
+from .rundir import metrics_file_name
 
 if TYPE_CHECKING:
     from .trackers import Tracker
@@ -44,8 +46,7 @@ class MetricsLogger:
         self.job_id = job_id
         self.sinks = list(sinks)
         metrics_dir.mkdir(parents=True, exist_ok=True)
-        name = f"node{dist.node_rank}.jsonl" if dist.is_local_main else f"rank{dist.rank}.jsonl"
-        self.path = metrics_dir / name
+        self.path = metrics_dir / metrics_file_name(dist.node_rank, None if dist.is_local_main else dist.rank)
         self._file: IO[str] | None = None
 
     def log(self, event: str, **fields: Any) -> None:
@@ -81,3 +82,35 @@ class MetricsLogger:
             sink.close()
         self.sinks = []
 
+
+
+@dataclass(frozen=True)
+class Reporter:
+    """How a component of a run speaks, without holding the trainer.
+
+    ``say(message)``: one console line, printed by each node's local rank 0; ``warn(message)``: a
+    ``warning`` record (:data:`.contract.Event.WARNING`, every rank keeps its own) and a console
+    line; ``log(event, **fields)``: one metrics record (:meth:`MetricsLogger.log`); ``show(renderable)``:
+    a rich table on this process's console (the caller decides which ranks show it).
+    """
+
+    say: Callable[[str], None]
+    warn: Callable[[str], None]
+    log: Callable[..., None]
+    show: Callable[[Any], None]
+
+
+def console_reporter(console, metrics: MetricsLogger) -> Reporter:
+    """The :class:`Reporter` of one rank on a rich ``console``: ``say`` prints on each node's local
+    rank 0 only (plain text, no markup), ``warn`` records the warning and prints it on every rank."""
+    from rich.markup import escape
+
+    def say(message: str) -> None:
+        if metrics.dist.is_local_main:
+            console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def warn(message: str) -> None:
+        metrics.log(Event.WARNING, message=message)
+        console.print("[yellow]warning:[/yellow]", escape(message), soft_wrap=True)
+
+    return Reporter(say, warn, metrics.log, console.print)

@@ -1,6 +1,8 @@
 """Build the model a run trains, on one rank or many: load the weights, resize the vocabulary,
 build the OSFT modules (:mod:`.osft.surgery`) and, with more than one rank, shard it
-(:mod:`.sharding`).
+(:mod:`.sharding`); :func:`build_run_model` adds what a run sets up around it (protected
+subspaces, the importance plan, packed attention, activation checkpointing, compilation, freezing,
+the projector) and says what it built.
 
 With several ranks, rank 0 reads the weights and the other ranks build the same architecture on the
 meta device (host memory does not grow with the ranks of a node); the SVDs are spread over the
@@ -11,19 +13,34 @@ broadcast (:func:`.sharding.shard_and_broadcast`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
+import numpy as np
 import torch
+from rich.table import Table
 from torch import nn
 
-from .checkpoint.subspaces import read_bases, subspaces_file
+from .activation_checkpointing import enable_activation_checkpointing
+from .checkpoint.subspaces import SUBSPACES_FILE, read_bases, subspaces_file
+from .compile import compile_blocks
 from .config import TrainConfig
-from .distributed import DistEnv
-from .model_loading import load_config, load_model
-from .osft.plan import ModulePlan
+from .contract import Event
+from .distributed import DistEnv, agree
+from .metrics import Reporter
+from .model_loading import load_config, load_model, model_vocab_size
+from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
+from .osft.input_grams import check_gram_budget
+from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
+from .osft.plan import ForwardForm, ModulePlan, plan_table
+from .osft.projection import Projector
 from .osft.settings import OSFTSettings
 from .osft.surgery import Bases, OSFTModel, apply_osft, skeleton_osft, target_weights
+from .osft.targets import describe_unconstrained, find_target_modules
+from .packed_attention import use_packed_attention
 from .sharding import shard_and_broadcast
+from .startup import Resume
 
 
 def meta_model(path: str) -> nn.Module:
@@ -125,3 +142,154 @@ def load_protected_bases(cfg: TrainConfig) -> tuple[Path, dict[str, tuple[torch.
     if path is None or not (cfg.osft and cfg.osft_protect_subspaces):
         return None
     return path, read_bases(path, target_shapes(cfg.model_name_or_path, cfg.osft_target_patterns))
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model a run trains and what came with it: ``osft`` its OSFT modules (None:
+    ``--no-osft``), ``projector`` the projection of their gradients and parameters (None without
+    OSFT), ``rank_plan`` the importance plan (None: uniform URR or a resume), and whether the model
+    runs :mod:`.packed_attention`."""
+
+    model: nn.Module
+    osft: OSFTModel | None
+    projector: Projector | None
+    rank_plan: RankPlan | None
+    packed_attention: bool
+
+
+def build_run_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, resume: Resume | None,
+                    tokenizer, dataset, lengths: np.ndarray, report: Reporter) -> BuiltModel:
+    """Build the model of a run (collective) and say what was built: from the checkpoint's
+    vocabulary size and OSFT plans when resuming (no SVD), else with the protected subspaces of the
+    model directory and, under ``--osft-rank-schedule importance``, the URR of each target from the
+    block importance on the first training samples (``dataset``, ``lengths``); then the OSFT report,
+    packed attention, activation checkpointing, compilation, freezing and the projector.
+
+    Raises:
+        ValueError: the model cannot be loaded, target patterns match nothing, protected subspaces
+            that do not fit, or input Grams over ``--osft-protect-input-memory-gb``.
+    """
+    bases, plans, rank_plan = None, None, None
+    if resume is not None:
+        vocab = resume.state.model.vocab_size
+        if resume.state.osft_plan:  # None for a --no-osft run
+            plans = {name: ModulePlan.from_dict(d) for name, d in resume.state.osft_plan.items()}
+    else:
+        vocab = max(len(tokenizer), model_vocab_size(cfg.model_name_or_path))
+        bases = _protected_bases(cfg, report)
+
+    def plan_ranks(model: nn.Module) -> dict[str, float] | None:
+        nonlocal rank_plan
+        rank_plan = _importance_plan(cfg, env, model, dataset, lengths)
+        return rank_plan.urr_by_module if rank_plan else None
+
+    osft_settings = OSFTSettings.from_config(cfg) if cfg.osft else None
+    model, osft = build_model(cfg, env, device, dtype, osft=osft_settings, vocab_size=vocab,
+                              from_checkpoint=resume is not None, bases=bases, plans=plans, plan_ranks=plan_ranks)
+    if osft:
+        _report_osft(cfg, env, osft, resume, rank_plan, report)
+    # each packed sample attends within itself (no T x T mask); compiled blocks keep transformers'
+    # SDPA, whose graph does not depend on where the samples of a row start
+    packed_attention = not cfg.compile and use_packed_attention(model)
+    if cfg.activation_checkpointing:
+        report.say(f"activation checkpointing: {enable_activation_checkpointing(model)} decoder blocks "
+                   "recompute their activations in the backward pass")
+    if cfg.compile:
+        report.say(f"compile: {compile_blocks(model)} decoder blocks (torch.compile, inductor)")
+    if cfg.freeze_non_target:
+        freeze_non_targets(model, osft)
+    if cfg.freeze_router:
+        report.say(f"MoE routers frozen: {len(freeze_routers(model, cfg.model_name_or_path))} parameters")
+    report.say(count_parameters(model, osft).describe())
+    if osft and env.rank == 0:
+        warning, note = describe_unconstrained(model, [name for name, _ in osft.modules])
+        if note:
+            report.say(note)
+        if warning:
+            report.warn(warning)
+    trained = [(n, m) for n, m in osft.modules if not m.plan.frozen] if osft else []
+    projector = Projector(trained, osft_settings.v_projection, osft_settings.caches_v_basis(device)) if osft else None
+    return BuiltModel(model, osft, projector, rank_plan, packed_attention)
+
+
+def _report_osft(cfg: TrainConfig, env: DistEnv, osft: OSFTModel, resume: Resume | None, rank_plan: RankPlan | None,
+                 report: Reporter) -> None:
+    """Check the input Grams fit their budget (now, not at the first export) and say how the OSFT
+    modules were made, with the plan table on rank 0 and the importance plan."""
+    if cfg.osft_protect_basis == "inputs":
+        check_gram_budget({n: m.in_features for n, m in osft.modules if not (m.plan.experts or m.plan.frozen)},
+                          cfg.osft_protect_input_memory_gb * 1e9)
+        if banks := [n for n, m in osft.modules if m.plan.experts]:
+            report.say(f"protected subspaces: --osft-protect-basis inputs does not apply to the {len(banks)} expert "
+                       "banks (each expert sees only the tokens routed to it): their exports protect the update "
+                       "directions of each expert")
+    if resume is not None:
+        report.say(f"OSFT: {len(osft.modules)} modules loaded from {resume.path} (no SVD)")
+    else:
+        forms = [m.forward_form for m in osft.osft_modules]
+        urrs = [m.plan.urr for m in osft.osft_modules]
+        urr = f"{min(urrs):.3g}-{max(urrs):.3g} by block importance" if rank_plan else f"{cfg.osft_unfreeze_rank_ratio}"
+        report.say(
+            f"OSFT: {len(forms)} modules decomposed in {osft.svd_seconds:.1f} s "
+            f"(URR {urr}; forward: {', '.join(f'{forms.count(f)} {f}' for f in get_args(ForwardForm))})"
+        )
+        if rank_plan:
+            _report_rank_plan(env, osft, rank_plan, report)
+    if env.rank == 0:
+        report.show(plan_table([(n, m.plan) for n, m in osft.modules]))
+
+
+def _importance_plan(cfg: TrainConfig, env: DistEnv, model: nn.Module, dataset, lengths: np.ndarray) -> RankPlan | None:
+    """The importance plan under ``--osft-rank-schedule importance`` (None: uniform URR).
+
+    Called by every rank with its freshly built dense ``model`` (real weights on rank 0, the meta
+    device elsewhere): rank 0 scores the decoder blocks on the first ``--osft-importance-samples``
+    training samples, packed as for training (:mod:`.osft.layer_importance`), and every rank
+    receives the same plan (:func:`.distributed.agree`).
+    """
+    if cfg.osft_rank_schedule != "importance":
+        return None
+
+    def plan() -> RankPlan:
+        targets = find_target_modules(model, model.config.model_type, cfg.osft_target_patterns)
+        batches = calibration_batches(dataset, lengths, cfg.osft_importance_samples, cfg.max_tokens_per_gpu)
+        return importance_rank_plan(model, batches, targets, cfg.osft_min_frozen_ratio, cfg.osft_max_frozen_ratio)
+
+    return agree(plan, env.rank)
+
+
+def _report_rank_plan(env: DistEnv, osft: OSFTModel, plan: RankPlan, report: Reporter) -> None:
+    """Print the importance plan (rich table, each node's local rank 0) and log it as one
+    ``osft_rank_plan`` record, with the k_high each target got."""
+    k_high = {name: m.plan.k_high for name, m in osft.modules}
+    report.log(Event.OSFT_RANK_PLAN, **plan.to_json(), k_high_by_module=k_high)
+    table = Table(title=f"OSFT rank plan: block importance on {plan.tokens} calibration tokens")
+    for column in ("block", "cos(input, output)", "frozen", "URR", "k_high"):
+        table.add_column(column, justify="left" if column == "block" else "right")
+    for i, block in enumerate(plan.blocks):
+        ks = [k for name, k in k_high.items() if plan.block_of(name) == i]
+        shown = "-" if not ks else str(ks[0]) if min(ks) == max(ks) else f"{min(ks)}-{max(ks)}"
+        table.add_row(block, f"{plan.similarity[i]:.4f}", f"{plan.frozen[i]:.3f}", f"{plan.urr[i]:.3f}", shown)
+    if env.is_local_main:
+        report.show(table)
+
+
+def _protected_bases(cfg: TrainConfig, report: Reporter) -> dict | None:
+    """The protected subspaces of the model directory (None without), announced on the console."""
+    found = load_protected_bases(cfg)
+    if found is None:
+        if cfg.osft and not cfg.osft_protect_subspaces and (Path(cfg.model_name_or_path) / SUBSPACES_FILE).is_file():
+            report.say(f"protected subspaces: {Path(cfg.model_name_or_path) / SUBSPACES_FILE} not used "
+                       "(--no-osft-protect-subspaces): every direction of the model may train again")
+        return None
+    path, bases = found
+    p_left = [P.shape[-1] for P, _ in bases.values()]
+    p_right = [Q.shape[-1] for _, Q in bases.values()]
+    banks = sum(P.dim() == 3 for P, _ in bases.values())
+    of_banks = f" ({banks} of them expert banks, a basis per expert)" if banks else ""
+    report.say(f"protected subspaces: {len(bases)} modules{of_banks} from {path} are frozen; protected rank per module "
+               f"p_L {min(p_left, default=0)}-{max(p_left, default=0)} (total {sum(p_left)}), "
+               f"p_R {min(p_right, default=0)}-{max(p_right, default=0)} (total {sum(p_right)}); "
+               "--no-osft-protect-subspaces turns this off")
+    return bases

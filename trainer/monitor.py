@@ -1,8 +1,9 @@
-"""A running :class:`.loop.Trainer`'s evaluations and divergences: when to evaluate (step 0, every
+"""A running training loop's evaluations and divergences: when to evaluate (step 0, every
 ``--eval-every-steps``, on a ``control/evaluate`` request, at the end), what to record, export and
 print, and how the run ends early (forgetting budget, early stopping, divergence).
 
-The loop only calls in: :meth:`RunMonitor.use_sets` while preparing, :meth:`start` before the
+The monitor sees its run through a :class:`MonitorContext` (console and metrics, model, loss,
+export, checkpoints), never the trainer. The loop only calls in: :meth:`RunMonitor.start` before the
 first step, :meth:`check_step` before each optimizer step, :meth:`after_step` after it, and
 :meth:`on_divergence` when a step diverged. Its state (:class:`.forgetting.EvalState`,
 :class:`.divergence.DivergenceState`) is saved in every full-state checkpoint.
@@ -12,66 +13,70 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from .checkpoint.manager import CheckpointManager
 from .checkpoint.store import newest_complete
-from .distributed import agree, control_group, is_distributed
-from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position, injected_divergence
+from .config import TrainConfig
+from .distributed import DistEnv, agree, control_group, is_distributed
+from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position
 from .eval_sets import EVAL, RETENTION, EvalSet
 from .contract import EXIT_COMPLETED, EXIT_FAILED, Event, FinishReason
 from .evaluation import EvalResult, evaluate_set, evaluation_mode
 from .forgetting import EvalRules, EvalState, Verdict
-from .rundir import write_json_atomic
-
-if TYPE_CHECKING:
-    from .loop import Trainer
+from .metrics import Reporter
+from .rundir import RunDir, write_json_atomic
+from .run_end import RunEnd
+from .test_hooks import injected_divergence
 
 #: ``best_eval.json`` in ``hf_format/best``: the step, evaluation loss and forgetting of the export.
 BEST_INFO = "best_eval.json"
 
 
 @dataclass(frozen=True)
-class RunEnd:
-    """How a run ends before its last step: the ``reason`` for ``run_finished``, the exit code, the
-    console message, whether to export the final model, the export that is the run's result
-    otherwise (None: none), and fields for ``run_finished``."""
+class MonitorContext:
+    """What the monitor uses of its run.
 
-    reason: str
-    exit_code: int
-    message: str
-    export_final: bool = False
-    export_dir: str | None = None
-    fields: dict = field(default_factory=dict)
+    ``loss(batch)``: the float64-summed token loss of one packed micro-batch (None: this rank's
+    empty one); ``export(step, out)``: the HF export of the model after ``step`` steps to ``out``
+    (collective), returning its path; ``reload(path)``: load the full-state checkpoint at ``path``
+    for a rollback (collective), returning its step; ``steps_per_epoch``: global batches per epoch.
+    """
+
+    report: Reporter
+    dist: DistEnv
+    run_dir: RunDir
+    model: nn.Module
+    checkpoints: CheckpointManager
+    loss: Callable[[dict | None], torch.Tensor]
+    export: Callable[[int, Path], str]
+    reload: Callable[[str], int]
+    steps_per_epoch: int
 
 
 class RunMonitor:
     """The evaluation sets, their rules and the divergence policy of one rank's run (every rank
-    holds one and calls every method at the same points: most are collective)."""
+    holds one and calls every method at the same points: most are collective).
 
-    def __init__(self, trainer: Trainer) -> None:
-        cfg = trainer.cfg
-        self.trainer = trainer
+    ``sets``: the sets to evaluate (:attr:`.startup.RunData.sets`: evaluation set first, then
+    retention sets)."""
+
+    def __init__(self, cfg: TrainConfig, context: MonitorContext, sets: list[EvalSet]) -> None:
+        self.run = context
         self.cfg = cfg
-        self.sets: list[EvalSet] = []
+        self.sets = sets
         self.rules = EvalRules(cfg.max_forgetting, cfg.early_stopping_patience, cfg.early_stopping_threshold)
         self.state = EvalState()
         self.check = DivergenceCheck(cfg.loss_spike_factor)
         self.divergence = DivergenceState([], [])
         self._fired: set[int] = set()
 
-    # -- data and state ----------------------------------------------------------------------------
-    def use_sets(self, sets: list[EvalSet]) -> None:
-        """Evaluate ``sets`` (:attr:`.startup.RunData.sets`: evaluation set first, then retention
-        sets) and say each on the console."""
-        self.sets = sets
-        for s in self.sets:
-            self.trainer._say(f"{s.kind} set {s.name}: {len(s)} samples of {s.path}"
-                              + (" (held out from training)" if s.kind == EVAL and self.cfg.eval_split else ""))
-
+    # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Plain data for ``trainer_state.json`` (key ``monitor``)."""
         return {"eval": self.state.to_dict(), "divergence": self.divergence.to_dict()}
@@ -92,7 +97,7 @@ class RunMonitor:
 
     # -- divergence --------------------------------------------------------------------------------
     def injected(self, step: int) -> str | None:
-        """The test hook's divergence for ``step`` (see :data:`.divergence.TEST_DIVERGE_ENV`)."""
+        """The test hook's divergence for ``step`` (see :data:`.test_hooks.DIVERGE_AT_ENV`)."""
         return injected_divergence(step, self._fired)
 
     def check_step(self, step: int, loss: float, grad_norm: float, lines: Callable[[], list[int]]) -> None:
@@ -113,16 +118,16 @@ class RunMonitor:
         Returns:
             the step the rolled-back run continues after, or how the run ends (stop).
         """
-        t, cfg = self.trainer, self.cfg
-        t.metrics.log(Event.DIVERGENCE, step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
+        t, cfg = self.run, self.cfg
+        t.report.log(Event.DIVERGENCE, step=bad.step, reason=bad.reason, loss=bad.loss, grad_norm=bad.grad_norm,
                       lines=bad.lines, policy=cfg.on_divergence)
-        t._warn(f"step {bad.step} diverged: {bad.reason} (data lines {bad.lines})")
+        t.report.warn(f"step {bad.step} diverged: {bad.reason} (data lines {bad.lines})")
         why = ""
         if cfg.on_divergence == "rollback":
             if self.divergence.rollbacks >= cfg.max_rollbacks:
                 why = f"; --max-rollbacks {cfg.max_rollbacks} already used"
             else:
-                found = agree(lambda: str(newest_complete(t.checkpointer.root, max_step=step)[0] or ""), t.dist.rank)
+                found = agree(lambda: str(newest_complete(t.checkpoints.root, max_step=step)[0] or ""), t.dist.rank)
                 if found:
                     return self._rollback(bad, found)
                 why = f"; no complete checkpoint at or before step {step} to roll back to"
@@ -131,17 +136,17 @@ class RunMonitor:
 
     def _rollback(self, bad: Diverged, path: str) -> int:
         """Reload ``path``, add the batch of ``bad`` to the skipped ones; returns the reloaded step."""
-        t = self.trainer
+        t = self.run
         position = self.position(bad.step)
         self.divergence.skipped = sorted(self.divergence.skipped + [position])
         self.divergence.rollbacks += 1
-        step = t.load_checkpoint(path, rollback=True)
-        t._saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
-        epoch, index = divmod(position, t.sampler.steps_per_epoch)
-        t.metrics.log(Event.ROLLBACK, step=bad.step, reason=bad.reason, to_step=step, path=path,
+        step = t.reload(path)
+        t.checkpoints.saved = None  # the skipped batch and rollback count now differ from every checkpoint on disk
+        epoch, index = divmod(position, t.steps_per_epoch)
+        t.report.log(Event.ROLLBACK, step=bad.step, reason=bad.reason, to_step=step, path=path,
                       skipped_batch={"position": position, "epoch": epoch, "index": index},
                       rollbacks=self.divergence.rollbacks)
-        t._say(f"rollback: reloaded {path} (step {step}); batch {index} of epoch {epoch} is skipped "
+        t.report.say(f"rollback: reloaded {path} (step {step}); batch {index} of epoch {epoch} is skipped "
                f"(rollback {self.divergence.rollbacks} of at most {self.cfg.max_rollbacks})")
         return step
 
@@ -154,7 +159,7 @@ class RunMonitor:
         for name, (_loss, at, samples, tokens) in list(self.state.baselines.items()):
             now = next((s for s in self.sets if s.name == name), None)
             if now is not None and (len(now), int(now.lengths.sum())) != (samples, tokens):
-                self.trainer._warn(f"retention set {name} changed since its baseline (step {at}): measured again")
+                self.run.report.warn(f"retention set {name} changed since its baseline (step {at}): measured again")
                 del self.state.baselines[name]
         if step == 0:
             self._evaluate(0, self.sets, "start")
@@ -162,7 +167,7 @@ class RunMonitor:
         missing = [s for s in self.sets if s.kind == RETENTION and s.name not in self.state.baselines]
         if missing:
             names = ", ".join(s.name for s in missing)
-            self.trainer._warn(f"no step-0 loss of retention set(s) {names} in the checkpoint: forgetting is "
+            self.run.report.warn(f"no step-0 loss of retention set(s) {names} in the checkpoint: forgetting is "
                                f"measured from step {step}")
             self._evaluate(step, missing, "baseline")
 
@@ -183,7 +188,7 @@ class RunMonitor:
             self._export_best(step, verdict)
         if verdict.over_budget:
             best = self.state.best_step
-            exported = str(self.trainer.run_dir.hf_best) if best is not None else None
+            exported = str(self.run.run_dir.hf_best) if best is not None else None
             what = (f"the best evaluation within budget, step {best}, is exported to {exported}" if best is not None
                     else "no evaluation after step 0 was within budget: nothing exported")
             return RunEnd(FinishReason.FORGETTING_BUDGET, EXIT_COMPLETED, f"forgetting {verdict.forgetting_max:.4f} nats/token at step {step} "
@@ -209,12 +214,12 @@ class RunMonitor:
     def _evaluate_requested(self) -> bool:
         """Whether ``control/evaluate`` exists (read by rank 0, agreed by all; collective); the
         request is consumed."""
-        t = self.trainer
+        t = self.run
         path = t.run_dir.evaluate_request
         if not self.sets:  # every rank has the same sets: no collective needed to consume a request
             if t.dist.rank == 0 and path.exists():
                 path.unlink(missing_ok=True)
-                t._warn(f"{path}: nothing to evaluate (no --eval-data-path, --eval-split or --retention-data-path)")
+                t.report.warn(f"{path}: nothing to evaluate (no --eval-data-path, --eval-split or --retention-data-path)")
             return False
         flag = int(t.dist.rank == 0 and path.exists())
         if is_distributed():
@@ -228,33 +233,32 @@ class RunMonitor:
     def _evaluate(self, step: int, sets: list[EvalSet], trigger: str) -> Verdict:
         """Evaluate ``sets`` after ``step`` steps, judge, record one ``eval`` record per set and
         print one line."""
-        t = self.trainer
+        t = self.run
         with evaluation_mode(t.model):
-            results = [evaluate_set(s, lambda batch: t._micro_batch_loss(batch, float64_sum=True),
-                                    self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
+            results = [evaluate_set(s, t.loss, self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]
-            t.metrics.log(Event.EVAL, step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
+            t.report.log(Event.EVAL, step=step, set=r.name, kind=r.kind, eval_loss=r.loss, eval_tokens=r.loss_tokens,
                           eval_samples=r.samples, eval_time_s=r.seconds, trigger=trigger,
                           forgetting=verdict.forgetting.get(r.name), baseline_loss=baseline[0],
                           baseline_step=baseline[1])
-        t._say(f"eval step {step} ({trigger}): " + "; ".join(_describe(r, verdict) for r in results)
+        t.report.say(f"eval step {step} ({trigger}): " + "; ".join(_describe(r, verdict) for r in results)
                + (f"; over budget (--max-forgetting {self.cfg.max_forgetting})" if verdict.over_budget else ""))
         return verdict
 
     def _export_best(self, step: int, verdict: Verdict) -> None:
         """Export this step's model to ``hf_format/best`` with ``best_eval.json``; log ``best_eval``.
         In :func:`.evaluation.evaluation_mode`: the input-basis export runs forward passes."""
-        t = self.trainer
+        t = self.run
         with evaluation_mode(t.model):
             out = t.export(step, t.run_dir.hf_best)
         info = {"step": step, "eval_loss": self.state.best_loss, "forgetting": verdict.forgetting,
                 "forgetting_max": verdict.forgetting_max, "max_forgetting": self.cfg.max_forgetting}
         if t.dist.rank == 0:
             write_json_atomic(t.run_dir.hf_best / BEST_INFO, info)
-        t.metrics.log(Event.BEST_EVAL, path=out, **info)
-        t._say(f"best evaluation so far: step {step}, exported to {out}")
+        t.report.log(Event.BEST_EVAL, path=out, **info)
+        t.report.say(f"best evaluation so far: step {step}, exported to {out}")
 
 
 def _describe(r: EvalResult, verdict: Verdict) -> str:

@@ -51,7 +51,7 @@ def read_outcome(run_dir: RunDir, job_id: str, exit_code: int, export_dir: str |
     Raises:
         OSError: the metrics file exists but cannot be read.
     """
-    path = run_dir.metrics / f"node{run_dir.node_rank}.jsonl"
+    path = run_dir.node_metrics()
     records = [r for r in (read_records(path)[0] if path.is_file() else []) if r.get("job_id") == job_id]
     last = {r["event"]: r for r in records if r.get("event") in (Event.STEP, Event.CHECKPOINT_SAVED, Event.RUN_FINISHED)}
     last_step, finished = last.get(Event.STEP), last.get(Event.RUN_FINISHED)

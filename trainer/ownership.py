@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import psutil
 
 from .contract import ENDED_STATES
-from .rundir import RunDir, write_json_atomic
+from .rundir import LauncherRecord, RunDir, read_launcher_record, write_json_atomic
 
 #: Seconds between two writes of a running job's heartbeat file.
 HEARTBEAT_S = 10.0
@@ -68,32 +68,32 @@ def process_identity() -> dict:
     return {"launcher_create_time": psutil.Process().create_time(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
 
 
-def _is_live(record: dict, run_dir: RunDir, job_id: str | None) -> bool:
+def _is_live(record: LauncherRecord, run_dir: RunDir, job_id: str | None) -> bool:
     """Whether the launcher ``record`` (a state file's content) names still runs, as far as the
     job ``job_id`` starting now is concerned. A launcher that recorded its end (an ended state
     with its exit code) holds nothing any more, even while its process is still exiting."""
-    if record.get("state") in ENDED_STATES and record.get("exit_code") is not None:
+    if record.state in ENDED_STATES and record.exit_code is not None:
         return False
-    if record.get("hostname") != socket.gethostname():
+    if record.hostname != socket.gethostname():
         slurm_job = os.environ.get("SLURM_JOB_ID")
-        if (slurm_job and record.get("slurm_job_id") == slurm_job) or (job_id and record.get("job_id") == job_id):
+        if (slurm_job and record.slurm_job_id == slurm_job) or (job_id and record.job_id == job_id):
             return False  # an earlier start of this same job, requeued or replaced
         try:
             beat = json.loads(run_dir.heartbeat.read_text())
         except (OSError, ValueError):
             return False
-        return beat.get("job_id") == record.get("job_id") and time.time() - float(beat.get("time", 0)) < STALE_S
-    pid = record.get("launcher_pid")
+        return beat.get("job_id") == record.job_id and time.time() - float(beat.get("time", 0)) < STALE_S
+    pid = record.launcher_pid
     if not isinstance(pid, int) or pid == os.getpid():
         return False
     try:
         created = psutil.Process(pid).create_time()
     except psutil.Error:
         return False
-    expected = record.get("launcher_create_time")
+    expected = record.launcher_create_time
     if expected is not None:
         return abs(created - float(expected)) < _CREATE_TIME_TOLERANCE_S
-    return created <= float(record.get("start_time", 0)) + 1.0  # a state file from before the creation time was kept
+    return created <= float(record.start_time or 0) + 1.0  # a state file from before the creation time was kept
 
 
 def _has_outputs(run_dir: RunDir) -> bool:
@@ -115,14 +115,13 @@ def check_output_dir(run_dir: RunDir, resuming: bool, overwrite: bool, job_id: s
             message names the job, its pid and host, and what to do.
     """
     try:
-        record = json.loads(run_dir.run_json.read_text())
+        record = read_launcher_record(run_dir.run_json)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise OutputDirInUse(f"--output-dir {run_dir.root}: {run_dir.run_json} cannot be read ({exc}); remove it if "
                              "no job uses the directory") from exc
-    owner = Owner(str(record.get("job_id")), record.get("launcher_pid"), str(record.get("hostname")),
-                  str(record.get("state")), record.get("exit_code"))
+    owner = Owner(str(record.job_id), record.launcher_pid, str(record.hostname), str(record.state), record.exit_code)
     if _is_live(record, run_dir, job_id):
         raise OutputDirInUse(f"--output-dir {run_dir.root} is in use by {owner.describe()}, which is running "
                              f"(state {owner.state}): wait for it to end or stop it, or choose another --output-dir")

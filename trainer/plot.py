@@ -11,18 +11,17 @@ what the picture draws. matplotlib is optional (``pip install 'osft[plot]'``).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .contract import Event, read_records
+from .rundir import NODE_METRICS
 
 #: Figure size (inches) and resolution: the PNG is 1000 x 1000 pixels.
 FIGSIZE_IN = (10.0, 10.0)
 DPI = 100
 #: A series with at most this many points is drawn with a marker on each point.
 FEW_POINTS = 20
-_NODE_FILE = re.compile(r"^node(\d+)\.jsonl$")
 
 
 class PlotError(ValueError):
@@ -137,7 +136,7 @@ def run_series(run_dir: str | Path) -> RunSeries:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PlotError(f"{run_dir}: not a directory (expected a run directory, the --output-dir of a run)")
-    files = {int(m.group(1)): p for p in (run_dir / "metrics").glob("node*.jsonl") if (m := _NODE_FILE.match(p.name))}
+    files = {int(m.group(1)): p for p in (run_dir / "metrics").glob("node*.jsonl") if (m := NODE_METRICS.match(p.name))}
     nodes: dict[int, NodeTimeline] = {}
     problems: list[str] = []
     for node in sorted(files):

@@ -1,7 +1,8 @@
 """torchrun entry point of one rank: ``torchrun --nproc-per-node K -m osft.trainer.worker <flags>``.
 
 Takes the same flags as ``osft-train`` (the launch flags are ignored: torchrun already placed this
-process). Exit codes (:mod:`.exit_codes`): 0 completed **or stopped after a complete checkpoint**,
+process); the ``osft-train`` launcher passes only ``--config logs/node<N>/config-<job>.yaml``, the
+config it resolved (:func:`.config_file.worker_config_yaml`). Exit codes (:mod:`.exit_codes`): 0 completed **or stopped after a complete checkpoint**,
 1 failed (the error is also written to the metrics as an ``error`` record by whichever rank raised
 it), 2 bad input. A rank does not exit 75 after a stop: torchrun's agent takes any non-zero exit
 of a rank for a failure (it stops the other ranks and exits 1 itself), so the stop is told by the

@@ -143,7 +143,7 @@ class LaunchFlow(Flow):
         if entry is None or not entry.complete:
             self.tell("select a complete checkpoint in the checkpoint list first", severity="warning")
             return
-        argvs = [info.data.get("argv") for _, info in sorted(run.launchers.items())]
+        argvs = [info.data.argv for _, info in sorted(run.launchers.items())]
         if not argvs or not all(argvs):
             self.tell("run.json has no command line to relaunch", severity="error")
             return
@@ -177,7 +177,7 @@ class LaunchFlow(Flow):
         """Wait until no process of the run is alive here, nor a launcher started here (grace
         period + :data:`STOP_MARGIN_S`); False on timeout."""
         assert shown.run is not None and shown.view is not None
-        grace = float((shown.run.run.get("config") or {}).get("checkpoint_grace_seconds") or 300)
+        grace = float((shown.run.run.config or {}).get("checkpoint_grace_seconds") or 300)
         deadline = time.monotonic() + grace + STOP_MARGIN_S
         while shown.view.any_alive() or any(s.proc.poll() is None for s in self.started):
             if time.monotonic() > deadline:

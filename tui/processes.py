@@ -82,7 +82,7 @@ class ProcessView:
         info = self.model.launchers.get(node_rank)
         if info is None or not this_host(info.hostname):
             return None
-        return self._process(info.pid, info.data.get("start_time"))
+        return self._process(info.pid, info.data.start_time)
 
     def rank(self, rank: int) -> psutil.Process | None:
         info = self.model.ranks.get(rank)

@@ -46,7 +46,7 @@ class RequestFlow(Flow):
     def answer(self, record: dict, shown: Shown) -> None:
         """A ``checkpoint_requested`` or ``checkpoint_saved`` record arrived: a save that serves a
         pending request of ours answers it, in one toast titled with the request's kind."""
-        action = (shown.run.run.get("config") or {}).get("sigusr1_action") if shown.run else None
+        action = (shown.run.run.config or {}).get("sigusr1_action") if shown.run else None
         kind = self.pending.take(record, action)
         if kind is not None:
             self.tell(f"checkpoint of step {record.get('step')} written to {record.get('path')}", title=kind)

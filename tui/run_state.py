@@ -16,6 +16,7 @@ from pathlib import Path
 
 from osft.trainer.contract import ENDED_STATES, RunState, ended_well
 from osft.trainer.contract import Event as MetricsEvent
+from osft.trainer.rundir import LauncherRecord
 
 from .format import fmt_bytes
 from .series import Curve
@@ -31,19 +32,19 @@ class LauncherInfo:
     """One node's launcher, from ``run.json`` / ``run.node<N>.json``."""
 
     node_rank: int
-    data: dict
+    data: LauncherRecord
 
     @property
     def pid(self) -> int | None:
-        return self.data.get("launcher_pid")
+        return self.data.launcher_pid
 
     @property
     def hostname(self) -> str | None:
-        return self.data.get("hostname")
+        return self.data.hostname
 
     @property
     def state(self) -> str:
-        return self.data.get("state") or "unknown"
+        return self.data.state or "unknown"
 
 
 @dataclass
@@ -240,14 +241,14 @@ class RunModel:
         self.log_buffers: dict[str, dict[str, int]] = {}
 
     @property
-    def run(self) -> dict:
-        """``run.json`` (node 0's launcher), or {} before it exists."""
+    def run(self) -> LauncherRecord:
+        """``run.json`` (node 0's launcher), or an empty record before it exists."""
         node0 = self.launchers.get(0)
-        return node0.data if node0 else {}
+        return node0.data if node0 else LauncherRecord()
 
     @property
     def job_id(self) -> str | None:
-        return self.run.get("job_id")
+        return self.run.job_id
 
     @property
     def state(self) -> str:
@@ -255,12 +256,12 @@ class RunModel:
         states = [info.state for info in self.launchers.values()]
         if not states:
             return "no run.json"
-        return RunState.FAILED if RunState.FAILED in states else self.run.get("state", states[0])
+        return RunState.FAILED if RunState.FAILED in states else self.run.state or states[0]
 
     @property
     def export_dir(self) -> str | None:
         """The final export of a completed run (``run.json``'s ``export_dir``), else None."""
-        return self.run.get("export_dir")
+        return self.run.export_dir
 
     @property
     def finished(self) -> bool:
@@ -269,13 +270,13 @@ class RunModel:
     def last_activity(self) -> float | None:
         """Unix time of the run's last sign of life: run.json's last update or the newest step
         record, whichever is later (None before either)."""
-        times = [t for t in [self.run.get("updated_at"), *(n.last_ts for n in self.nodes.values())] if t]
+        times = [t for t in [self.run.updated_at, *(n.last_ts for n in self.nodes.values())] if t]
         return max(times) if times else None
 
     def node_exit_codes(self) -> dict[int, int]:
         """Node rank -> its launcher's exit code, for the nodes whose launcher ended."""
-        return {n: info.data["exit_code"] for n, info in self.launchers.items()
-                if info.state in ENDED_STATES and info.data.get("exit_code") is not None}
+        return {n: info.data.exit_code for n, info in self.launchers.items()
+                if info.state in ENDED_STATES and info.data.exit_code is not None}
 
     def eta_s(self) -> float | None:
         """Seconds to ``max_steps`` at the mean step time of the last 10 steps."""
@@ -286,7 +287,7 @@ class RunModel:
 
     def rank_of(self, node_rank: int, local_rank: int) -> int:
         """Global rank of a node's local rank (``nproc_per_node`` from run.json)."""
-        nproc = int(self.run.get("nproc_per_node") or 1)
+        nproc = int(self.run.nproc_per_node or 1)
         return node_rank * nproc + local_rank
 
     def stragglers(self) -> set[int]:
@@ -299,10 +300,10 @@ class RunModel:
                 slow.add(n)
         return slow
 
-    def set_launcher(self, node_rank: int, data: dict) -> None:
+    def set_launcher(self, node_rank: int, data: LauncherRecord) -> None:
         """A new ``run.json`` (node 0) or ``run.node<N>.json``."""
         self.launchers[node_rank] = LauncherInfo(node_rank, data)
-        steps = (data.get("config") or {}).get("max_steps")
+        steps = (data.config or {}).get("max_steps")
         if node_rank == 0 and steps:
             self.max_steps = int(steps)
 

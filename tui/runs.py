@@ -6,14 +6,13 @@ with a ``run.json``: a ``runs/`` folder) lists them instead of waiting for a run
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 from osft.trainer.contract import LIVE_STATES, Event, parse_lines
-from osft.trainer.rundir import RunDir
+from osft.trainer.rundir import LauncherRecord, RunDir, read_launcher_record
 
 from .processes import ProcessView, this_host
 from .run_state import RunModel
@@ -78,26 +77,25 @@ def summarize(path: Path, now: float | None = None) -> RunSummary:
     """The browser's line for the run directory ``path`` (``now``: unix time, default the clock)."""
     run = RunDir(path)
     try:
-        data = json.loads(run.run_json.read_text())
+        record = read_launcher_record(run.run_json)
+        state = str(record.state or "unknown")
     except (OSError, ValueError):
-        data = None
-    state = str(data.get("state") or "unknown") if isinstance(data, dict) else "unreadable run.json"
-    data = data if isinstance(data, dict) else {}
-    step = last_step_record(run.metrics / "node0.jsonl") or {}
-    times = [t for t in (data.get("updated_at"), step.get("ts")) if t]
+        record, state = LauncherRecord(), "unreadable run.json"
+    step = last_step_record(run.node_metrics(0)) or {}
+    times = [t for t in (record.updated_at, step.get("ts")) if t]
     age = (time.time() if now is None else now) - max(times) if times else None
     loss = step.get("loss")
     if state in LIVE_STATES:
-        state = _checked(path, data, age, state)
+        state = _checked(path, record, age, state)
     return RunSummary(path, state, step.get("step"), None if loss is None else float(loss), age)
 
 
-def _checked(path: Path, data: dict, age: float | None, state: str) -> str:
-    """A live ``state`` of ``run.json`` ``data`` as far as this host can check it: :data:`DEAD` when
+def _checked(path: Path, record: LauncherRecord, age: float | None, state: str) -> str:
+    """A live ``state`` of ``run.json`` ``record`` as far as this host can check it: :data:`DEAD` when
     its launcher was started here and is gone, :data:`STALE` when it runs elsewhere and was silent
     for :data:`STALE_S` (``age``), else ``state``."""
-    if this_host(data.get("hostname")):
+    if this_host(record.hostname):
         model = RunModel(path)
-        model.set_launcher(0, data)
+        model.set_launcher(0, record)
         return state if ProcessView(model).launcher(0) is not None else DEAD
     return STALE if age is not None and age > STALE_S else state

@@ -99,7 +99,7 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
     if state == RunState.FAILED:
         detail = failed_at(model)
     running = state in LIVE_STATES
-    start = model.run.get("start_time")
+    start = model.run.start_time
     end = now if running else model.last_activity()
     elapsed = None if start is None or end is None else max(0.0, end - start)
     node = model.nodes.get(0)

@@ -7,13 +7,12 @@ torch), so it reads runs started by hand, by ``osft-train``, by the dashboard or
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
 
 from osft.trainer.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest, verify_files
-from osft.trainer.rundir import STEP_DIR, RunDir
+from osft.trainer.rundir import STEP_DIR, RunDir, read_launcher_record
 
 from .run_state import CheckpointEntry, Event, PollResult, RunModel
 from .tail import JsonlTail, LogTail
@@ -63,9 +62,7 @@ class RunWatcher:
                 mtime = path.stat().st_mtime
                 if self._json_mtimes.get(path) == mtime:
                     continue
-                data = json.loads(path.read_text())
-                if not isinstance(data, dict):
-                    raise ValueError(f"not a JSON object but {type(data).__name__}")
+                data = read_launcher_record(path)
             except OSError:
                 continue  # being replaced; the next poll reads it
             except ValueError as exc:  # written in place and cut short, or by something else: say so

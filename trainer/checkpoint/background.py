@@ -4,7 +4,7 @@ The training thread only stages a checkpoint: it copies the model shards (throug
 ``async_save``), its optimizer state and generator states to CPU memory; the files are written, hashed
 and, once every rank's files are on disk, completed by the manifest on a worker thread while
 training goes on (docs/architecture.md section 5, "Asynchronous save"). At most one write is in
-flight. How the trainer waits for it and serves requests with it: :meth:`..loop.Trainer.checkpoint`.
+flight. How the trainer waits for it and serves requests with it: :class:`.manager.CheckpointManager`.
 """
 
 from __future__ import annotations

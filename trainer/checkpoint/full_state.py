@@ -42,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from .. import test_hooks
 from ..distributed import DistEnv, agree, barrier, is_distributed
+from ..dtensor import local_tensor
 from ..osft.surgery import OSFTModel
 from ..schedule import restore_position
 from .manifest import (
@@ -64,16 +66,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 #: the projection bases, the protected bases P/Q, this run's start factors (from which the export
 #: computes the run's update, also after a resume) and the smallest frozen singular value.
 FROZEN_PARAMS = ("W_high", "U_basis", "V_basis", "P", "Q", "U_start", "S_start", "V_start", "sigma_frozen_min")
-
-#: Test-only hook (tests/test_resume.py, the grace-period test): "SECONDS" or "SECONDS@STEP": sleep that long after the shards
-#: are written and before the manifest (of every save, or of the save of that step).
-TEST_SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
-
-
-def _test_save_delay(step: int) -> float:
-    seconds, _, at = (os.environ.get(TEST_SAVE_DELAY_ENV) or "0").partition("@")
-    return float(seconds) if not at or int(at) == step else 0.0
-
 
 def capture_rng() -> dict[str, Any]:
     """This process's generator states: Python, NumPy, torch CPU and (when initialised) CUDA."""
@@ -98,11 +90,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def local_tensor(t: Any) -> Any:
-    """This rank's shard of a DTensor; anything else unchanged."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def with_run_hyperparameters(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
@@ -360,7 +347,7 @@ class Checkpointer:
 
     def _write_manifest(self, step: int, tmp: Path, final: Path, files: dict[str, dict]) -> None:
         """Rank 0: the manifest (last, after every rank's files are on disk), then ``tmp`` renamed to ``final``."""
-        if delay := _test_save_delay(step):
+        if delay := test_hooks.save_delay(step):
             time.sleep(delay)
         frozen_ref = None
         if self.frozen_dir:

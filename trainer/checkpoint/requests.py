@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import test_hooks
 from ..contract import LAUNCHER_PID_ENV
 from ..distributed import control_group, is_distributed
 from .signals import CONTROL_ACTIONS, Action, TriggerDir, action_for_signal, request_files, signal_name
@@ -55,12 +56,6 @@ SAFE_POINTS = ("before_forward", "before_backward", "after_backward", "after_ste
 
 #: The requests a rank saw at an agreed poll: trigger files, and (control file, mtime) pairs.
 Seen = tuple[list[Path], list[tuple[Path, float]]]
-
-#: Test-only hook: "STEP:POINT:MICRO:SIGNAL[,...]" makes rank 0 send SIGNAL (to $OSFT_LAUNCHER_PID
-#: when set, else to itself) at that safe point of that step and micro-batch (0-based; ignored for
-#: after_step), and wait until the request is recorded, so the request is served exactly there.
-TEST_SIGNAL_ENV = "OSFT_TEST_SIGNAL_AT"
-
 
 @dataclass(frozen=True)
 class Request:
@@ -92,8 +87,7 @@ class RequestPoller:
         self._seen: Seen = ([], [])
         #: (control file, mtime) pairs handed to a checkpoint written in the background (:meth:`claim`)
         self._claimed: set[tuple[Path, float]] = set()
-        specs = os.environ.get(TEST_SIGNAL_ENV, "") if rank == 0 else ""
-        self._test_hooks = [spec.split(":") for spec in specs.split(",") if spec]
+        self._test_hooks = test_hooks.signals_at() if rank == 0 else []  # .test_hooks.SIGNAL_AT_ENV
 
     def _control_files(self) -> list[tuple[Path, Action, float]]:
         return [(path, CONTROL_ACTIONS[name], mtime) for name, path, mtime in request_files(self.control_dir)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import RESUME_SETTINGS, RESUME_WARN_SETTINGS  # each setting's resume rule, declared there
 from ..data.fingerprint import INPUT_NAMES, changed_inputs
 from .manifest import CheckpointError
 
@@ -28,17 +29,6 @@ if TYPE_CHECKING:
 #: Plain trainer state of a checkpoint (step, counters, scheduler, data position, settings).
 TRAINER_STATE = "trainer_state.json"
 
-#: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").
-RESUME_SETTINGS = ("batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
-                   "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
-                   "osft_max_frozen_ratio", "freeze_non_target", "freeze_router", "train_on_all", "overlong", "osft_protect_subspaces",
-                   "data_format", "train_reasoning", "train_last_turn_only", "chat_template", "eval_split")
-#: Settings that may change on resume: the resumed run uses this run's values from its first step
-#: (AdamW's hyperparameters through :func:`.full_state.with_run_hyperparameters`, the schedule through
-#: :func:`..schedule.restore_position`, the clipping threshold and length read every step), with a
-#: warning that the trajectory then differs from an uninterrupted run.
-RESUME_WARN_SETTINGS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
-                        "max_grad_norm", "max_steps", "num_epochs")
 
 
 def run_settings(cfg: TrainConfig) -> dict[str, Any]:

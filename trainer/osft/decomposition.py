@@ -136,60 +136,6 @@ def dense_from_factors(w_high: torch.Tensor, u_low: torch.Tensor, s_low: torch.T
     return torch.baddbmm(w_high, u_low * s_low.unsqueeze(-2), v_low)
 
 
-#: GEMMs whose inner dimension is the small rank k run far below peak on CPUs; the cost model counts
-#: them as if k were this much larger (fitted to per-module timings of SmolLM2's shapes, 2 cores).
-LOW_RANK_GEMM_PENALTY = 48
-
-#: Fixed cost of one call of the hand-written autograd function of the *hybrid* and *split* forms
-#: (Python dispatch, more and smaller kernels than *dense*), in FLOP-equivalents: about 70 µs per
-#: forward + backward on this project's CPU at ~100 GFLOP/s. Decides only for tiny weights (a 32×32
-#: layer: *dense* +40 µs over a plain linear layer, *hybrid* and *split* +100 µs); negligible
-#: against SmolLM2's 0.1–6 GFLOP per module.
-FACTORED_CALL_OVERHEAD = 7_000_000
-
-
-def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: int) -> ForwardForm:
-    """Pick the cheapest forward/backward formulation for one OSFT module.
-
-    All three keep the frozen part as one dense N×M matrix W_high. FLOPs for T tokens, forward +
-    backward, with the products whose inner dimension is k_low counted at k_low +
-    :data:`LOW_RANK_GEMM_PENALTY` (k̃), and :data:`FACTORED_CALL_OVERHEAD` added to *hybrid* and
-    *split*:
-
-    - ``dense``: rebuild W = W_high + U_low·diag(S_low)·V_low once per micro-batch, one dense
-      linear, autograd: 6·T·N·M (as full fine-tuning, weight gradient included) + 2·N·M·k̃ (the
-      rebuild) + 4·N·M·k_low (turning dW into dU_low and dV_low).
-    - ``hybrid`` (:func:`.factored_backward.factored_linear`): the same rebuild and dense forward,
-      but the backward forms the factors' gradients from dy and x directly, without the N×M
-      weight gradient: 4·T·N·M + 2·N·M·k̃ + 4·T·k_low·(N + M).
-    - ``split`` (:func:`.factored_backward.factored_linear`): y = x·W_highᵀ +
-      ((x·V_lowᵀ)·S_low)·U_lowᵀ, no rebuild: 4·T·N·M + 2·T·k̃·(N + M) + 4·T·k_low·(N + M). Cheaper
-      than ``hybrid`` exactly when T < N·M/(N + M), i.e. for few tokens per micro-batch.
-
-    Measured on SmolLM2-135M's shapes at URR 0.25 (``benchmarks/bench_forward_forms.py``, forward +
-    backward relative to a dense linear layer with its weight gradient, 2 threads; dense / hybrid /
-    split): at T = 1024, 576×576 1.17× / 1.12× / 1.23×; 192×576 1.11× / 1.03× / 1.10×; 1536×576
-    1.15× / 0.98× / 1.04×; 576×1536 1.19× / 1.00× / 1.07×: ``hybrid`` fastest; at T = 128 ``split``
-    fastest for all four. The model picks the measured fastest form in all eight cases.
-
-    Args:
-        n, m: weight shape (out, in). k_low: trainable rank. max_tokens_per_micro_batch: T, the
-            token budget of one packed micro-batch (``--max-tokens-per-gpu``).
-
-    Returns:
-        ``"dense"``, ``"hybrid"`` or ``"split"`` (ties go to ``split``, which needs no N×M
-        temporary, then to ``hybrid``).
-    """
-    t = max(int(max_tokens_per_micro_batch), 1)
-    k_thin = k_low + LOW_RANK_GEMM_PENALTY
-    costs = {
-        "split": 4 * t * n * m + 2 * t * k_thin * (n + m) + 4 * t * k_low * (n + m) + FACTORED_CALL_OVERHEAD,
-        "hybrid": 4 * t * n * m + 2 * n * m * k_thin + 4 * t * k_low * (n + m) + FACTORED_CALL_OVERHEAD,
-        "dense": 6 * t * n * m + 2 * n * m * k_thin + 4 * n * m * k_low,
-    }
-    return min(costs, key=costs.get)
-
-
 def module_layout(n: int, m: int, protected_rank: tuple[int, int] | None, plan: ModulePlan | None, urr: float | None,
                   max_tokens_per_micro_batch: int | None, forward_form: ForwardForm | Literal["auto"]) -> ModulePlan:
     """The layout of an OSFT module of an N×M weight: ``plan`` when given, checked to fit (N, M) and
@@ -288,7 +234,7 @@ class OSFTLinear(nn.Module):
 
     @property
     def forward_form(self) -> ForwardForm:
-        """``dense``, ``hybrid`` or ``split`` (see :func:`choose_forward_form`)."""
+        """``dense``, ``hybrid`` or ``split`` (see :func:`.plan.choose_forward_form`)."""
         return self.plan.forward_form
 
     @classmethod
@@ -399,7 +345,7 @@ class OSFTLinear(nn.Module):
         return dense_from_factors(self.W_high, self.U_low, self.S_low, self.V_low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., M) → (..., N), by :attr:`forward_form` (see :func:`choose_forward_form`)."""
+        """x: (..., M) → (..., N), by :attr:`forward_form` (see :func:`.plan.choose_forward_form`)."""
         if self.forward_form == "dense":
             return F.linear(x, self.dense_weight(), self.bias)
         return factored_linear(x, self.W_high, self.U_low, self.S_low, self.V_low, self.bias, self.forward_form,

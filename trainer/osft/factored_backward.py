@@ -18,7 +18,7 @@ dU_low = dyᵀ·((x·V_lowᵀ)·diag(S_low)) (N×k); dS_low = Σ_t g ∘ (x·V_l
 db = Σ_t dy; dx = dy·W_high + h·V_low (split, one product accumulated into the other) or dy·W
 (hybrid, W already holds the low part).
 
-FLOPs for T tokens, forward + backward (see :func:`.decomposition.choose_forward_form`):
+FLOPs for T tokens, forward + backward (see :func:`.plan.choose_forward_form`):
 split 4·T·N·M + 6·T·k·(N + M); hybrid 4·T·N·M + 2·N·M·k + 4·T·k·(N + M). Neither computes the
 2·T·N·M of a weight gradient; hybrid replaces split's two products with inner dimension k per
 token by one rebuild per micro-batch, which is cheaper once T > N·M/(N + M). The gradients are

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.collate import collate_packed
-from ..data.packing import plan_micro_batches
+from ..data.micro_batches import micro_batches
 from .targets import decoder_block_names
 
 #: Keys of a calibration batch passed to the model's decoder (``attention_mask`` marks padding).
@@ -75,8 +74,7 @@ def calibration_batches(dataset, lengths: np.ndarray, num_samples: int, max_toke
         lengths: int array [len(dataset)], tokens of each row.
     """
     n = min(int(num_samples), len(lengths))
-    for micro in plan_micro_batches(lengths[:n], max_tokens_per_micro_batch, 1)[0]:
-        yield collate_packed([dataset[int(i)] for i in micro])
+    yield from micro_batches(lambda i: dataset[int(i)], lengths[:n], max_tokens_per_micro_batch)
 
 
 @torch.no_grad()

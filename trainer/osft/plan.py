@@ -135,6 +135,60 @@ def split_rank(rank: int, urr: float) -> tuple[int, int]:
     return k_high, rank - k_high
 
 
+#: GEMMs whose inner dimension is the small rank k run far below peak on CPUs; the cost model counts
+#: them as if k were this much larger (fitted to per-module timings of SmolLM2's shapes, 2 cores).
+LOW_RANK_GEMM_PENALTY = 48
+
+#: Fixed cost of one call of the hand-written autograd function of the *hybrid* and *split* forms
+#: (Python dispatch, more and smaller kernels than *dense*), in FLOP-equivalents: about 70 µs per
+#: forward + backward on this project's CPU at ~100 GFLOP/s. Decides only for tiny weights (a 32×32
+#: layer: *dense* +40 µs over a plain linear layer, *hybrid* and *split* +100 µs); negligible
+#: against SmolLM2's 0.1–6 GFLOP per module.
+FACTORED_CALL_OVERHEAD = 7_000_000
+
+
+def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: int) -> ForwardForm:
+    """Pick the cheapest forward/backward formulation for one OSFT module.
+
+    All three keep the frozen part as one dense N×M matrix W_high. FLOPs for T tokens, forward +
+    backward, with the products whose inner dimension is k_low counted at k_low +
+    :data:`LOW_RANK_GEMM_PENALTY` (k̃), and :data:`FACTORED_CALL_OVERHEAD` added to *hybrid* and
+    *split*:
+
+    - ``dense``: rebuild W = W_high + U_low·diag(S_low)·V_low once per micro-batch, one dense
+      linear, autograd: 6·T·N·M (as full fine-tuning, weight gradient included) + 2·N·M·k̃ (the
+      rebuild) + 4·N·M·k_low (turning dW into dU_low and dV_low).
+    - ``hybrid`` (:func:`.factored_backward.factored_linear`): the same rebuild and dense forward,
+      but the backward forms the factors' gradients from dy and x directly, without the N×M
+      weight gradient: 4·T·N·M + 2·N·M·k̃ + 4·T·k_low·(N + M).
+    - ``split`` (:func:`.factored_backward.factored_linear`): y = x·W_highᵀ +
+      ((x·V_lowᵀ)·S_low)·U_lowᵀ, no rebuild: 4·T·N·M + 2·T·k̃·(N + M) + 4·T·k_low·(N + M). Cheaper
+      than ``hybrid`` exactly when T < N·M/(N + M), i.e. for few tokens per micro-batch.
+
+    Measured on SmolLM2-135M's shapes at URR 0.25 (``benchmarks/bench_forward_forms.py``, forward +
+    backward relative to a dense linear layer with its weight gradient, 2 threads; dense / hybrid /
+    split): at T = 1024, 576×576 1.17× / 1.12× / 1.23×; 192×576 1.11× / 1.03× / 1.10×; 1536×576
+    1.15× / 0.98× / 1.04×; 576×1536 1.19× / 1.00× / 1.07×: ``hybrid`` fastest; at T = 128 ``split``
+    fastest for all four. The model picks the measured fastest form in all eight cases.
+
+    Args:
+        n, m: weight shape (out, in). k_low: trainable rank. max_tokens_per_micro_batch: T, the
+            token budget of one packed micro-batch (``--max-tokens-per-gpu``).
+
+    Returns:
+        ``"dense"``, ``"hybrid"`` or ``"split"`` (ties go to ``split``, which needs no N×M
+        temporary, then to ``hybrid``).
+    """
+    t = max(int(max_tokens_per_micro_batch), 1)
+    k_thin = k_low + LOW_RANK_GEMM_PENALTY
+    costs = {
+        "split": 4 * t * n * m + 2 * t * k_thin * (n + m) + 4 * t * k_low * (n + m) + FACTORED_CALL_OVERHEAD,
+        "hybrid": 4 * t * n * m + 2 * n * m * k_thin + 4 * t * k_low * (n + m) + FACTORED_CALL_OVERHEAD,
+        "dense": 6 * t * n * m + 2 * n * m * k_thin + 4 * n * m * k_low,
+    }
+    return min(costs, key=costs.get)
+
+
 def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_left: int = 0, p_right: int = 0,
                 forward_form: ForwardForm | Literal["auto"] = "auto", experts: int = 0) -> ModulePlan:
     """The layout of an N×M target with protected ranks (p_L, p_R) at unfreeze rank ratio ``urr``
@@ -144,14 +198,12 @@ def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_l
     Keep mode on a side needs [L, U_low] (or [Rb, V_lowᵀ]) to span that whole side, i.e.
     p + R equal to the side's dimension, so that keeping the complement's component equals removing
     L's; it is chosen when it is the smaller basis (k_low < p + k_high).
-    ``forward_form="auto"`` uses :func:`.decomposition.choose_forward_form` with T =
+    ``forward_form="auto"`` uses :func:`choose_forward_form` with T =
     ``max_tokens_per_micro_batch`` (tokens).
 
     Raises:
         ValueError: URR outside (0, 1]; a protected rank below 0 or above the side's dimension.
     """
-    from .decomposition import choose_forward_form
-
     if not (0 <= p_left <= n and 0 <= p_right <= m):
         raise ValueError(f"protected ranks (p_L={p_left}, p_R={p_right}) do not fit a {n}×{m} weight")
     rank = min(n - p_left, m - p_right)

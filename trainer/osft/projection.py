@@ -38,31 +38,17 @@ All products are computed in float32, also for bf16 factors.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..dtensor import full_tensor, is_sharded, local_tensor
 from . import indicators
 from .decomposition import OSFTLinear
 from .indicators import IndicatorReport
 from .orthogonality import OrthoReport, basis_error, fraction_to_degrees, projection_bound, unit_roundoff
 from .settings import VProjection
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rows of ``t`` held by this rank (the tensor itself when it is not a DTensor)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """All rows of ``t`` (an all-gather when it is a sharded DTensor)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _is_sharded(t: torch.Tensor) -> bool:
-    """True for a DTensor (FSDP2 parameter or gradient): its rows are spread over the ranks."""
-    return hasattr(t, "to_local")
 
 
 def _max_or_zero(values: torch.Tensor) -> torch.Tensor:
@@ -100,7 +86,7 @@ class Projector:
         #: Expert banks: each rank holds whole experts, so a bank's products are complete.
         self._banks = [i for i, m in enumerate(self.modules) if m.plan.experts]
         #: Whether the trainable factors are FSDP2 shards (set once the model is wrapped, before this).
-        self._sharded = any(_is_sharded(m.U_low) for m in self.modules)
+        self._sharded = any(is_sharded(m.U_low) for m in self.modules)
         #: Coefficient norms of the last :meth:`project_parameters`, for :meth:`deviation_bound`.
         self._coef_norms: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
         #: (ε_U, ε_V) of every module's bases, formed at the first :meth:`deviation_bound`.
@@ -111,7 +97,7 @@ class Projector:
         """The whole V basis of module ``i`` (k_b×M, float32)."""
         if i in self._v_cache:
             return self._v_cache[i]
-        basis = _full(self.modules[i].V_basis).float()
+        basis = full_tensor(self.modules[i].V_basis).float()
         if self.cache_v_basis:
             self._v_cache[i] = basis
         return basis
@@ -120,7 +106,7 @@ class Projector:
         """``parts`` (one per module) with those of row-sharded modules summed over ranks by one
         all-reduce; a bank's own part is already complete (its rank holds whole experts)."""
         rows = self._rows
-        if not rows or not (_is_sharded(self.modules[rows[0]].U_basis) and dist.get_world_size() > 1):
+        if not rows or not (is_sharded(self.modules[rows[0]].U_basis) and dist.get_world_size() > 1):
             return parts  # nothing to sum: skip the flattening copy
         flat = torch.cat([parts[i].reshape(-1) for i in rows])
         dist.all_reduce(flat)
@@ -133,19 +119,19 @@ class Projector:
         """U_basisᵀ X for every module (X = the local rows of U_low or its gradient; a bank's local
         experts), summed over ranks with one all-reduce for all row-sharded modules; float32,
         k_b×k_low each (E_local×k_b×k_low for a bank)."""
-        return self._sum_row_parts([_local(m.U_basis).float().mT @ x.float() for m, x in zip(self.modules, xs)])
+        return self._sum_row_parts([local_tensor(m.U_basis).float().mT @ x.float() for m, x in zip(self.modules, xs)])
 
     def _project_v(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Projected local rows of V_low (or its gradient) of module ``i`` (float32), and each row's
         coefficients in the basis (None in Gram form, which forms no coefficients)."""
         m, xf = self.modules[i], x.float()
         if self.v_projection == "gram":
-            local = _local(m.V_basis).float()
+            local = local_tensor(m.V_basis).float()
             gram = local.mT @ local
             if not m.plan.experts:
-                gram = _sum_across_ranks(gram, _is_sharded(m.V_basis))
+                gram = _sum_across_ranks(gram, is_sharded(m.V_basis))
             return (xf @ gram if m.v_keep else xf - xf @ gram), None
-        basis = _local(m.V_basis).float() if m.plan.experts else self._v_basis(i)
+        basis = local_tensor(m.V_basis).float() if m.plan.experts else self._v_basis(i)
         coeff = xf @ basis.mT
         return (coeff @ basis if m.v_keep else xf - coeff @ basis), coeff
 
@@ -161,7 +147,7 @@ class Projector:
         for i, (m, u, v, c) in enumerate(zip(self.modules, us, vs, coeffs)):
             u_norm = v_norm = None
             if m.plan.u_basis_cols > 0:
-                basis = _local(m.U_basis).float()
+                basis = local_tensor(m.U_basis).float()
                 u.copy_(basis @ c if m.u_keep else u.float() - basis @ c)
                 u_norm = c.norm(dim=-2) if norms_wanted else None
             if m.plan.v_basis_rows > 0:
@@ -181,12 +167,12 @@ class Projector:
         if any(m.U_low.grad is None or m.V_low.grad is None for m in self.modules):
             missing = [n for n, m in zip(self.names, self.modules) if m.U_low.grad is None or m.V_low.grad is None]
             raise RuntimeError(f"OSFT modules without gradients (not used in forward?): {missing[:5]}")
-        self._project([_local(m.U_low.grad) for m in self.modules], [_local(m.V_low.grad) for m in self.modules])
+        self._project([local_tensor(m.U_low.grad) for m in self.modules], [local_tensor(m.V_low.grad) for m in self.modules])
 
     def project_parameters(self) -> None:
         """Re-project ``U_low`` and ``V_low`` in place; call after ``optimizer.step()``. Keeps the
         norms of the coefficients it computed for :meth:`deviation_bound`."""
-        self._coef_norms = self._project([_local(m.U_low) for m in self.modules], [_local(m.V_low) for m in self.modules],
+        self._coef_norms = self._project([local_tensor(m.U_low) for m in self.modules], [local_tensor(m.V_low) for m in self.modules],
                                          norms_wanted=True)
 
     @torch.no_grad()
@@ -211,7 +197,7 @@ class Projector:
             return None
         if self._basis_eps is None:
             self._basis_eps = self._basis_errors()
-        stored_u = self._sum_row_parts([_local(m.U_low).float().square().sum(-2) for m in self.modules])
+        stored_u = self._sum_row_parts([local_tensor(m.U_low).float().square().sum(-2) for m in self.modules])
         # Every vector of every module, both sides, bounded by one elementwise call: per side its
         # coefficient norms, its stored squared norms and (n, k, ε, keep, u_p) repeated per vector.
         coef, stored_sq, sides = [], [], []
@@ -224,7 +210,7 @@ class Projector:
                 sides.append((u_coef.numel(), plan.n, plan.u_basis_cols, eps_u, m.u_keep, u_p))
             if v_coef is not None:
                 coef.append(v_coef.reshape(-1))
-                stored_sq.append(_local(m.V_low).float().square().sum(-1).reshape(-1))
+                stored_sq.append(local_tensor(m.V_low).float().square().sum(-1).reshape(-1))
                 sides.append((v_coef.numel(), plan.m, plan.v_basis_rows, eps_v, m.v_keep, u_p))
         if sides:
             device = coef[0].device
@@ -244,13 +230,13 @@ class Projector:
         """(ε_U, ε_V) per module: :func:`.orthogonality.basis_error` of its U and V basis from
         float64 Gram matrices (the U side's summed over row shards; a bank's local experts, the
         largest over them). Collective under FSDP2."""
-        grams = [_local(m.U_basis).double().mT @ _local(m.U_basis).double() for m in self.modules]
+        grams = [local_tensor(m.U_basis).double().mT @ local_tensor(m.U_basis).double() for m in self.modules]
         grams = self._sum_row_parts(grams)
         out = []
         for i, (m, g_u) in enumerate(zip(self.modules, grams)):
             eps_v = 0.0
             if m.plan.v_basis_rows > 0:
-                basis = (_local(m.V_basis) if m.plan.experts else self._v_basis(i)).double()
+                basis = (local_tensor(m.V_basis) if m.plan.experts else self._v_basis(i)).double()
                 eps_v = basis_error(basis @ basis.mT, m.plan.m)
             out.append((basis_error(g_u, m.plan.n), eps_v))
         return out
@@ -262,13 +248,13 @@ class Projector:
         A module whose deviation is strictly above ``margin_deg`` is a violation. Identical result
         on every rank (three collectives for all modules together).
         """
-        us = [_local(m.U_low).float() for m in self.modules]
+        us = [local_tensor(m.U_low).float() for m in self.modules]
         coeffs = self._u_coefficients(us)
         # U side, per column: squared norm of the frozen component and of the whole column. In keep
         # mode the frozen component is the residual, a per-rank partial sum; in remove mode it is
         # the (already reduced) coefficient column.
         partial_frozen = [
-            (u - _local(m.U_basis).float() @ c).square().sum(-2) if m.u_keep else u.new_zeros(u.shape[:-2] + u.shape[-1:])
+            (u - local_tensor(m.U_basis).float() @ c).square().sum(-2) if m.u_keep else u.new_zeros(u.shape[:-2] + u.shape[-1:])
             for m, u, c in zip(self.modules, us, coeffs)
         ]
         partial_norm = [u.square().sum(-2) for u in us]
@@ -281,11 +267,11 @@ class Projector:
             u_frac = _max_or_zero(f.sqrt() / n.sqrt().clamp_min(1e-30))
             # V side: each rank holds complete rows of V_low (whole experts of a bank); the basis of
             # a row-sharded module is gathered.
-            v = _local(m.V_low).float()
+            v = local_tensor(m.V_low).float()
             v_frac = torch.zeros(())
             if m.plan.v_basis_rows > 0:
                 # collective for row-sharded modules: every rank gathers, even one without rows
-                basis = _local(m.V_basis).float() if m.plan.experts else self._v_basis(i)
+                basis = local_tensor(m.V_basis).float() if m.plan.experts else self._v_basis(i)
                 if v.numel() > 0:
                     coeff = v @ basis.mT
                     frozen = (v - coeff @ basis) if m.v_keep else coeff
@@ -311,21 +297,21 @@ class Projector:
         experts, then one all-reduce(MAX) for all banks).
         """
         rows = self._rows
-        parts, s_start = [], {i: _full(self.modules[i].S_start) for i in rows}
+        parts, s_start = [], {i: full_tensor(self.modules[i].S_start) for i in rows}
         for i in rows:
             m = self.modules[i]
-            parts += [indicators.left_gram(_local(m.U_low), _full(m.S_low), _local(m.U_start), s_start[i]),
-                      _local(m.W_high).float().square().sum().reshape(1)]
+            parts += [indicators.left_gram(local_tensor(m.U_low), full_tensor(m.S_low), local_tensor(m.U_start), s_start[i]),
+                      local_tensor(m.W_high).float().square().sum().reshape(1)]
         sharded = self._sharded
         flat = _sum_across_ranks(torch.cat([p.reshape(-1) for p in parts]), sharded) if parts else torch.zeros(0)
         summed = [c.view_as(p) for c, p in zip(flat.split([p.numel() for p in parts]), parts)]
         values: dict[int, tuple[float, float | None]] = {}
         for i, g_u, w_high_sq in zip(rows, summed[0::2], summed[1::2]):
             m, s0 = self.modules[i], s_start[i]
-            g_v = indicators.right_gram(_full(m.V_low), _full(m.V_start))
+            g_v = indicators.right_gram(full_tensor(m.V_low), full_tensor(m.V_start))
             update_sq, sigma_max = indicators.low_part_norms(g_u, g_v, s0)
             values[i] = (indicators.relative_update(update_sq, float(w_high_sq), s0),
-                         indicators.spectral_gap(sigma_max, float(_full(m.sigma_frozen_min))))
+                         indicators.spectral_gap(sigma_max, float(full_tensor(m.sigma_frozen_min))))
         banks = self._banks
         if banks:
             worst = torch.stack([self._bank_indicators(self.modules[i]) for i in banks])
@@ -342,7 +328,7 @@ class Projector:
         """[largest ‖ΔW‖_F/‖W‖_F, largest spectral gap (−1: none)] over this rank's experts of a
         bank (float64; [0, −1] without any), each expert computed as a whole module."""
         names = ("U_low", "S_low", "U_start", "S_start", "V_low", "V_start", "W_high", "sigma_frozen_min")
-        u, s, u0, s0, v, v0, w_high, sigma = (_local(getattr(m, k)) for k in names)
+        u, s, u0, s0, v, v0, w_high, sigma = (local_tensor(getattr(m, k)) for k in names)
         dw, gap = 0.0, -1.0
         w_high_sq = w_high.float().square().sum((-2, -1)).tolist()  # one host sync per bank, not per expert
         sigma_min = sigma.flatten().tolist()
@@ -353,3 +339,24 @@ class Projector:
             g = indicators.spectral_gap(sigma_max, sigma_min[e])
             gap = max(gap, -1.0 if g is None else g)
         return torch.tensor([dw, gap], dtype=torch.float64)
+
+
+def check_after_step(projector: Projector | None, step: int, every: int, margin_deg: float,
+                     before: Callable[[], None]) -> tuple[OrthoReport | None, dict]:
+    """The orthogonality check after optimizer step ``step`` (collective): the full check
+    (:meth:`Projector.check`) at step 1 and every ``every`` steps, and between them wherever
+    :meth:`Projector.deviation_bound` fails to rule out a deviation above ``margin_deg`` (no bound
+    with ``--osft-v-projection gram``); ``before()`` runs before a check. Returns the report (None:
+    no check, or no OSFT) and the forgetting indicators of the step record (measured on the
+    scheduled steps, else None values)."""
+    forgetting = dict.fromkeys(indicators.INDICATOR_FIELDS)
+    if projector is None:
+        return None, forgetting
+    scheduled = step == 1 or step % every == 0
+    if not scheduled:
+        bound = projector.deviation_bound()
+        if bound is None or bound <= margin_deg:
+            return None, forgetting
+    before()
+    report = projector.check(margin_deg)
+    return report, projector.indicators().fields() if scheduled else forgetting

@@ -30,7 +30,7 @@ class OSFTSettings:
 
     Fields: ``urr`` (unfreeze rank ratio in (0, 1], ``--osft-unfreeze-rank-ratio``; a per-module
     rank plan overrides it), ``max_tokens_per_micro_batch`` (tokens, ``--max-tokens-per-gpu``: the
-    T of :func:`.decomposition.choose_forward_form`), ``forward_form`` (``auto``, ``dense``,
+    T of :func:`.plan.choose_forward_form`), ``forward_form`` (``auto``, ``dense``,
     ``hybrid`` or ``split``, ``--osft-forward``), ``target_patterns`` (regular expressions, None
     for the built-in ones, ``--osft-target-patterns``), ``v_projection`` (``--osft-v-projection``) and
     ``cache_v_basis`` (``--osft-cache-v-high``; None: :meth:`caches_v_basis` decides by device).

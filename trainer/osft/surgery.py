@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import control_group, map_on_threads
+from ..dtensor import is_sharded
 from .decomposition import OSFTLinear, dense_from_factors, protected_svd
 from .experts import ExpertLayout, OSFTExperts
 from .plan import ModulePlan
@@ -274,7 +275,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict`` and
     ``cpu_offload``).
     """
-    if not any(hasattr(p, "full_tensor") for p in model.parameters()):
+    if not any(is_sharded(p) for p in model.parameters()):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

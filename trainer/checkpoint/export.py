@@ -1,0 +1,155 @@
+"""The dense Hugging Face export of a run's model with its protected subspaces.
+
+:class:`Exporter` gathers the model's full state (every rank), folds each OSFT module's protected
+bases for the next run of a chain (:func:`.osft.protect.fold_module`, spread over the ranks), with
+``--osft-protect-basis inputs`` first collecting the layer inputs' Grams over the first training
+samples (:func:`.osft.input_grams.input_bases`), and rank 0 writes the export
+(:func:`.hf_export.save_hf_model`) with ``osft_subspaces.safetensors``/``.json``
+(:func:`.subspaces.write_subspaces`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+from ..contract import Event
+from ..data.micro_batches import MicroBatches
+from ..distributed import DistEnv, barrier, map_over_ranks
+from ..metrics import Reporter
+from ..osft.input_grams import InputBases, input_bases
+from ..osft.protect import ModuleFold, fold_bank, fold_module, no_bases
+from ..osft.surgery import OSFTModel, dense_state_dict, full_state_dict
+from ..rundir import RunDir
+from .hf_export import save_hf_model, source_generation_config
+from .subspaces import SUBSPACES_FILE, write_subspaces
+
+
+class Exporter:
+    """The exports of one rank's run (collective: every rank calls :meth:`export`).
+
+    Args:
+        model: the trained model (sharded by FSDP2 with several ranks); ``osft``: its OSFT modules
+            (None: ``--no-osft``); ``tokenizer``: saved with every export.
+        loss: the summed token loss of one packed micro-batch (None: this rank's empty one), run
+            for the input Grams' forward passes; ``batches(idx)``: the training samples at positions
+            ``idx`` as this run packs them; ``num_samples``: training samples in all.
+        report: the run's console and metrics (``subspaces_folded`` records).
+    """
+
+    def __init__(self, cfg: TrainConfig, dist: DistEnv, job_id: str, run_dir: RunDir, report: Reporter,
+                 model: nn.Module, osft: OSFTModel | None, tokenizer, device: torch.device,
+                 loss: Callable[[dict | None], torch.Tensor], batches: Callable[[np.ndarray], MicroBatches],
+                 num_samples: int) -> None:
+        self.cfg, self.dist, self.job_id, self.run_dir, self.report = cfg, dist, job_id, run_dir, report
+        self.model, self.osft, self.tokenizer, self.device = model, osft, tokenizer, device
+        self.loss, self.batches, self.num_samples = loss, batches, num_samples
+
+    def export(self, step: int, out: Path | None = None) -> str:
+        """Write the dense HF export of the model after ``step`` steps to ``out`` (default
+        ``hf_format/step_<step>``) with its protected subspaces (``osft_subspaces.safetensors``/
+        ``.json``, see :meth:`_fold_subspaces`); rank 0 writes, every rank takes part in gathering
+        the shards. Returns its path."""
+        out = out or self.run_dir.hf_export(step)
+        state = full_state_dict(self.model)
+        inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
+        folds = self._fold_subspaces(state, inputs, step) if self.osft else None
+        if self.dist.rank == 0:
+            extra = None
+            if self.osft:
+                settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
+                            ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
+                if inputs is not None:
+                    settings.update(input_energy=self.cfg.osft_protect_input_energy,
+                                    input_samples=self.cfg.osft_protect_input_samples, input_passes=inputs.passes)
+                source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
+
+                def extra(directory: Path) -> None:
+                    write_subspaces(directory, folds, settings, source)
+            else:
+                self.report.say(f"export: no {SUBSPACES_FILE}: a --no-osft run (full fine-tuning) has no protected "
+                          "subspaces to pass on")
+            save_hf_model(
+                self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
+                getattr(torch, self.cfg.save_dtype), overwrite=True, extra=extra,
+                generation_config=source_generation_config(self.cfg.model_name_or_path),
+            )
+        barrier()
+        return str(out)
+
+    def _fold_subspaces(self, state: dict[str, torch.Tensor], inputs: InputBases | None,
+                        step: int) -> dict[str, ModuleFold] | None:
+        """Every module's protected bases after this run (:func:`.osft.protect.fold_module` on the
+        full tensors of rank 0, with the ``inputs`` variant's directions where collected), module i
+        folded by rank i mod world size (:func:`.distributed.map_over_ranks`); on rank 0 logs a
+        ``subspaces_folded`` record and the modules where the cap bound (with the energy actually
+        kept) and returns the folds, on the others None. Collective."""
+        cfg = self.cfg
+        keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
+
+        def fold_args(name: str, plan) -> tuple[dict[str, torch.Tensor], bool, tuple | None]:
+            empty = dict(zip("PQ", no_bases(plan.n, plan.m, experts=plan.experts)))  # p = 0: no parameter
+            factors = {**{k: state.get(f"{name}.{k}", v) for k, v in empty.items()}, **{k: state[f"{name}.{k}"] for k in keys}}
+            return factors, bool(plan.experts), None if inputs is None else inputs.directions.get(name)
+
+        def fold(args: tuple[dict[str, torch.Tensor], bool, tuple | None]) -> ModuleFold:
+            factors, bank, directions = args
+            if bank:  # the update variant, per expert
+                return fold_bank(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio)
+            return fold_module(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio, directions)
+
+        modules = self.osft.modules
+        args = [fold_args(name, module.plan) for name, module in modules] if self.dist.rank == 0 else None
+        results = map_over_ranks(fold, args, len(modules))
+        if results is None:
+            return None
+        folds = {name: f for (name, _), f in zip(modules, results)}
+        capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
+        passes = {} if inputs is None else {"input_passes": inputs.passes}
+        self.report.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
+                         added_left=sum(f.added_left for f in folds.values()),
+                         added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped, **passes)
+        if capped:
+            self.report.say(f"protected subspaces: the rank cap (--osft-protect-max-rank-ratio {cfg.osft_protect_max_rank_ratio}) "
+                      f"bound in {len(capped)} modules; energy kept there {min(capped.values()):.3f}-"
+                      f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
+        return folds
+
+    def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
+        """The ``inputs`` variant's directions of every trainable OSFT module (not banks) from its
+        layer inputs over the first ``--osft-protect-input-samples`` training samples
+        (:func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
+        group of Grams that fits ``--osft-protect-input-memory-gb``; collective). ``state``: the
+        full state dict (rank 0), whose Q each module's directions avoid."""
+        cfg = self.cfg
+        idx = np.arange(min(cfg.osft_protect_input_samples, self.num_samples))
+        batches = self.batches(idx)
+
+        def probe() -> None:
+            self.loss(next(iter(batches)))
+
+        def run(recording) -> None:
+            for batch in batches:
+                recording(batch is not None)
+                self.loss(batch)
+
+        modules = [(name, m) for name, m in self.osft.modules if not m.plan.experts and not m.plan.frozen]
+        q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                found = input_bases(modules, q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
+                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device)
+        finally:
+            self.model.train()
+        shared = sum(len(c) for c in found.classes) - len(found.classes)
+        if found.passes > 1:
+            self.report.say(f"protected subspaces (inputs): {len(found.classes)} distinct layer inputs of {len(modules)} modules "
+                      f"({shared} shared) collected in {found.passes} passes over {len(idx)} samples "
+                      f"(--osft-protect-input-memory-gb {cfg.osft_protect_input_memory_gb:g})")
+        return found

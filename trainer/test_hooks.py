@@ -1,0 +1,61 @@
+"""Every test-only hook of the trainer: ``OSFT_TEST_*`` environment variables that make a rank do
+something at an exact point, so a test can reach a path it could not time from outside. Unset, each
+reader returns its "no hook" value; nothing else reads these variables. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: "STEP:LOCAL_RANK": that local rank logs a warning after that step (tests/test_distributed.py,
+#: local-rank-1 warnings).
+WARN_AT_ENV = "OSFT_TEST_WARN_AT"
+#: "1": each step record gets ``state_sha256`` (every parameter and optimizer tensor of every
+#: rank), to compare runs bit for bit.
+STATE_HASH_ENV = "OSFT_TEST_STATE_HASH"
+#: "STEP" makes the loss of that step non-finite (its first micro-batch's loss is multiplied by NaN
+#: before the backward, so the gradients are NaN too); "STEP:grad" leaves the loss finite and puts a
+#: NaN into one gradient; "STEP:spike" multiplies the loss by 1000. Each fires once per process (a
+#: rollback replays the step on another batch).
+DIVERGE_AT_ENV = "OSFT_TEST_DIVERGE_AT"
+#: "SECONDS" or "SECONDS@STEP": sleep that long after a checkpoint's shards are written and before
+#: its manifest (of every save, or of the save of that step; tests/test_resume.py, the grace-period test).
+SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
+#: "STEP:POINT:MICRO:SIGNAL[,...]": rank 0 sends SIGNAL (to $OSFT_LAUNCHER_PID when set, else to
+#: itself) at that safe point of that step and micro-batch (0-based; ignored for after_step), and
+#: waits until the request is recorded, so the request is served exactly there.
+SIGNAL_AT_ENV = "OSFT_TEST_SIGNAL_AT"
+
+
+def warns_at(step: int, local_rank: int) -> bool:
+    """Whether :data:`WARN_AT_ENV` asks ``local_rank`` for a test warning after ``step``."""
+    return os.environ.get(WARN_AT_ENV) == f"{step}:{local_rank}"
+
+
+def hashes_state() -> bool:
+    """Whether :data:`STATE_HASH_ENV` asks for ``state_sha256`` in the step records."""
+    return os.environ.get(STATE_HASH_ENV) == "1"
+
+
+def injected_divergence(step: int, fired: set[int]) -> str | None:
+    """The kind of divergence :data:`DIVERGE_AT_ENV` injects at ``step`` ("loss", "grad",
+    "spike"), once per process (``fired`` remembers the steps already served), else None."""
+    spec = os.environ.get(DIVERGE_AT_ENV)
+    if not spec or step in fired:
+        return None
+    at, _, kind = spec.partition(":")
+    if int(at) != step:
+        return None
+    fired.add(step)
+    return kind or "loss"
+
+
+def save_delay(step: int) -> float:
+    """Seconds :data:`SAVE_DELAY_ENV` makes the save of ``step`` wait before its manifest (0.0: none)."""
+    seconds, _, at = (os.environ.get(SAVE_DELAY_ENV) or "0").partition("@")
+    return float(seconds) if not at or int(at) == step else 0.0
+
+
+def signals_at() -> list[list[str]]:
+    """The ``[STEP, POINT, MICRO, SIGNAL]`` entries of :data:`SIGNAL_AT_ENV`, in order ([] when unset)."""
+    return [spec.split(":") for spec in os.environ.get(SIGNAL_AT_ENV, "").split(",") if spec]
