@@ -1,4 +1,4 @@
-"""osft-tui's charts and numbers (issue 20, part 2): whole-run curves that a resume replaces instead
+"""osft-tui's charts and numbers: whole-run curves that a resume replaces instead
 of extending, the metric chart's views, every node's tokens/s on one axis from zero, the straggler
 marked on its row, the step time, lr and grad norm columns in fixed formats."""
 
@@ -82,6 +82,13 @@ def test_a_curve_replaces_replayed_steps_and_keeps_a_long_run_in_bounded_points(
     assert long.steps == sorted(set(long.steps)) and len(long.steps) > CURVE_POINTS // 2
 
 
+def test_smoothing_is_a_debiased_moving_average():
+    curve = Curve([1, 2, 3], [0.0, 10.0, 10.0])
+    assert curve.smoothed(0.0) is curve
+    assert [round(v, 3) for v in curve.smoothed(0.5).values] == [0.0, 6.667, 8.571]
+    assert curve.smoothed(0.5).steps == [1, 2, 3] and curve.values == [0.0, 10.0, 10.0]
+
+
 def test_ticks_are_round_and_keep_their_decimals():
     assert nice_ticks(0, 1533) == ([0, 500, 1000, 1500], ["0", "500", "1,000", "1,500"])
     assert nice_ticks(0.9, 1.8) == ([1.0, 1.25, 1.5, 1.75], ["1.00", "1.25", "1.50", "1.75"])
@@ -136,6 +143,12 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
                 seen.append((metric.view, [name for name, _ in metric.curves]))
             assert seen == [("lr", ["lr"]), ("grad_norm", ["grad_norm"]), ("forgetting", ["forgetting ret"]),
                             ("loss", ["train", "eval_loss chat", "eval_loss ret"])]
+            await pilot.press("m")  # smoothed: the same steps, each point an average of those before
+            (label, smooth), *_ = metric.curves
+            assert "smoothed 0.6" in str(metric.border_title) and smooth.steps == loss.steps
+            assert smooth.values == Curve(loss.steps, loss.values).smoothed(0.6).values != loss.values
+            await pilot.press("m", "m")  # 0.9, then none
+            assert metric.curves[0][1].values == loss.values
             table = dash.query_one(NodeTable)
             await wait_until(pilot, lambda: "node1" in table.rows, 10, "node 1's row")
             assert str(table.get_cell("node0", "node")) == "0" and str(table.get_cell("node1", "node")) == "[b red]1 slow[/]"
@@ -143,6 +156,19 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
             assert [str(table.get_cell("node0", c)) for c in ("step time", "lr", "grad norm", "loss")] == \
                 ["0.37 s", "1.00e-04", "0.167", "1.9000"]
             assert "samples/s" not in [str(c.label) for c in table.columns.values()]  # the job's value: once,
-            assert "  8.00 samples/s  " in str(dash.query_one(RunHeader).render())  # in the run line
+            assert str(dash.query_one(RunHeader).render()).endswith("  8.00 samples/s")  # in the run line
+            # a click on a header sorts by its column: ascending, descending, then the table's order
+            order = []
+            for _ in range(3):
+                await pilot.click(NodeTable, offset=(33, 0))  # the tokens/s header (node 11 + host 12 + step 8)
+                await pilot.pause()
+                order.append([str(r.key.value) for r in table.ordered_rows])
+            assert order == [["node1", "node0"], ["node0", "node1"], ["node0", "node1"]]
+            assert table.sorted_by is None and [str(c.label) for c in table.columns.values()][3] == "tokens/s"
+            await pilot.click(NodeTable, offset=(1, 0))  # node: ascending, then descending
+            await pilot.click(NodeTable, offset=(1, 0))
+            await pilot.pause()
+            assert [str(r.key.value) for r in table.ordered_rows] == ["node1", "node0"] and table.sorted_by == ("node", True)
+            assert str(table.columns[next(iter(table.columns))].label) == "node ▼"
 
     asyncio.run(main())

@@ -1,18 +1,19 @@
-"""The event pane and the log view (issue 20, part 4): rank output is not an event, the same
-warning of several ranks is one line, the view follows new lines only at the bottom and counts
-those that arrive while scrolled up, and a search and a level filter choose the lines shown."""
+"""The event pane and the log view: rank output is not an event, the same warning of several ranks is
+one line, a flood of warnings never drops a lifecycle line, the view follows new lines at the bottom
+(across a resize and a cleared search) and counts those that arrive while scrolled up, a search and
+a level filter choose the lines shown ("no line matches" when none does), and the violation bar
+shows recent violations."""
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 
+import pytest
 from osft.tui.app import OsftTui
 from osft.tui.components.lines import LineView
 from osft.tui.components.modals import SearchPrompt
 from osft.tui.reader import Update
-from osft.tui.run_state import Event, RunModel, describe
+from osft.tui.run_state import RECENT_STEPS, Event, PollResult, RunModel, describe
 from rich.text import Text
 from textual.app import App, ComposeResult
 
@@ -100,3 +101,51 @@ def test_a_checkpoint_written_in_the_background_shows_how_long_training_was_bloc
                                                            "training blocked 0.5 s)")
     assert describe({**saved, "blocking_s": 8.5}).text == "checkpoint of step 6 written to /r/step_6 (2.0 MB in 8.5 s)"
     assert describe(saved).text == "checkpoint of step 6 written to /r/step_6 (2.0 MB in 8.5 s)"  # an older run
+
+
+def test_the_view_stays_at_the_bottom_across_a_resize_and_a_cleared_search_and_says_when_nothing_matches():
+    async def scenario():
+        app = Lines()
+        async with app.run_test(size=(60, 12)) as pilot:
+            view = app.query_one(LineView)
+            view.add([("info", Text(f"line {i}")) for i in range(50)])
+            await pilot.pause()
+            await pilot.resize_terminal(60, 8)  # shorter: the bottom moves down
+            await pilot.pause()
+            view.add([("warning", Text("new warning 1"))])
+            await pilot.pause()
+            assert view.is_vertical_scroll_end and view.lines[-1].text == "new warning 1"
+            view.set_filter(search="line 4")  # a short search, then cleared
+            await pilot.pause()
+            view.set_filter(search="")
+            view.add([("warning", Text("new warning 2"))])
+            await pilot.pause()
+            assert view.is_vertical_scroll_end and view.lines[-1].text == "new warning 2"
+            assert "new lines" not in str(view.border_title)
+            view.set_filter(search="[/zzz]")
+            await pilot.pause()
+            assert [s.text for s in view.lines] == ["no line matches (matching '[/zzz]')"]
+            view.add([("info", Text("a [/zzz] line"))])
+            await pilot.pause()
+            assert [s.text for s in view.lines] == ["a [/zzz] line"]
+
+    asyncio.run(scenario())
+
+
+def test_a_flood_of_warnings_never_drops_a_lifecycle_line():
+    warnings = [Event(float(i), "warning", f"rank 0: warning: w{i}") for i in range(100)]
+    lifecycle = [Event(10.5, "info", "rank 0 started"), Event(50.5, "info", "checkpoint of step 5 written to /r"),
+                 Event(90.5, "error", "rank 1: error: boom")]
+    update = Update(RunModel("."), events=sorted(warnings + lifecycle, key=lambda e: e.ts)).cap(20)
+    assert [e.text for e in update.events if e.level != "warning"] == [e.text for e in lifecycle]
+    assert [e.text for e in update.events if e.level == "warning"] == [f"rank 0: warning: w{i}" for i in range(80, 100)]
+    assert update.dropped_events == 80 and update.events == sorted(update.events, key=lambda e: e.ts)
+
+
+def test_the_violation_bar_shows_recent_violations_not_the_total():
+    model = RunModel(".")
+    for step in range(1, 40):
+        model.apply({"event": "step", "node_rank": 0, "rank": 0, "step": step, "ortho_violations": 2 if step == 3 else 0,
+                     "ortho_violations_total": 2 if step >= 3 else 0}, PollResult())
+        assert model.violations.alert == (3 <= step < 3 + RECENT_STEPS), step
+    assert model.violations.total == 2 and model.violations.last_at == 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -22,13 +23,15 @@ from osft.tui.app import OsftTui
 from osft.tui.components.charts import ThroughputChart
 from osft.tui.components.checkpoints import CheckpointTable
 from osft.tui.components.header import RunHeader
-from osft.tui.format import fmt_rate
 from osft.tui.components.lines import LineView
 from osft.tui.components.modals import Choice, LogScreen
 from osft.tui.components.new_run import NewRunScreen
 from osft.tui.components.nodes import NodeTable
 from osft.tui.components.ranks import RankTable
 from osft.tui.components.violations import ViolationCounters
+from osft.tui.keys import REPEAT_S
+from osft.tui.format import fmt_compact
+from textual.command import CommandList
 from textual.widgets import Button, Input, RichLog
 from tui_support import kill_run, no_processes_left, wait_until
 
@@ -70,6 +73,7 @@ def run(tmp_path: Path, scenario) -> None:
     async def main():
         app = OsftTui(None, launcher=[sys.executable, str(FAKE)], poll_s=0.1)
         app.bells = []
+        app.NOTIFICATION_TIMEOUT = 600  # the toasts the tests read stay, however slow the machine
         app.bell = lambda: app.bells.append(app.dashboard.run.state)
         async with app.run_test(size=(140, 42)) as pilot:
             await scenario(app, pilot, out)
@@ -107,9 +111,10 @@ async def checkpoint(app, pilot, out: Path) -> dict:
     done = len(records(out, event="checkpoint_saved"))
     step = dash.run.step
     await wait_until(pilot, lambda: dash.run.step > step, 20, "a step")
+    await pilot.pause(REPEAT_S)  # a press, not the auto-repeat of the one before
     await pilot.press("c")
     await wait_until(pilot, lambda: len(records(out, event="checkpoint_saved")) > done
-                     and not dash.controls.pending.steps, 20, "a checkpoint")
+                     and not dash.controls.requests.pending.steps, 20, "a checkpoint")
     return records(out, event="checkpoint_saved")[done]
 
 
@@ -127,7 +132,7 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
             def cell(column: str) -> str:
                 return str(table.get_cell(f"node{node}", column))
 
-            tokens = fmt_rate(last["node_tokens_per_s"])
+            tokens = fmt_compact(last["node_tokens_per_s"])
             assert cell("node") == ("[b red]1 slow[/]" if node == 1 else "0")  # the straggler, on its row
             assert cell("ranks") == ("0-1" if node == 0 else "2-3") and cell("step") == "6"
             assert cell("tokens/s") == (f"[b red]{tokens}[/]" if node == 1 else tokens)
@@ -253,6 +258,11 @@ def test_r_resumes_from_the_selected_checkpoint_with_the_resume_flag(tmp_path):
         after = await wait_until(pilot, lambda: [r["step"] for r in records(out, event="step") if r["job_id"] == job],
                                  20, "steps after the resume")
         assert after[0] == first["step"] + 1
+        # never dead on the way (launch, stop, relaunch): no red line of it, no bell
+        await wait_until(pilot, lambda: f"resumed from step {first['step']}" in "\n".join(
+            t.plain for _, t in dash.query_one(LineView).entries), 10, "the resume's event line")
+        assert not [t.plain for _, t in dash.query_one(LineView).entries if t.plain.startswith("dead")]
+        assert app.bells == []
 
     run(tmp_path, scenario)
 
@@ -348,7 +358,10 @@ def test_a_run_on_another_host_is_asked_through_the_control_directory(tmp_path):
     out = tmp_path / "remote"
     (out / "metrics").mkdir(parents=True)
     (out / "run.json").write_text(json.dumps({"job_id": "j", "launcher_pid": os.getpid(), "hostname": "gpu-node-7.example",
-                                              "state": "running", "start_time": 1.0, "config": {"max_steps": 10}}))
+                                              "state": "running", "start_time": 1.0, "config": {"max_steps": 10},
+                                              "argv": ["osft-train", "--output-dir", str(out)]}))
+    (out / "full_state_checkpoints" / "step_2").mkdir(parents=True)
+    (out / "full_state_checkpoints" / "step_2" / "manifest.json").write_text(json.dumps({"format": 1, "files": {}}))
     (out / "metrics" / "node0.jsonl").write_text(json.dumps(
         {"ts": 2.0, "event": "run_started", "node_rank": 0, "rank": 0, "local_rank": 0, "world_size": 1,
          "hostname": "gpu-node-7.example", "job_id": "j", "pid": os.getpid()}) + "\n")
@@ -373,6 +386,12 @@ def test_a_run_on_another_host_is_asked_through_the_control_directory(tmp_path):
             await pilot.press("K")
             await pilot.pause(0.2)
             assert not isinstance(app.screen, Choice)  # nothing of the run is here to kill
+            await pilot.press("r")  # live on its host: a relaunch here would be a second job
+            await wait_until(pilot, lambda: any(n.message.startswith("cannot resume: the run is live on "
+                                                                      "gpu-node-7.example: stop it first")
+                                                for n in app._notifications), 10, "r's reason")
+            assert not app.dashboard.controls.launches.started and not isinstance(app.screen, Choice)
+            assert "running" in str(app.dashboard.query_one(RunHeader).content)
 
     asyncio.run(main())
 
@@ -390,7 +409,8 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
         await wait_until(pilot, lambda: "rank1" in ranks.rows and "exit code" in str(ranks.get_cell("rank1", "state")), 30,
                          "rank 1's row to show its exit")
         state = ranks.get_cell("rank1", "state")
-        assert state.startswith("[b red]failed (exit code 3)[/]: RuntimeError: fake crash of rank 1 at step 3")
+        assert state.plain.startswith("failed (exit code 3): RuntimeError: fake crash of rank 1 at step 3")
+        assert state.spans[0].style == "b red" and state.spans[0].end == len("failed (exit code 3)")
         ranks.focus()
         ranks.move_cursor(row=1)
         await pilot.press("l")
@@ -406,6 +426,24 @@ def test_a_crashed_rank_shows_its_exit_code_and_stderr(tmp_path):
     run(tmp_path, scenario)
 
 
+def test_a_node_that_crashes_mid_training_fails_the_run_with_its_step_and_error(tmp_path):
+    """2 nodes of 1 rank: node 1's rank crashes in step 3 and its launcher exits 1; node 0 hangs
+    waiting for it. The run line says which step and rank failed, with the elapsed time, not
+    "launch failed"."""
+    async def scenario(app, pilot, out):
+        await launch(app, pilot, tmp_path, out, nnodes=2, nproc=1, max_steps=50,
+                     extra="--fake-crash-rank 1 --fake-crash-step 3")
+        dash = app.dashboard
+        lines = []
+        await wait_until(pilot, lambda: lines.append(str(dash.query_one(RunHeader).content))
+                         or " failed " in lines[-1] and "rank 1:" in lines[-1], 30, "the failure", step=0.05)
+        assert not [line for line in lines if "launch failed" in line], lines
+        assert "at step 3 (rank 1: RuntimeError: fake crash of rank 1 at step 3" in lines[-1]
+        assert re.search(r"elapsed \d+s", lines[-1])
+
+    run(tmp_path, scenario)
+
+
 def test_the_command_palette_stops_the_run(tmp_path):
     async def scenario(app, pilot, out):
         await launch(app, pilot, tmp_path, out, nproc=1)
@@ -413,7 +451,12 @@ def test_the_command_palette_stops_the_run(tmp_path):
         await pilot.press("ctrl+p")
         await pilot.pause(0.3)
         await pilot.press(*"checkpoint & stop")
-        await pilot.pause(0.5)
+
+        def first() -> str:  # the palette searches in the background
+            options = app.screen.query_one(CommandList)
+            return str(options.get_option_at_index(0).prompt) if options.option_count else ""
+
+        await wait_until(pilot, lambda: first().startswith("Checkpoint & stop"), 10, "the command found")
         await pilot.press("enter")
         await wait_until(pilot, lambda: dash.run.state == "stopped", 30, "the stop")
         assert signals_received(out) == ["SIGUSR2"]

@@ -167,7 +167,8 @@ def test_exit_code_of_a_rank_killed_by_a_signal_comes_from_torchruns_report(tmp_
     w = RunWatcher(tmp_path)
     w.poll()
     assert w.model.ranks[3].exit_code == -9
-    assert rank_state(w.model.ranks[3], ProcStats(False)) == "[b red]killed by SIGKILL[/] (exit code -9)"
+    state = rank_state(w.model.ranks[3], ProcStats(False))
+    assert state.plain == "killed by SIGKILL (exit code -9)" and state.spans[0].end == len("killed by SIGKILL")
     other = dict(started, rank=2, local_rank=0, pid=999)  # a pid the report does not name
     (tmp_path / "metrics" / "node1.jsonl").write_text(json.dumps(other) + "\n")
     w2 = RunWatcher(tmp_path)
@@ -183,3 +184,37 @@ def test_cli_refuses_a_run_dir_that_does_not_exist(tmp_path, capsys):
         main([str(tmp_path / "nope")])
     assert exc.value.code == 2
     assert f"{tmp_path / 'nope'}: not a directory" in capsys.readouterr().err
+
+
+def test_a_long_run_is_shown_from_its_end_first_then_whole_with_no_line_twice(tmp_path):
+    """5,000 step records of 1 KB: more than the quick look (2 MiB) and than one read of the
+    history (4 MiB)."""
+    from osft.tui import reader
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "run.json").write_text(json.dumps({"job_id": "j", "state": "running", "config": {"max_steps": 9000}}))
+    path = tmp_path / "metrics" / "node0.jsonl"
+    step = {"event": "step", "node_rank": 0, "rank": 0, "job_id": "j", "loss": 1.0, "step_time_s": 1.0, "pad": "x" * 900}
+    with open(path, "w") as f:
+        f.write(json.dumps({"event": "warning", "ts": 0.5, "rank": 0, "message": "an early warning"}) + "\n")
+        for s in range(1, 5001):
+            f.write(json.dumps({**step, "ts": float(s), "step": s}) + "\n")
+    history = reader.History(str(tmp_path), poll_s=0.001)  # one read of the history per poll
+    model, result = history.poll()
+    assert model.step == 5000 and model.curves["loss"].steps[0] > 2500  # the end at once
+    assert "reading the run's history" in result.events[0].text and history.quick is not None
+    with open(path, "a") as f:  # a save while the history is read
+        f.write(json.dumps({"event": "checkpoint_saved", "ts": 6000.0, "rank": 0, "step": 5000, "path": "/c",
+                            "bytes": 1, "seconds": 1.0}) + "\n")
+    events, records = list(result.events), list(result.checkpoint_records)
+    for _ in range(200):
+        model, result = history.poll()
+        events += result.events
+        records += result.checkpoint_records
+        if history.quick is None:
+            break
+    assert history.quick is None and model.curves["loss"].steps[0] < 100  # the whole run
+    assert [r["ts"] for r in records] == [6000.0] and model.step == 5000
+    texts = [e.text for e in events]
+    assert texts[-1].startswith("history read in ") and len(texts) == len(set(texts))
+    assert "rank 0: warning: an early warning" not in texts  # history's lines are not events of now

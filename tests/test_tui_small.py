@@ -1,4 +1,4 @@
-"""osft-tui at 80x24 (issue 20): every field and button of the new-run form can be reached with Tab
+"""osft-tui at 80x24: every field and button of the new-run form can be reached with Tab
 and is on screen when focused, dialogs keep their buttons on screen and answer single keys, the help
 text wraps to its dialog, the command palette has one entry per command, the button row can be
 hidden, and the footer always shows ?, q and ^p."""
@@ -6,10 +6,11 @@ hidden, and the footer always shows ?, q and ^p."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from types import SimpleNamespace
 
-from osft.tui import controls
+from osft.tui import request_flow
 from osft.tui.app import OsftTui
 from osft.tui.components.modals import Choice, HelpScreen
 from osft.tui.components.new_run import NewRunScreen
@@ -17,6 +18,7 @@ from textual.command import CommandList, CommandPalette
 from textual.geometry import Region
 from textual.widgets import Button, Static
 from textual.widgets._footer import FooterKey
+from textual.widgets._toast import Toast
 from tui_support import wait_until
 
 SIZE = (80, 24)
@@ -60,13 +62,14 @@ def test_the_form_and_the_dialogs_fit_80x24(tmp_path, monkeypatch):
     asyncio.run(main())
 
 
-def on_dashboard(tmp_path, monkeypatch, check) -> None:
-    """Run ``await check(app, pilot)`` on a dashboard without a run at 80x24, its new-run form closed."""
+def on_dashboard(tmp_path, monkeypatch, check, notifications: bool = False) -> None:
+    """Run ``await check(app, pilot)`` on a dashboard without a run at 80x24, its new-run form closed
+    (with ``notifications``, toasts are drawn)."""
     monkeypatch.chdir(tmp_path)
 
     async def main():
         app = OsftTui(None)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=SIZE, notifications=notifications) as pilot:
             await wait_until(pilot, lambda: isinstance(app.screen, NewRunScreen), 10, "the form")
             await pilot.press("escape")
             await wait_until(pilot, lambda: app.screen is app.dashboard, 10, "the dashboard")
@@ -117,10 +120,11 @@ def test_the_help_text_wraps_to_its_dialog(tmp_path, monkeypatch):
 
 
 def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch):
-    """The quit dialog (detach d, checkpoint and stop s, kill k, cancel c) and the kill
-    confirmation (cancel c, kill k) of a run that looks alive; kill reaches no real process."""
+    """The quit dialog (detach d, cancel c; checkpoint and stop and kill only by Enter on their
+    button) and the kill confirmation (cancel c, kill y) of a run that looks alive: the key that
+    opened a dialog, or another dashboard key, never answers one that acts; kill reaches no real process."""
     killed = []
-    monkeypatch.setattr(controls, "kill_processes", lambda targets: killed.append(targets) or [])
+    monkeypatch.setattr(request_flow, "kill_processes", lambda targets: killed.append(targets) or [])
     target = SimpleNamespace(pid=4242, role="launcher of node 0")
 
     async def check(app, pilot):
@@ -128,21 +132,35 @@ def test_dialogs_answer_single_keys_shown_on_their_buttons(tmp_path, monkeypatch
         await pilot.press("q")
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
         labels = [str(b.label) for b in app.screen.query(Button)]
-        assert labels == ["detach (d)", "checkpoint and stop (s)", "kill (k)", "cancel (c)"], labels
+        assert labels == ["detach (d)", "checkpoint and stop", "kill", "cancel (c)"], labels
+        await pilot.pause(0.2)
+        inside = app.screen.query_one(".dialog").content_region
+        assert all(inside.contains_region(b.region) for b in app.screen.query(Button))  # whole, at 80 columns
+        app.dashboard.notify("a toast while the dialog is open")
+        await pilot.pause(0.2)
+        toasts = app.screen.query(Toast)
+        assert toasts and not [t for t in toasts if t.region.area]  # held back: it never covers the answers
+        await pilot.press("q", "k", "s", "y")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, Choice) and not killed
         await pilot.press("c")
         await wait_until(pilot, lambda: app.screen is app.dashboard, 10, "the dashboard again")
         await pilot.press("K")
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the kill confirmation")
-        assert [str(b.label) for b in app.screen.query(Button)] == ["cancel (c)", "kill (k)"]
-        await pilot.press("k")
+        assert [str(b.label) for b in app.screen.query(Button)] == ["cancel (c)", "kill (y)"]
+        await pilot.press("K", "k")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, Choice) and not killed
+        await pilot.press("y")
         await wait_until(pilot, lambda: killed, 10, "the kill")
         assert killed == [[target]] and app.screen is app.dashboard
+        await pilot.pause(0.5)  # q again, not an auto-repeat
         await pilot.press("q")
         await wait_until(pilot, lambda: isinstance(app.screen, Choice), 10, "the quit dialog")
         await pilot.press("d")
         await wait_until(pilot, lambda: app.return_value == 0, 10, "detach")
 
-    on_dashboard(tmp_path, monkeypatch, check)
+    on_dashboard(tmp_path, monkeypatch, check, notifications=True)
     assert killed == [[target]]
 
 
@@ -164,3 +182,21 @@ def test_b_hides_the_button_row_and_the_footer_keeps_help_quit_and_palette(tmp_p
         await wait_until(pilot, lambda: row.display and below_charts() == height, 10, "the row back")
 
     on_dashboard(tmp_path, monkeypatch, check)
+
+
+def test_the_theme_chosen_is_kept_for_the_next_session(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+    async def session(choose: str | None) -> str:
+        app = OsftTui(None, readonly=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            if choose:
+                app.theme = choose
+                await pilot.pause()
+            return app.theme
+
+    assert asyncio.run(session(None)) == "textual-dark"
+    assert asyncio.run(session("nord")) == "nord"
+    assert asyncio.run(session(None)) == "nord"
+    assert json.loads((tmp_path / "config" / "osft-tui" / "settings.json").read_text()) == {"theme": "nord"}

@@ -40,6 +40,7 @@ def fixed_clock(monkeypatch, tmp_path):
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()
     monkeypatch.setenv("OSFT_DEMO_DIR", "/opt/osft-demo")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no theme saved by a session of the user
     monkeypatch.chdir(tmp_path)
     yield
     monkeypatch.undo()

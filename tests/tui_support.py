@@ -56,3 +56,8 @@ async def no_processes_left(out, timeout: float = 30.0) -> bool:
             return False
         await asyncio.sleep(0.2)
     return True
+
+
+def screen_text(app) -> str:
+    """The plain text of the screen on top, as the terminal would show it (one line per row)."""
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())

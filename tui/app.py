@@ -13,13 +13,13 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
+from osft.trainer.checkpoint.signals import take_held_signals
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-from osft.trainer.checkpoint.signals import take_held_signals
-
+from . import settings
 from .cli import ENDING_SIGNALS
-from .controls import offered
+from .keys import QUIT, offered
 from .dashboard import Dashboard
 from .launch import DEFAULT_LAUNCHER
 from .runs import run_dirs
@@ -48,9 +48,14 @@ class OsftTui(App[int]):
         self.readonly = readonly
         self.poll_s = poll_s
         self.browse = run_dir if run_dir is not None and run_dirs(run_dir) else None
-        self.dashboard = Dashboard(None if self.browse else run_dir, self.launcher, readonly, poll_s)
+        self._keep_theme = False  # the theme set before on_mount is Textual's default, not a choice
+        self.dashboard = Dashboard(None if self.browse else run_dir, self.launcher, readonly, poll_s, self.browse)
 
     def on_mount(self) -> None:
+        theme = settings.load().get("theme")
+        if isinstance(theme, str) and theme in self.available_themes:
+            self.theme = theme  # the one chosen in an earlier session (palette: Theme)
+        self._keep_theme = True
         loop = asyncio.get_running_loop()
         arrived = take_held_signals()  # during start-up (held by osft-tui's main)
         for signum in ENDING_SIGNALS:
@@ -68,11 +73,16 @@ class OsftTui(App[int]):
 
             self.push_screen(RunBrowser(self.browse), self.dashboard.attach)
         elif self.run_dir is None and not self.readonly:
-            self.dashboard.action_new_run()
+            self.dashboard.controls.launches.new_run()
+
+    def watch_theme(self, theme: str) -> None:
+        """Keep the theme chosen for the next session (:mod:`.settings`)."""
+        if self._keep_theme and settings.load().get("theme") != theme:
+            settings.save(theme=theme)
 
     def action_quit(self) -> None:
         """ctrl+q goes through the dashboard's quit question too."""
-        self.dashboard.action_request_quit()
+        self.dashboard.action_control(QUIT.action)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The command palette: every dashboard control (those that signal only without --readonly),
@@ -82,5 +92,5 @@ class OsftTui(App[int]):
             return
         replaced = (self.action_quit, self.action_show_help_panel, self.action_hide_help_panel)
         yield from (c for c in super().get_system_commands(screen) if c.callback not in replaced)
-        for c in offered(self.readonly):
-            yield SystemCommand(c.title, c.help, lambda a=c.action: self.dashboard.run_action(a))
+        for c in offered(self.readonly, self.browse is not None):
+            yield SystemCommand(c.title, c.help, lambda a=c.action: self.dashboard.action_control(a))

@@ -1,9 +1,10 @@
 """``osft-tui``: the command line.
 
 ``osft-tui`` opens the new-run form (prefilled with the demo job); ``osft-tui RUN_DIR`` attaches
-to a run directory; ``osft-tui DIR`` on a directory of run directories lists them (the run browser). Exit codes: 0 quit; 2 bad arguments; 128 + N ended by signal N (SIGTERM,
-SIGHUP), after restoring the terminal and leaving the run running; such a signal during start-up
-is held and ends the app as soon as it runs.
+to a run directory; ``osft-tui DIR`` on a directory of run directories lists them (the run
+browser). Exit codes: 0 quit; 1 the dashboard ended on an error (its traceback is printed); 2 bad
+arguments; 128 + N ended by signal N (SIGTERM, SIGHUP), after restoring the terminal and leaving
+the run running; such a signal during start-up is held and ends the app as soon as it runs.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def _main(argv: list[str] | None) -> int:
 
     app = OsftTui(args.run_dir, shlex.split(args.launcher) if args.launcher else None, args.readonly, args.poll_interval)
     code = app.run()
-    return code if isinstance(code, int) else 0
+    if isinstance(code, int):
+        return code
+    return app.return_code or 0  # 1 when the app ended on an exception (Textual printed it)
 
 
 if __name__ == "__main__":

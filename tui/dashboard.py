@@ -1,7 +1,8 @@
 """The dashboard screen: one run's state, violation counters, nodes, charts, checkpoints, ranks and events.
 
 It polls the run (through a reader process) and redraws; the keys, buttons and palette commands
-run the control flows of :mod:`.controls`.
+(:data:`~.keys.CONTROLS`) run the control flows of :mod:`.controls`, which report back by messages
+(:mod:`.messages`, handled here with ``@on``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from typing import TYPE_CHECKING
 
 from osft.trainer.contract import RunState
 from rich.text import Text
+from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Label
 
@@ -25,12 +29,15 @@ from .components.modals import ask_search
 from .components.nodes import NodeTable
 from .components.ranks import RankTable
 from .components.violations import ViolationCounters
-from .controls import ACTING, CONTROLS, Controls, offered
+from .controls import Controls
+from .flow import Shown
+from .keys import ACTING, BACK, CONTROL_BY_ACTION, CONTROLS, HELP, QUIT, Presses, offered
+from .messages import Offered, Said, Told, Watch
 from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
 from .requests import CHECKPOINT, STOP
 from .run_state import Event, RunModel, Violations
-from .status import Status, judge
+from .status import Status, judge, stalled_nodes
 
 if TYPE_CHECKING:
     from .components.charts import MetricChart, ThroughputChart
@@ -39,9 +46,10 @@ if TYPE_CHECKING:
 #: the run's processes (CPU % is measured over this interval). The run line, the node and
 #: checkpoint tables and the violation counters follow every poll.
 SAMPLE_S = 1.0
-#: Event lines written to the event pane per SAMPLE_S at most; the others are counted in a
-#: "… not shown" line (a flooding run cannot make the UI slow to answer keys). Rank output is not
-#: an event: the log view (l) shows it.
+#: Warning lines written to the event pane per SAMPLE_S at most; the others are counted in a
+#: "… not shown" line (a flooding run cannot make the UI slow to answer keys). Lifecycle lines
+#: (starts, requests, saves, errors, ends) are never dropped. Rank output is not an event: the
+#: log view (l) shows it.
 EVENT_LINES = 20
 #: Seconds an event line is not repeated: the same warning of every rank (or written again by
 #: the same rank) within this time is one line naming the ranks.
@@ -64,14 +72,18 @@ class Dashboard(Screen):
         launcher: the command that runs ``osft-train`` (the launcher), e.g. ``[python, -m, osft.trainer.cli]``.
         readonly: remove every control that signals a run.
         poll_s: seconds between polls of the run directory and the processes.
+        runs: the directory of runs this dashboard's run was chosen from (``escape`` goes back to
+            its run browser), or None.
     """
 
     #: Help and quit first: the footer cuts what does not fit on its right (80 columns).
-    BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in ("help", "request_quit"))
+    BINDINGS = sorted((c.binding for c in CONTROLS), key=lambda b: b.action not in (HELP.command, QUIT.command))
 
-    def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25) -> None:
+    def __init__(self, run_dir: Path | None, launcher: list[str], readonly: bool = False, poll_s: float = 0.25,
+                 runs: Path | None = None) -> None:
         super().__init__(id="dashboard")
-        self.controls = Controls(self, launcher)
+        self.controls = Controls(launcher, readonly, runs)
+        self.presses = Presses()
         self.readonly = readonly
         self.poll_s = poll_s
         self.reader: Reader | None = None
@@ -79,7 +91,8 @@ class Dashboard(Screen):
         self.view: ProcessView | None = None
         self._stats: dict[int, ProcStats | None] = {}
         self._queued = Update(RunModel("."))
-        self._live = False
+        self._live: bool | None = None
+        self._live_of: tuple = ()
         self._sampled = float("-inf")
         self._told: tuple[str, str] | None = None
         self._said: dict[str, float] = {}
@@ -103,9 +116,10 @@ class Dashboard(Screen):
                 yield RankTable(id="ranks")
         yield LineView("events (/ search, v level)", 1000, id="events")
         with Horizontal(id="buttons"):
-            for c in offered(self.readonly):
+            for c in offered(self.readonly, self.controls.screens.runs is not None):
                 key = self.app.get_key_display(c.binding)
                 yield Button(f"{c.title} ({key})", id=f"button-{c.action}", compact=True)
+        yield self.controls
         yield Footer()
 
     def on_mount(self) -> None:
@@ -125,13 +139,24 @@ class Dashboard(Screen):
             for chart in self.charts:
                 chart.show(self.run)
 
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """--readonly hides and disables every control that acts on a run or starts one."""
-        return not (self.readonly and action in ACTING)
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = False) -> None:
+        """A toast, its message plain text by default: the dashboard's messages carry paths, job names
+        and run output, whose square brackets are not markup."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
-    async def on_button_pressed(self, event: Button.Pressed) -> None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """--readonly hides and disables every control that acts on a run or starts one; the way back
+        to the run browser is there only for a run chosen in it."""
+        if action != "control" or not parameters:
+            return True
+        if parameters[0] == BACK.action:
+            return self.controls.screens.runs is not None
+        return not (self.readonly and parameters[0] in ACTING)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
-        await self.run_action((event.button.id or "").removeprefix("button-"))
+        self.action_control((event.button.id or "").removeprefix("button-"))
 
     # ------------------------------------------------------------------ polling
     def attach(self, run_dir: Path) -> None:
@@ -142,10 +167,11 @@ class Dashboard(Screen):
         self.reader = Reader(run_dir, self.poll_s)
         self.run = RunModel(run_dir)
         self.view = ProcessView(self.run)
-        self.controls.pending.clear()
-        self.controls.failure = None
+        self.controls.requests.pending.clear()
+        self.controls.launches.failure = None
         self._queued = Update(RunModel("."))
-        self._stats, self._live, self._sampled, self._told, self._said = {}, False, float("-inf"), None, {}
+        self._stats, self._live, self._live_of, self._sampled, self._told, self._said = \
+            {}, None, (), float("-inf"), None, {}
         if self.is_mounted:
             self.query_one(LineView).forget()
             self.query_one(CheckpointTable).show([])
@@ -161,7 +187,8 @@ class Dashboard(Screen):
 
     def poll(self) -> None:
         """Take the reader's update, sample the processes (every :data:`SAMPLE_S`), redraw."""
-        self.controls.reap()
+        if self.controls.launches.started:
+            self.controls.launches.reap(Shown(self.run, self.view, self._live))
         if self.reader is None or self.run is None or self.view is None:
             self.query_one(RunHeader).show(None, None, self.readonly)
             return
@@ -180,8 +207,11 @@ class Dashboard(Screen):
         slow = now - self._sampled >= SAMPLE_S  # the costly redraws: once per SAMPLE_S
         if slow:
             self._stats, self._sampled = self._sample(), now
-            self._live = self.view.any_alive()
             self._write_events()
+        processes = self._processes()
+        if slow or processes != self._live_of:  # at once when the run names other processes
+            self._live = self.view.any_alive() if any(processes) else None
+            self._live_of = processes
         run, stats = self.run, self._stats
         usage: dict[int, tuple[float | None, int | None]] = {}
         for rank, s in stats.items():
@@ -191,11 +221,12 @@ class Dashboard(Screen):
             cpu, rss = usage.get(node, (0.0, 0))
             usage[node] = ((cpu or 0.0) + (s.cpu_percent or 0.0), (rss or 0) + (s.rss_bytes or 0))
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
-        status = judge(run, self._live if here else None, self.controls.starting(), self.controls.failure, time.time())
+        launches = self.controls.launches
+        status = judge(run, self._live if here else None, launches.starting(run), launches.failure, time.time())
         self.query_one(RunHeader).show(run, status, self.readonly)
         self._tell(status)
         self.query_one(ViolationCounters).show(run.violations)
-        self.query_one(NodeTable).show(run, usage)
+        self.query_one(NodeTable).show(run, usage, stalled_nodes(run, time.time()))
         if slow:
             for chart in self.charts:
                 chart.show(run)
@@ -203,7 +234,7 @@ class Dashboard(Screen):
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
         for record in update.checkpoint_records if update else []:
-            self.controls.answer(record)
+            self.controls.requests.answer(record, Shown(run, self.view, self._live))
         if slow:
             self.offer_controls()
 
@@ -211,14 +242,16 @@ class Dashboard(Screen):
         """Dim the buttons that cannot act now, with the reason as their tooltip: checkpoint and
         stop while a request of their kind waits for its checkpoint, checkpoint, stop and kill
         while no process of the run is alive here (the keys say why when pressed)."""
-        why, pending = self.controls.unavailable(self._live), self.controls.pending.steps
+        requests = self.controls.requests
+        why, pending = requests.unavailable(Shown(self.run, self.view, self._live)), requests.pending.steps
         for action, kind in (("checkpoint", CHECKPOINT), ("stop", STOP), ("kill", None)):
             reason = why
             if reason is None and kind in pending:
                 reason = f"{kind} requested at step {pending[kind] or 0}; waiting for its checkpoint"
             for button in self.query(f"#button-{action}").results(Button):
-                if (button.disabled, button.tooltip) != (reason is not None, reason):
-                    button.disabled, button.tooltip = reason is not None, reason
+                tip = None if reason is None else Content(reason)  # plain: run.json's state is the run's text
+                if (button.disabled, button.tooltip) != (reason is not None, tip):
+                    button.disabled, button.tooltip = reason is not None, tip
 
     def _tell(self, status: Status) -> None:
         """Put a state the run line gives a reason for (dead, launch failed, unreadable run.json) in
@@ -237,8 +270,9 @@ class Dashboard(Screen):
         self._told = told
 
     def _queue_events(self, update: Update) -> None:
-        """Keep the update's event lines for the next write (the newest :data:`EVENT_LINES`; the
-        others are counted); rank output is dropped (the log view reads it)."""
+        """Keep the update's event lines for the next write (every lifecycle line and the newest
+        :data:`EVENT_LINES` warnings; the others are counted); rank output is dropped (the log view
+        reads it)."""
         self._queued.merge(update).cap(EVENT_LINES, 0)
 
     def _write_events(self) -> None:
@@ -273,6 +307,13 @@ class Dashboard(Screen):
         self._said = {t: at for t, at in self._said.items() if now - at < REPEAT_S}
         return lines
 
+    def _processes(self) -> tuple:
+        """The launchers and ranks the run names (node or rank, pid): liveness is known only from a
+        sample taken since they were read (before, a launch or attach looks like a dead run)."""
+        assert self.run is not None
+        return (tuple((n, i.pid) for n, i in sorted(self.run.launchers.items())),
+                tuple((r, i.pid) for r, i in sorted(self.run.ranks.items())))
+
     def _sample(self) -> dict[int, ProcStats | None]:
         """psutil stats of each rank on this host (None for a rank on another host)."""
         assert self.run is not None and self.view is not None
@@ -283,61 +324,62 @@ class Dashboard(Screen):
         """Append a line of the dashboard's own (a request, a kill, a launch) to the event pane."""
         self.query_one(LineView).add([("error" if "red" in style else "info", Text(message, style))])
 
+    def shown(self) -> Shown:
+        """What the dashboard shows now, for a control flow."""
+        checkpoints = self.query_one(CheckpointTable)
+        return Shown(self.run, self.view, self._live, checkpoints.selected(), checkpoints.has_focus,
+                     self.query_one(RankTable).selected_rank())
+
+    # ------------------------------------------------------------------ what the flows say
+    @on(Said)
+    def _said(self, message: Said) -> None:
+        self.log_event(message.text, message.style)
+
+    @on(Told)
+    def _told_toast(self, message: Told) -> None:
+        self.notify(message.message, title=message.title, severity=message.severity, timeout=message.timeout)
+
+    @on(Watch)
+    def _watch(self, message: Watch) -> None:
+        self.attach(message.root)
+        self.poll()
+
+    @on(Offered)
+    def _offered(self, _: Offered) -> None:
+        self.offer_controls()
+
     # ------------------------------------------------------------------ controls (see .controls)
-    def action_checkpoint(self) -> None:
-        """``c``: :meth:`.Controls.checkpoint`."""
-        self.controls.checkpoint()
+    def action_control(self, name: str) -> None:
+        """Every key, button and palette command of :data:`~.keys.CONTROLS`: the control
+        ``name``'s flow (:class:`.Controls`) or view (below). A press of an acting control within
+        :data:`~.keys.REPEAT_S` of the one before (a held key's auto-repeat) does nothing."""
+        control = CONTROL_BY_ACTION[name]
+        if self.presses.repeated(control):
+            return
+        if control.flow == "view":
+            getattr(self, name)()
+        else:
+            self.controls.run(control, self.shown())
 
-    def action_stop(self) -> None:
-        """``s``: :meth:`.Controls.stop`."""
-        self.controls.stop()
-
-    def action_evaluate(self) -> None:
-        """``e``: :meth:`.Controls.evaluate`."""
-        self.controls.evaluate()
-
-    def action_kill(self) -> None:
-        """``K``: :meth:`.Controls.kill`."""
-        self.controls.kill()
-
-    def action_resume(self) -> None:
-        """``r``: :meth:`.Controls.resume`."""
-        self.controls.resume()
-
-    def action_logs(self) -> None:
-        """``l``: :meth:`.Controls.logs`."""
-        self.controls.logs()
-
-    def action_new_run(self) -> None:
-        """``n``: :meth:`.Controls.new_run`."""
-        self.controls.new_run()
-
-    def action_search(self) -> None:
+    def search(self) -> None:
         """``/``: show only the event lines holding a text."""
         ask_search(self.app, self.query_one(LineView))
 
-    def action_next_chart(self) -> None:
+    def next_chart(self) -> None:
         """``g``: the metric chart's next view (loss, learning rate, grad norm, forgetting)."""
         if self.charts:
             self.notify(f"chart: {self.charts[0].next_view(self.run)}", timeout=2)
 
-    def action_copy(self) -> None:
-        """``y``: :meth:`.Controls.copy_path`."""
-        self.controls.copy_path()
+    def smooth(self) -> None:
+        """``m``: the metric chart's next smoothing (none, 0.6, 0.9)."""
+        if self.charts:
+            self.notify(f"smoothing: {self.charts[0].next_smoothing(self.run):g}", timeout=2)
 
-    def action_level(self) -> None:
+    def level(self) -> None:
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""
         self.notify(f"events: {self.query_one(LineView).next_level()}", timeout=2)
 
-    def action_toggle_buttons(self) -> None:
+    def toggle_buttons(self) -> None:
         """``b``: show or hide the button row (the events get its line)."""
         row = self.query_one("#buttons")
         row.display = not row.display
-
-    def action_help(self) -> None:
-        """``?``: :meth:`.Controls.help`."""
-        self.controls.help()
-
-    def action_request_quit(self) -> None:
-        """``q``: :meth:`.Controls.request_quit`."""
-        self.controls.request_quit()

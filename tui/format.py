@@ -43,3 +43,26 @@ def fmt_clock(ts: float | None) -> str:
     """Local ``MM-DD HH:MM`` of a unix time (a checkpoint of yesterday is not taken for today's);
     ``-`` for None."""
     return time.strftime("%m-%d %H:%M", time.localtime(ts)) if ts else "-"
+
+
+def fmt_compact(x: float | None) -> str:
+    """A rate in at most 5 characters with a unit prefix and 3 significant digits (``450``,
+    ``12.3k``, ``2.85M``), so that a narrow cell is never cut; ``-`` for None."""
+    if x is None:
+        return "-"
+    for prefix, scale in (("", 1.0), ("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        v = x / scale
+        if abs(v) < 999.5 or prefix == "G":
+            if not prefix:
+                return f"{v:.0f}"
+            return (f"{v:.2f}" if abs(v) < 9.995 else f"{v:.1f}" if abs(v) < 99.95 else f"{v:.0f}") + prefix
+    raise AssertionError("unreachable")
+
+
+def fit_name(name: str, width: int) -> str:
+    """A host name in ``width`` characters: whole if it fits, else its first label (``gpu-17`` of
+    ``gpu-17.cluster.example``), else its end after ``…`` (the end tells similar names apart)."""
+    if len(name) <= width:
+        return name
+    short = name.split(".", 1)[0]
+    return short if len(short) <= width else "…" + short[-(width - 1):]

@@ -118,8 +118,8 @@ class ProcessView:
         return [Target(p.pid, f"rank {r}") for r in sorted(self.model.ranks) if (p := self.rank(r)) is not None]
 
     def request_targets(self) -> list[Target]:
-        """Where a checkpoint request goes: every live launcher on this host, else every live rank
-        on this host (each records it in the job's trigger); empty: use the control file."""
+        """Where a checkpoint request can go, in order (:func:`send_request` signals the first): the
+        live launchers on this host, else the live ranks on this host; empty: use the control file."""
         return self.local_launchers() or self.local_ranks()
 
     def kill_targets(self) -> list[Target]:
@@ -154,8 +154,10 @@ class ProcessView:
 def send_request(view: ProcessView, signum: int) -> str:
     """Ask the run for a checkpoint (SIGUSR1) or a checkpoint and stop (SIGUSR2).
 
-    Sends one ``signum`` to each target of :meth:`ProcessView.request_targets`; when there is none
-    on this host, creates ``control/checkpoint`` or ``control/checkpoint-and-exit`` instead.
+    Sends one ``signum`` to the first target of :meth:`ProcessView.request_targets` that is still
+    there (the process that receives it records it in the job's trigger, which every rank reads at
+    its safe points: one signal asks the whole job, whatever its number of nodes); when there is
+    none on this host, creates ``control/checkpoint`` or ``control/checkpoint-and-exit`` instead.
 
     Returns:
         What was done, for the UI (``"SIGUSR1 sent to launcher of node 0 (pid 123)"``).
@@ -163,16 +165,12 @@ def send_request(view: ProcessView, signum: int) -> str:
     Raises:
         OSError: the control directory cannot be written.
     """
-    targets = view.request_targets()
-    sent = []
-    for t in targets:
+    for t in view.request_targets():
         try:
             os.kill(t.pid, signum)
-            sent.append(f"{t.role} (pid {t.pid})")
         except ProcessLookupError:
             continue
-    if sent:
-        return f"{signal_name(signum)} sent to " + ", ".join(sent)
+        return f"{signal_name(signum)} sent to {t.role} (pid {t.pid})"
     control = RunDir(view.model.root).control
     control.mkdir(parents=True, exist_ok=True)
     name = CONTROL_FILES[signum]

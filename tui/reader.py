@@ -23,13 +23,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .run_state import Event, RunModel
+from osft.trainer.rundir import RunDir
+
+from .format import fmt_bytes
+from .run_state import Event, PollResult, RunModel
 from .watcher import RunWatcher
 
 #: Event lines (run events, warnings, errors, malformed-line reports) per update at most.
 EVENTS_PER_UPDATE = 40
 #: Rank log lines per update at most: none, the event pane does not show rank output.
 LOG_LINES_PER_UPDATE = 0
+#: Bytes at the end of each metrics file a long run is first shown from (a few thousand step records).
+QUICK_BYTES = 2 * 1024 * 1024
+#: Share of each poll the reader spends on a long run's history until it has read it.
+HISTORY_SHARE = 0.8
 #: Frame header on the pipe: the pickle's length in bytes.
 _HEADER = struct.Struct(">Q")
 
@@ -56,12 +63,15 @@ class Update:
     read_s: float = 0.0
 
     def cap(self, events: int = EVENTS_PER_UPDATE, logs: int = LOG_LINES_PER_UPDATE) -> Update:
-        """Keep the newest ``events`` event lines and ``logs`` log lines, counting the rest."""
-        infos = [e for e in self.events if e.level != "log"]
+        """Keep every lifecycle line (:attr:`~.run_state.Event.lifecycle`: starts, requests, saves,
+        resumes, errors, ends), the newest ``events`` of the other event lines (warnings) and the
+        newest ``logs`` log lines, counting the rest; the order stays."""
+        warnings = [e for e in self.events if e.level == "warning"]
         lines = [e for e in self.events if e.level == "log"]
-        self.dropped_events += max(0, len(infos) - events)
+        self.dropped_events += max(0, len(warnings) - events)
         self.dropped_logs += max(0, len(lines) - logs)
-        self.events = infos[max(0, len(infos) - events):] + lines[max(0, len(lines) - logs):]  # 0 keeps none
+        kept = {id(e) for e in warnings[max(0, len(warnings) - events):] + lines[max(0, len(lines) - logs):]}
+        self.events = [e for e in self.events if e.lifecycle or id(e) in kept]  # 0 keeps none
         return self
 
     def merge(self, later: Update) -> Update:
@@ -159,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     root, poll_s, parent = (argv if argv is not None else sys.argv[1:])[:3]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c belongs to the dashboard
     out = sys.stdout.buffer
-    watcher = RunWatcher(root)
+    reading = History(root, float(poll_s))
     while os.getppid() == int(parent):
         start = time.monotonic()
-        result = watcher.poll()
-        update = Update(watcher.model, result.events, checkpoint_records=result.checkpoint_records, read_s=time.monotonic() - start)
+        model, result = reading.poll()
+        update = Update(model, result.events, checkpoint_records=result.checkpoint_records, read_s=time.monotonic() - start)
         data = pickle.dumps(update.cap(), pickle.HIGHEST_PROTOCOL)
         try:
             out.write(_HEADER.pack(len(data)) + data)  # blocks while the dashboard is behind
@@ -172,6 +182,60 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         time.sleep(max(0.0, float(poll_s) - (time.monotonic() - start)))
     return 0
+
+
+class History:
+    """The reader's watchers. A run whose metrics files hold more than :data:`QUICK_BYTES` is first
+    shown from their last :data:`QUICK_BYTES` (a quick :class:`~.watcher.RunWatcher`: the latest
+    step, rates and checkpoints at once), while a second watcher reads the whole files from their
+    start for most of each poll; once it has caught up, it replaces the quick one, and the charts
+    cover the whole run. Only the quick watcher's event lines and checkpoint records are sent
+    meanwhile (then the full one's that are newer): none is sent twice or lost.
+
+    Args:
+        root: the run directory.
+        poll_s: seconds between polls; the history is read for :data:`HISTORY_SHARE` of each.
+    """
+
+    def __init__(self, root: str, poll_s: float) -> None:
+        self.full = RunWatcher(root)
+        self.poll_s = poll_s
+        size = _metrics_bytes(Path(root))
+        self.quick: RunWatcher | None = RunWatcher(root, last=QUICK_BYTES) if size > QUICK_BYTES else None
+        self._size, self._started = size, time.monotonic()
+        self._sent_ts = float("-inf")
+
+    def poll(self) -> tuple[RunModel, PollResult]:
+        """One poll: the model to show and the lines and records to send."""
+        if self.quick is None:
+            return self.full.model, self.full.poll()
+        start = time.monotonic()
+        result = self.quick.poll()
+        if self._sent_ts == float("-inf"):
+            result.events.insert(0, Event(time.time(), "info", f"reading the run's history ({fmt_bytes(self._size)} of "
+                                                               "metrics) in the background: the charts show its end"))
+        self._sent_ts = max([self._sent_ts, *(e.ts for e in result.events),
+                             *(float(r.get("ts") or 0) for r in result.checkpoint_records)])
+        while True:
+            caught_up = self.full.poll()
+            if self.full.backlog() == 0 or time.monotonic() - start > HISTORY_SHARE * self.poll_s:
+                break
+        if self.full.backlog():
+            return self.quick.model, result
+        self.quick = None  # caught up: the full model from now on, and its lines newer than those sent
+        result.events += [e for e in caught_up.events if e.ts > self._sent_ts]
+        result.checkpoint_records += [r for r in caught_up.checkpoint_records if float(r.get("ts") or 0) > self._sent_ts]
+        result.events.append(Event(time.time(), "info", f"history read in {time.monotonic() - self._started:.1f} s: "
+                                                        "the charts show the whole run"))
+        return self.full.model, result
+
+
+def _metrics_bytes(root: Path) -> int:
+    """Bytes of the run's metrics files now (0 when there are none)."""
+    try:
+        return sum(p.stat().st_size for p in RunDir(root).metrics.glob("*.jsonl"))
+    except OSError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -36,11 +36,20 @@ class PendingRequests:
     def __init__(self) -> None:
         self.steps: dict[str, int | None] = {}
         self._served: str | None = None
+        self._asked_again: set[str] = set()
 
     def clear(self) -> None:
         """Forget every request (another run is shown)."""
         self.steps.clear()
         self._served = None
+        self._asked_again.clear()
+
+    def first_time_asked_again(self, kind: str) -> bool:
+        """Whether this is the first time the pending request of ``kind`` is asked for again (the
+        user is told once that it waits, not at every press)."""
+        first = kind not in self._asked_again
+        self._asked_again.add(kind)
+        return first
 
     def take(self, record: dict, sigusr1_action: str | None) -> str | None:
         """Feed one ``checkpoint_requested`` or ``checkpoint_saved`` record; returns the kind of our
@@ -57,4 +66,5 @@ class PendingRequests:
         answered = [k for k in ([kind, CHECKPOINT] if kind == STOP else [kind]) if k in self.steps]
         for k in answered:
             del self.steps[k]
+            self._asked_again.discard(k)
         return kind if answered else None

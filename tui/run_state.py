@@ -23,6 +23,8 @@ from .series import Curve
 
 #: A node whose tokens/s is below this fraction of the other nodes' mean is a straggler.
 STRAGGLER_FRACTION = 0.8
+#: Steps after a violation during which the violation counters stay in their alert state.
+RECENT_STEPS = 20
 
 
 @dataclass
@@ -75,6 +77,7 @@ class NodeStats:
         rss_bytes: the reporting rank's resident memory (bytes), from the record.
         gpu_mem_bytes: its GPU memory (bytes), None on CPU.
         tokens: ``tokens_per_s`` over the whole run (resume-aware).
+        job_id: the job of the latest step record.
     """
 
     node_rank: int
@@ -93,6 +96,7 @@ class NodeStats:
     last_ts: float = 0.0
     steps_seen: int = 0
     tokens: Curve = field(default_factory=Curve)
+    job_id: str | None = None
 
 
 @dataclass
@@ -105,16 +109,23 @@ class Violations:
         worst_dev_deg: the worst deviation from 90° seen in any step read (degrees).
         records_sum: sum of ``ortho_violations`` over every step record read (a consistency check:
             equals ``total`` for a run read from its start).
+        step: the latest step checked.
+        last_at: the latest step with violations (None: none read).
     """
 
     this_step: int = 0
     total: int = 0
     worst_dev_deg: float | None = None
     records_sum: int = 0
+    step: int | None = None
+    last_at: int | None = None
 
     @property
     def alert(self) -> bool:
-        return self.this_step > 0 or self.total > 0
+        """Violations in one of the last :data:`RECENT_STEPS` steps (the total alone stays non-zero
+        for the rest of a run after one violation)."""
+        return self.this_step > 0 or (self.last_at is not None and self.step is not None
+                                      and self.step - self.last_at < RECENT_STEPS)
 
 
 @dataclass
@@ -144,6 +155,12 @@ class Event:
     ts: float
     level: str
     text: str
+
+    @property
+    def lifecycle(self) -> bool:
+        """A line of the run's life (start, request, save, resume, error, end): never dropped by a cap,
+        unlike warnings and rank output, which a run can write without bound."""
+        return self.level in ("info", "error")
 
 
 def describe(record: dict) -> Event | None:
@@ -198,6 +215,7 @@ class RunModel:
         event_counts: event lines produced so far, by level (before the UI's caps).
         log_buffers: ``node<N>/local<L>`` -> lines kept, their cap, and bytes skipped by a flood.
         run_json_error: why ``run.json`` cannot be read now (None when it can, or is absent).
+        gone: the run directory was there and is no longer (deleted or moved).
         curves: the run's metrics over its steps (node 0's records, resume-aware, see
             :class:`~.series.Curve`): ``loss``, ``lr``, ``grad_norm``, ``eval_loss <set>`` (nats per
             token) and ``forgetting <set>`` (retention sets: loss minus the step-0 loss, nats per token).
@@ -215,6 +233,7 @@ class RunModel:
         self.step: int | None = None
         self.problems: list[str] = []
         self.run_json_error: str | None = None
+        self.gone = False
         self.records_read: dict[str, int] = {}
         self.log_paths: dict[tuple[int, int], Path] = {}
         self.consumed_bytes: dict[str, int] = {}
@@ -335,6 +354,7 @@ class RunModel:
         if node.tokens.steps and step <= node.tokens.steps[-1]:  # replayed after a resume
             self._cut(node_rank, step - 1)
         node.hostname = str(record.get("hostname", node.hostname))
+        node.job_id = record.get("job_id")
         node.step = record.get("step")
         node.loss = record.get("loss")
         node.tokens_per_s = record.get("node_tokens_per_s", record.get("tokens_per_s"))
@@ -360,6 +380,9 @@ class RunModel:
             v = self.violations
             v.this_step = this
             v.records_sum += this
+            v.step = step
+            if this:
+                v.last_at = step
             v.total = int(record.get("ortho_violations_total") or 0)
             dev = record.get("ortho_max_dev_deg")
             if dev is not None and (v.worst_dev_deg is None or dev > v.worst_dev_deg):

@@ -11,11 +11,19 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from osft.trainer.contract import Event, parse_lines
+from osft.trainer.contract import LIVE_STATES, Event, parse_lines
 from osft.trainer.rundir import LauncherRecord, RunDir, read_launcher_record
+
+from .processes import ProcessView, this_host
+from .run_state import RunModel
 
 #: Bytes read from the end of a run's ``metrics/node0.jsonl`` to find its last step record.
 TAIL_BYTES = 256 * 1024
+#: Seconds without a sign of life after which a live run of another host is listed as :data:`STALE`.
+STALE_S = 600.0
+#: States the browser lists a run in that ``run.json`` calls live: its launcher is gone from this
+#: host (``dead``, as the dashboard says), or a run of another host has been silent for :data:`STALE_S`.
+DEAD, STALE = "dead", "stale"
 
 
 class RunSummary(NamedTuple):
@@ -23,7 +31,8 @@ class RunSummary(NamedTuple):
 
     Attributes:
         path: the run directory.
-        state: ``run.json``'s state, or ``unreadable run.json``.
+        state: ``run.json``'s state, ``unreadable run.json``, or :data:`DEAD` or :data:`STALE` for a
+            live state that is no longer true.
         step: the last step record's step (None before the first).
         loss: its loss.
         age_s: seconds since the run's last sign of life (``run.json`` updated, last step record).
@@ -76,4 +85,17 @@ def summarize(path: Path, now: float | None = None) -> RunSummary:
     times = [t for t in (record.updated_at, step.get("ts")) if t]
     age = (time.time() if now is None else now) - max(times) if times else None
     loss = step.get("loss")
+    if state in LIVE_STATES:
+        state = _checked(path, record, age, state)
     return RunSummary(path, state, step.get("step"), None if loss is None else float(loss), age)
+
+
+def _checked(path: Path, record: LauncherRecord, age: float | None, state: str) -> str:
+    """A live ``state`` of ``run.json`` ``record`` as far as this host can check it: :data:`DEAD` when
+    its launcher was started here and is gone, :data:`STALE` when it runs elsewhere and was silent
+    for :data:`STALE_S` (``age``), else ``state``."""
+    if this_host(record.hostname):
+        model = RunModel(path)
+        model.set_launcher(0, record)
+        return state if ProcessView(model).launcher(0) is not None else DEAD
+    return STALE if age is not None and age > STALE_S else state

@@ -48,3 +48,15 @@ class Curve:
         """Forget the points after step ``after`` (a resume from that step)."""
         i = bisect_right(self.steps, after)
         del self.steps[i:], self.values[i:]
+
+    def smoothed(self, weight: float) -> Curve:
+        """This curve under an exponential moving average of ``weight`` (0: as it is; 0.9: each
+        point 90 % the smoothed point before), debiased at the start (W&B's and TensorBoard's
+        smoothing), over the points kept."""
+        if not weight:
+            return self
+        out, avg = [], 0.0
+        for i, value in enumerate(self.values, 1):
+            avg = weight * avg + (1 - weight) * value
+            out.append(avg / (1 - weight ** i))
+        return Curve(list(self.steps), out, self.stride)

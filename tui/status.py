@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from osft.trainer.contract import LIVE_STATES, RunState
 
-from .run_state import RunModel
+from .run_state import NodeStats, RunModel
 
 #: A running run whose last step is older than this many median step times is stalling...
 STALL_FACTOR = 5.0
@@ -20,6 +20,10 @@ STALL_FACTOR = 5.0
 STALL_MIN_S = 10.0
 #: Lines of a failed launcher's log shown in the event pane.
 FAILURE_LINES = 8
+#: Characters of a failed rank's error on the run line at most.
+ERROR_CHARS = 120
+#: The state shown once the run directory is deleted.
+GONE = "directory gone"
 
 
 class LaunchFailure(NamedTuple):
@@ -43,12 +47,13 @@ class Status(NamedTuple):
 
     Attributes:
         state: the state shown (run.json's, or ``starting``, ``dead``, ``launch failed``,
-            ``unreadable run.json``, ``no run.json``).
+            ``unreadable run.json``, ``no run.json``, :data:`GONE`).
         detail: why, when the state is not simply run.json's (a JSON error, an exit code).
         elapsed_s: seconds since the start, up to the last sign of life once it ended or died.
         eta_s: seconds to ``max_steps`` (None unless it runs).
         last_step_age_s: seconds since node 0's last step record (None before the first).
         stalled: it runs, but its last step is older than :data:`STALL_FACTOR` median step times.
+        step: the step shown (None before the first step of the job run.json names).
     """
 
     state: str
@@ -57,6 +62,7 @@ class Status(NamedTuple):
     eta_s: float | None = None
     last_step_age_s: float | None = None
     stalled: bool = False
+    step: int | None = None
 
 
 def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFailure | None, now: float) -> Status:
@@ -64,15 +70,20 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
 
     Args:
         model: the run as read.
-        live: whether a process of the run is alive on this host (None: the run is on another
-            host, nothing to check).
+        live: whether a process of the run is alive on this host (None: not known, from a sample
+            taken before the run's launchers were read, or the run is on another host).
         starting: a launcher started here runs and has not written its ``run.json`` yet (the file
             is absent or an earlier launcher's).
-        failure: a launcher started here that failed, if any: it is the run's state unless the
-            launcher wrote ``run.json`` itself.
+        failure: a launcher started here that failed, if any: it is the run's state when no node's
+            state file is its own and none of them says the run is live (a relaunch refused beside
+            a live run, or a node that failed mid-training, leaves the run's own state).
         now: unix time.
     """
-    if failure is not None and not starting and failure.pid != model.run.launcher_pid:
+    if model.gone:
+        return Status(GONE, f"run directory {model.root} no longer exists")
+    files_live = any(info.state in LIVE_STATES for info in model.launchers.values())
+    own = {info.pid for info in model.launchers.values()}
+    if failure is not None and not starting and failure.pid not in own and not files_live:
         return Status("launch failed", f"launcher of node {failure.node_rank} exited with code {failure.exit_code}")
     if starting:
         return Status(RunState.STARTING, "launcher started; waiting for its run.json")
@@ -85,12 +96,63 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
         detail = f"run.json unreadable now ({model.run_json_error}); showing the last one read"
     if live is False and state in LIVE_STATES:
         state, detail = "dead", f"run.json says {model.state}, but no process of the run is left on this host"
+    if state == RunState.FAILED:
+        detail = failed_at(model)
     running = state in LIVE_STATES
     start = model.run.start_time
     end = now if running else model.last_activity()
     elapsed = None if start is None or end is None else max(0.0, end - start)
     node = model.nodes.get(0)
+    if running and node is not None and not current(model, node):
+        return Status(state, f"loading: no step of this job yet (step {node.step} was an earlier job's)", elapsed)
     age = None if node is None or not node.last_ts else max(0.0, now - node.last_ts)
-    stalled = (state == RunState.RUNNING and age is not None and bool(node.step_times)
-               and age > max(STALL_FACTOR * statistics.median(node.step_times), STALL_MIN_S))
-    return Status(state, detail, elapsed, model.eta_s() if running else None, age, stalled)
+    stalled = state == RunState.RUNNING and node is not None and stalling(node, now)
+    return Status(state, detail, elapsed, model.eta_s() if running else None, age, stalled, model.step)
+
+
+def current(model: RunModel, node: NodeStats) -> bool:
+    """Whether ``node``'s latest step record is of the job ``run.json`` names (not of the job a
+    resume replaces, while the new one loads its model)."""
+    return node.job_id is None or model.job_id is None or node.job_id == model.job_id
+
+
+def stalling(node: NodeStats, now: float) -> bool:
+    """Whether ``node``'s last step record is older than :data:`STALL_FACTOR` median step times and
+    :data:`STALL_MIN_S` at unix time ``now``."""
+    return bool(node.step_times and node.last_ts) and \
+        now - node.last_ts > max(STALL_FACTOR * statistics.median(node.step_times), STALL_MIN_S)
+
+
+def stalled_nodes(model: RunModel, now: float) -> set[int]:
+    """Nodes whose state file says they run (node 0's when a node has none) but whose steps stall:
+    a node hung in a collective after another node failed, say."""
+    fallback = model.launchers.get(0)
+    out = set()
+    for n, node in model.nodes.items():
+        info = model.launchers.get(n, fallback)
+        if info is not None and info.state in LIVE_STATES and current(model, node) and stalling(node, now):
+            out.add(n)
+    return out
+
+
+def failed_at(model: RunModel) -> str:
+    """``at step N (rank R: error)`` for a failed run: R is the lowest rank that recorded an error
+    (its message, at most :data:`ERROR_CHARS` characters), N the step it was in, one after its node's
+    last step record (the slowest node's without an error record; ``after step N`` once that
+    reached max steps, ``before the first step`` without one)."""
+    errors = sorted((r.rank, r.node_rank, r.error) for r in model.ranks.values() if r.error and r.job_id == model.job_id)
+    nodes = [n for n in model.nodes.values() if n.step is not None and current(model, n)]
+    if errors:
+        nodes = [n for n in nodes if n.node_rank == errors[0][1]]
+    last = min((n.step for n in nodes), default=None)
+    if last is None:
+        where = "before the first step"
+    elif model.max_steps and last >= model.max_steps:
+        where = f"after step {last}"
+    else:
+        where = f"at step {last + 1}"
+    if not errors:
+        return where
+    rank, _, error = errors[0]
+    error = error if len(error) <= ERROR_CHARS else error[: ERROR_CHARS - 1] + "…"
+    return f"{where} (rank {rank}: {error})"

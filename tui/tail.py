@@ -51,11 +51,14 @@ class JsonlTail(_Tail):
     Args:
         path: the file; it need not exist yet.
         chunk: bytes read per poll at most.
+        last: read only the file's last ``last`` bytes as first found (from the first line that
+            starts in them; line numbers then count from there), None: from its start.
     """
 
-    def __init__(self, path: Path, chunk: int = READ_CHUNK) -> None:
+    def __init__(self, path: Path, chunk: int = READ_CHUNK, last: int | None = None) -> None:
         self.path = Path(path)
         self.chunk = chunk
+        self.last = last
         self.offset = 0
         self.line_no = 0
         self.records_read = 0
@@ -75,7 +78,12 @@ class JsonlTail(_Tail):
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
                 if st.st_ino != self._inode or st.st_size < self.offset:  # new or truncated file
+                    first = self._inode is None
                     self._inode, self.offset, self.line_no, self._held = st.st_ino, 0, 0, b""
+                    if first and self.last is not None and st.st_size > self.last:
+                        f.seek(st.st_size - self.last)
+                        f.readline()  # the rest of a line cut by the seek
+                        self.offset = f.tell()
                 if st.st_size == self.offset:
                     return []
                 f.seek(self.offset)

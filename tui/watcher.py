@@ -31,19 +31,23 @@ class RunWatcher:
     Args:
         root: the run directory (``--output-dir``).
         log_lines: lines of each rank's stderr kept in memory.
+        last: read only the last ``last`` bytes each metrics file has when first found (a quick
+            picture of a long run; :class:`~.tail.JsonlTail`), None: whole files.
     """
 
-    def __init__(self, root: str | Path, log_lines: int = 200) -> None:
+    def __init__(self, root: str | Path, log_lines: int = 200, last: int | None = None) -> None:
         self.model = RunModel(root)
         self.root = Path(root)
         self.rundir = RunDir(self.root)
         self.log_lines = log_lines
+        self.last = last
         self._tails: dict[Path, JsonlTail] = {}
         self._logs: dict[tuple[int, int], LogTail] = {}
         self._launcher_logs: dict[int, LogTail] = {}
         self._json_mtimes: dict[Path, float] = {}
         self._json_errors: dict[str, str] = {}
         self._ckpt_cache: dict[Path, tuple[float, CheckpointEntry]] = {}
+        self._seen = False
 
     def _read_run_jsons(self) -> None:
         try:
@@ -127,10 +131,14 @@ class RunWatcher:
         """Read what changed since the last poll; ``checkpoints`` also rescans the checkpoint list."""
         model = self.model
         result = PollResult()
+        here = self.root.is_dir()
+        self._seen = self._seen or here
+        model.gone = self._seen and not here
         self._read_run_jsons()
         try:
             for path in self.rundir.metrics.glob("*.jsonl"):
-                self._tails.setdefault(path, JsonlTail(path))
+                if path not in self._tails:
+                    self._tails[path] = JsonlTail(path, last=self.last)
         except OSError:
             pass
         for tail in self._tails.values():
@@ -160,6 +168,16 @@ class RunWatcher:
                                                      "skipped_bytes": t.skipped_bytes}
                              for (n, lr), t in sorted(self._logs.items())}
         return result
+
+    def backlog(self) -> int:
+        """Bytes of the metrics files not read yet (0: caught up with them)."""
+        left = 0
+        for tail in self._tails.values():
+            try:
+                left += max(0, tail.path.stat().st_size - tail.offset)
+            except OSError:
+                continue
+        return left
 
     def _read_launcher_logs(self) -> None:
         """Exit codes of ranks that died without a record, from torchrun's report in the output of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.markup import escape
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
@@ -31,7 +31,7 @@ class RunBrowser(Screen[Path]):
         self.paths: list[Path] = []
 
     def compose(self) -> ComposeResult:
-        yield Label(f"runs in {escape(str(self.root))}: enter opens one", classes="pane-title")
+        yield Label(f"runs in {self.root}: enter opens one", classes="pane-title", markup=False)
         yield DataTable(id="runs", cursor_type="row")
         yield Footer()
 
@@ -49,8 +49,7 @@ class RunBrowser(Screen[Path]):
         self.paths = run_dirs(self.root)
         for path in self.paths:
             s = summarize(path)
-            state = f"[{STATE_STYLE.get(s.state, '')}]{escape(s.state)}[/]" if STATE_STYLE.get(s.state) else escape(s.state)
-            table.add_row(escape(path.name), state, "-" if s.step is None else str(s.step), fmt_num(s.loss, ".4f"),
+            table.add_row(Text(path.name), Text(s.state, STATE_STYLE.get(s.state, "")), "-" if s.step is None else str(s.step), fmt_num(s.loss, ".4f"),
                           "-" if s.age_s is None else f"{fmt_duration(s.age_s)} ago", key=str(path))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from rich.markup import escape
 from textual.app import RenderResult
+from textual.content import Content
 from textual_plotext import PlotextPlot
 
 from ..run_state import RunModel
@@ -19,6 +19,8 @@ from ..series import Curve
 VIEWS = (("loss", "loss, nats/token", ("loss", "eval_loss ")), ("lr", "learning rate", ("lr",)),
          ("grad_norm", "grad norm (before clipping)", ("grad_norm",)),
          ("forgetting", "forgetting, nats/token", ("forgetting ",)))
+#: Smoothing weights the metric chart cycles through (``m``): none, light, strong.
+SMOOTHING = (0.0, 0.6, 0.9)
 #: Tick marks per axis at most.
 TICKS = 4
 #: Colours of the curves, in order (names that both plotext and Rich know: the title's legend
@@ -77,8 +79,8 @@ class Chart(PlotextPlot):
         if key == self._drawn:
             return
         self._drawn, self.curves, self.value_range = key, curves, None
-        legend = "  ".join(f"[{colour}]━ {escape(label)}[/]" for (label, _), colour in zip(curves, self._colours()))
-        self.border_title = f"{escape(title)}  {legend}" if curves else f"{escape(title)}: no data yet"
+        legend = [part for (label, _), colour in zip(curves, self._colours()) for part in ("  ", (f"━ {label}", colour))]
+        self.border_title = Content.assemble(title, *legend) if curves else Content(f"{title}: no data yet")
         if curves:
             top = max(max(c.values) for _, c in curves)
             bottom = 0.0 if zero_based else min(min(c.values) for _, c in curves)
@@ -120,6 +122,14 @@ class MetricChart(Chart):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.view = VIEWS[0][0]
+        self.smoothing = SMOOTHING[0]
+
+    def next_smoothing(self, model: RunModel | None) -> float:
+        """Smooth the curves by the next weight of :data:`SMOOTHING`; returns it."""
+        self.smoothing = SMOOTHING[(SMOOTHING.index(self.smoothing) + 1) % len(SMOOTHING)]
+        if model is not None:
+            self.show(model)
+        return self.smoothing
 
     def next_view(self, model: RunModel | None) -> str:
         """Show the next view the run has data for (the loss view always counts); returns its name."""
@@ -132,7 +142,9 @@ class MetricChart(Chart):
     def show(self, model: RunModel) -> None:
         """Draw the current view of ``model``."""
         _, title, wanted = next(v for v in VIEWS if v[0] == self.view)
-        self.draw(f"{title} (g: next)", _curves(model, wanted))
+        curves = [(label, c.smoothed(self.smoothing)) for label, c in _curves(model, wanted)]
+        smooth = f", smoothed {self.smoothing:g}" if self.smoothing else ""
+        self.draw(f"{title}{smooth} (g: next, m: smooth)", curves)
 
 
 class ThroughputChart(Chart):

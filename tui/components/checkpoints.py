@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
-from textual.widgets import DataTable
+from rich.text import Text
+from textual.coordinate import Coordinate
 
-from ..run_state import CheckpointEntry
 from ..format import fmt_bytes, fmt_clock
+from .sortable import SortableTable
+from ..run_state import CheckpointEntry
 
 
-class CheckpointTable(DataTable):
+class CheckpointTable(SortableTable):
     """One row per directory under ``full_state_checkpoints/`` (key: its path), newest first. Step
     and status come first; at 80 columns the pane shows step, status, date and time, and size whole
-    (42 columns with the cell padding); why one is incomplete is the last column."""
+    (42 columns with the cell padding); why one is incomplete is the last column. A click on a
+    column's header sorts by it."""
+
+    home = ("step", True)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
@@ -28,23 +32,23 @@ class CheckpointTable(DataTable):
         self.clear()
         for e in entries:
             status = "complete" if e.complete else "[yellow]incomplete[/]"
-            self.add_row(str(e.step), status, fmt_clock(e.mtime), fmt_bytes(e.bytes), escape(e.note), key=str(e.path))
+            self.add_row(str(e.step), status, fmt_clock(e.mtime), fmt_bytes(e.bytes), Text(e.note), key=str(e.path))
         self._shown = list(entries)
-        if selected is not None:
-            for i, e in enumerate(entries):
-                if e.path == selected.path:
-                    self.move_cursor(row=i)
+        self.resort()
+        if selected is not None and str(selected.path) in self.rows:
+            self.move_cursor(row=self.get_row_index(str(selected.path)))
 
     def selected(self) -> CheckpointEntry | None:
         """The checkpoint under the cursor, if any."""
-        if not self._shown or not 0 <= self.cursor_row < len(self._shown):
+        if not 0 <= self.cursor_row < self.row_count:
             return None
-        return self._shown[self.cursor_row]
+        key = str(self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value)
+        return next((e for e in self._shown if str(e.path) == key), None)
 
     def select_step(self, step: int) -> bool:
         """Put the cursor on the complete checkpoint of ``step``; False when there is none."""
-        for i, e in enumerate(self._shown):
+        for e in self._shown:
             if e.step == step and e.complete:
-                self.move_cursor(row=i)
+                self.move_cursor(row=self.get_row_index(str(e.path)))
                 return True
         return False

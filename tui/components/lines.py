@@ -1,12 +1,13 @@
-"""A scrolling view of lines (the event pane, a rank's log) that follows new lines only while the
-user is at the bottom, counts the lines that arrived while scrolled up, and filters by text and
-level."""
+"""A scrolling view of lines (the event pane, a rank's log) that follows new lines while the user
+has left it at the bottom (also across a resize or a new filter), counts the lines that arrived
+while scrolled up, and filters by text and level ("no line matches" rather than a blank view)."""
 
 from __future__ import annotations
 
 from collections import deque
 
 from rich.text import Text
+from textual.content import Content
 from textual.widgets import RichLog
 
 #: Level filters, in the order a key cycles through them: the levels each one shows.
@@ -29,9 +30,17 @@ class LineView(RichLog):
         self.search = ""
         self.level = "all"
         self.unseen = 0
+        #: The user left the view at the bottom: new lines scroll it (a scroll up clears it, the end sets it).
+        self.following = True
+        self._placeholder = False
 
     def on_mount(self) -> None:
         self._retitle()
+
+    def on_resize(self) -> None:
+        """A view that followed stays at the bottom when its size changes."""
+        if self.following:
+            self.scroll_end(animate=False, immediate=True)
 
     def add(self, entries: list[tuple[str, Text]]) -> None:
         """Append ``(level, line)`` entries; scroll with them only when the view was at the bottom,
@@ -40,7 +49,10 @@ class LineView(RichLog):
         shown = [line for level, line in entries if self._matches(level, line)]
         if not shown:
             return
-        follow = self.is_vertical_scroll_end or self.max_scroll_y == 0
+        if self._placeholder:
+            self.clear()
+            self._placeholder = False
+        follow = self.following or self.max_scroll_y == 0
         self.write(Text("\n").join(shown), scroll_end=follow)
         if not follow:
             self.unseen += len(shown)
@@ -53,9 +65,13 @@ class LineView(RichLog):
         self.level = self.level if level is None else level
         self.clear()
         self.unseen = 0
+        self.following = True
         shown = [line for level_, line in self.entries if self._matches(level_, line)]
+        self._placeholder = not shown and bool(self.search or self.level != "all")
         if shown:
             self.write(Text("\n").join(shown), scroll_end=True)
+        elif self._placeholder:
+            self.write(Text(f"no line matches ({', '.join(self._filters())})", "dim italic"))
         self._retitle()
 
     def next_level(self) -> str:
@@ -69,10 +85,15 @@ class LineView(RichLog):
         self.entries.clear()
         self.clear()
         self.unseen = 0
+        self.following, self._placeholder = True, False
         self._retitle()
 
     def watch_scroll_y(self, old: float, new: float) -> None:
         super().watch_scroll_y(old, new)
+        if self.is_vertical_scroll_end:
+            self.following = True
+        elif new < old:
+            self.following = False
         if self.unseen and self.is_vertical_scroll_end:
             self.unseen = 0
             self._retitle()
@@ -81,12 +102,13 @@ class LineView(RichLog):
         levels = LEVELS[self.level]
         return (levels is None or level in levels) and (not self.search or self.search.lower() in line.plain.lower())
 
+    def _filters(self) -> list[str]:
+        """The filters in force, as the title says them."""
+        return ([f"{self.level} only"] if self.level != "all" else []) + \
+            ([f"matching {self.search!r}"] if self.search else [])
+
     def _retitle(self) -> None:
-        parts = [self.title]
-        if self.level != "all":
-            parts.append(f"{self.level} only")
-        if self.search:
-            parts.append(f"matching {self.search!r}")
+        parts = [self.title, *self._filters()]
         if self.unseen:
             parts.append(f"{self.unseen} new lines below (end)")
-        self.border_title = " · ".join(parts)
+        self.border_title = Content(" · ".join(parts))  # plain: paths and searches hold brackets

@@ -22,15 +22,25 @@ LOG_POLL_S = 0.5
 STREAM_STYLE = {"err": "yellow"}
 
 
+#: Button variants of the answers that act (stop, kill, overwrite): never answered by a letter.
+ACTING_VARIANTS = frozenset({"warning", "error"})
+#: The key of a question's only acting answer.
+YES = "y"
+
+
 class Choice(ModalScreen[str]):
     """A question with one button per answer; dismisses with the answer's id (``cancel`` on
-    Escape). Each answer's key is the first letter of its id, shown on its button: ``k`` answers
-    ``kill``.
+    Escape). The key of each answer that does not act is the first letter of its id (``d``
+    answers ``detach``); an answer that acts (variant in :data:`ACTING_VARIANTS`) is never answered
+    by the key that opened the question (``r r``, ``q k``) nor by another letter of the dashboard:
+    the only one of a question answers :data:`YES`, several answer Enter on their button (Tab moves
+    to it). The keys are shown on the buttons.
 
     Args:
         title: the question.
         body: lines under it (for example each pid a signal will go to).
-        choices: ``(id, label, variant)`` per button, the default first; ids start with different letters.
+        choices: ``(id, label, variant)`` per button, the default (one that does not act) first;
+            the ids of the answers that do not act start with different letters, none with ``y``.
     """
 
     BINDINGS = [Binding("escape", "dismiss('cancel')", "cancel")]
@@ -38,17 +48,20 @@ class Choice(ModalScreen[str]):
     def __init__(self, title: str, body: list[str], choices: list[tuple[str, str, str]]) -> None:
         super().__init__(classes="modal")
         self.title_text, self.body, self.choices = title, body, choices
-        self.keys = {cid[0]: cid for cid, _, _ in choices}
-        assert len(self.keys) == len(choices), f"answers with the same key: {[cid for cid, _, _ in choices]}"
+        acting = [cid for cid, _, variant in choices if variant in ACTING_VARIANTS]
+        safe = [cid for cid, _, variant in choices if variant not in ACTING_VARIANTS]
+        self.keys = {cid[0]: cid for cid in safe} | ({YES: acting[0]} if len(acting) == 1 else {})
+        assert len(self.keys) == len(safe) + (len(acting) == 1), f"answers with the same key: {safe}"
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.title_text, classes="dialog-title")
+            yield Label(self.title_text, classes="dialog-title", markup=False)
             with VerticalScroll(classes="dialog-body"):
                 yield Static("\n".join(self.body), markup=False)
             with Horizontal(classes="dialog-buttons"):
+                shown = {cid: key for key, cid in self.keys.items()}
                 for cid, label, variant in self.choices:
-                    yield Button(f"{label} ({cid[0]})", id=cid, variant=variant)
+                    yield Button(f"{label} ({shown[cid]})" if cid in shown else label, id=cid, variant=variant)
 
     def on_mount(self) -> None:
         self.query(Button).first().focus()
@@ -116,7 +129,7 @@ class LogScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="logs"):
-            yield Label(self.title_text + "   (/ search, esc close)", classes="dialog-title")
+            yield Label(self.title_text + "   (/ search, esc close)", classes="dialog-title", markup=False)
             yield LineView(" · ".join(str(t.path) for _, t in self.tails) or "no log", LOG_SCREEN_LINES,
                            id="rank-log")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, VerticalScroll
@@ -67,7 +67,7 @@ class NewRunScreen(Screen[RunSpec | None]):
     def action_launch(self) -> None:
         spec = self.read_spec()
         if isinstance(spec, list):
-            self.query_one("#new-run-problems", Static).update("[b red]" + escape("\n".join(spec)) + "[/]")
+            self.query_one("#new-run-problems", Static).update(Text("\n".join(spec), "b red"))
             return
         self.dismiss(spec)
 
