@@ -91,12 +91,7 @@ def test_graph_reads_lazy_and_type_checking_imports(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
 
 
-#: The dashboard's two remaining circles (``Controls`` holds the ``Dashboard``; ``app`` reads
-#: ``cli``'s signals) go with the controls that talk by messages; strict: this fails once they are gone.
-TUI_CIRCLES = pytest.mark.xfail(strict=True, reason="tui: controls <-> dashboard, app <-> cli")
-
-
-@pytest.mark.parametrize("package", [pytest.param("osft.trainer"), pytest.param("osft.tui", marks=TUI_CIRCLES)])
+@pytest.mark.parametrize("package", ["osft.trainer", "osft.tui"])
 def test_no_import_cycles(package):
     graph = import_graph()
     found = [c for c in cycles(graph) if any(m.startswith(package + ".") for m in c)]

@@ -18,9 +18,9 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 from . import settings
-from .cli import ENDING_SIGNALS
 from .keys import QUIT, offered
 from .dashboard import Dashboard
+from .ending import ENDING_SIGNALS
 from .launch import DEFAULT_LAUNCHER
 from .runs import run_dirs
 

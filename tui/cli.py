@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 from pathlib import Path
 
 from osft.trainer.checkpoint.signals import hold_signals, take_held_signals
 
-#: Signals that end the dashboard (after restoring the terminal) with 128 + their number.
-ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+from .ending import ENDING_SIGNALS
 
 
 def build_parser() -> argparse.ArgumentParser:
