@@ -58,7 +58,7 @@ class TrainConfig:
     osft_v_projection: str = "factored"
     osft_cache_v_high: bool | None = None
     osft_forward: str = "auto"
-    freeze_non_target: bool = False
+    freeze_non_target: bool | None = None
     freeze_router: bool = False
     osft_rank_schedule: str = "uniform"
     osft_importance_samples: int = 32
@@ -70,7 +70,9 @@ class TrainConfig:
     osft_protect_subspaces: bool = True
     osft_protect_energy: float = 0.9
     osft_protect_max_rank_ratio: float = 0.5
-    osft_protect_basis: str = "update"
+    osft_protect_basis: str = "auto"
+    osft_protect_input_criterion: str = "total"
+    osft_frozen_rank: str = "reduced"
     osft_protect_input_energy: float = 0.95
     osft_protect_input_samples: int = 256
     osft_protect_input_memory_gb: float = 4.0
@@ -291,9 +293,12 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--osft-forward", choices=["auto", "dense", "hybrid", "split"], default=d.osft_forward,
                    help="forward formulation per module (dense: rebuilt W and its weight gradient; hybrid: rebuilt W, "
                    "factor gradients formed directly; split: no rebuild); auto picks the one with fewer FLOPs")
-    g.add_argument("--freeze-non-target", action="store_true",
+    g.add_argument("--freeze-non-target", action="store_true", default=None,
                    help="train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), "
-                   "norms and every other parameter stay frozen (not with --no-osft)")
+                   "norms and every other parameter stay frozen (not with --no-osft). Default: frozen in a run that "
+                   "protects the subspaces of an earlier run (a chained run), trained otherwise")
+    g.add_argument("--no-freeze-non-target", dest="freeze_non_target", action="store_false", default=None,
+                   help="train the non-target parameters also in a chained run")
     g.add_argument("--freeze-router", action="store_true",
                    help="MoE models: keep every router (the gate choosing the experts of each token) as it is; the "
                    "experts still train (an error for a model without MoE blocks)")
@@ -324,9 +329,18 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
     g.add_argument("--osft-protect-max-rank-ratio", type=_float_in(0, 1, lo_open=True),
                    default=d.osft_protect_max_rank_ratio,
                    help="cap: at most floor(cap * k_low) new protected directions per module and side")
-    g.add_argument("--osft-protect-basis", choices=["update", "inputs"], default=d.osft_protect_basis,
+    g.add_argument("--osft-protect-basis", choices=["auto", "update", "inputs"], default=d.osft_protect_basis,
                    help="right-side (input) directions to protect: from the update dW, or from this run's "
-                   "layer inputs (top eigenvectors of X X^T)")
+                   "layer inputs (top eigenvectors of X X^T); auto: inputs where they apply, the update for expert "
+                   "banks and modules whose Gram matrix exceeds --osft-protect-input-memory-gb (named at start)")
+    g.add_argument("--osft-protect-input-criterion", choices=["total", "residual"],
+                   default=d.osft_protect_input_criterion,
+                   help="input energy to reach: total (GPM: ||Q^T X||^2 of the old basis plus the new directions "
+                   "reach epsilon of ||X||^2) or residual (epsilon of the energy outside the old basis)")
+    g.add_argument("--osft-frozen-rank", choices=["reduced", "keep"], default=d.osft_frozen_rank,
+                   help="frozen top directions of a module with protected subspaces: reduced, k_high = floor(R*(1-URR)) "
+                   "of the reduced rank R = min(N - p_L, M - p_R); keep, as many as a fresh run at this URR freezes "
+                   "(floor(min(N, M)*(1-URR)): the pretrained block stays frozen, the protected ranks come out of k_low)")
     g.add_argument("--osft-protect-input-energy", type=_float_in(0, 1, lo_open=True),
                    default=d.osft_protect_input_energy,
                    help="epsilon: share of the layer inputs' energy to protect (--osft-protect-basis inputs)")
@@ -429,7 +443,8 @@ def config_to_argv(cfg: TrainConfig) -> list[str]:
     """Command-line flags that parse back into ``cfg`` with :func:`build_parser` (for workers)."""
     argv: list[str] = []
     negated = {"osft": "--no-osft", "data_cache": "--no-data-cache", "train_reasoning": "--no-train-reasoning",
-               "osft_protect_subspaces": "--no-osft-protect-subspaces", "osft_cache_v_high": "--no-osft-cache-v-high"}
+               "osft_protect_subspaces": "--no-osft-protect-subspaces", "osft_cache_v_high": "--no-osft-cache-v-high",
+               "freeze_non_target": "--no-freeze-non-target"}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         flag = "--" + f.name.replace("_", "-")

@@ -73,12 +73,13 @@ from .metrics import MetricsLogger
 from .model_build import build_model, load_protected_bases
 from .model_loading import load_config, load_tokenizer, model_vocab_size
 from .monitor import RunEnd, RunMonitor
-from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
+from .osft.chain import chain_budget
+from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers, non_targets_frozen
 from .osft.indicators import INDICATOR_FIELDS
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ForwardForm, ModulePlan, plan_table
 from .osft.projection import Projector
-from .osft.input_grams import InputBases, check_gram_budget, input_bases
+from .osft.input_grams import InputBases, calibration_indices, describe_bases, input_bases, input_basis_modules
 from .osft.protect import ModuleFold, fold_bank, fold_module, no_bases
 from .osft.settings import OSFTSettings
 from .osft.surgery import dense_state_dict, full_state_dict
@@ -290,13 +291,9 @@ class Trainer:
         self.model, self.osft = build_model(cfg, self.dist, self.device, self.dtype, osft=osft_settings, vocab_size=vocab,
                                             from_checkpoint=resume is not None, bases=bases, plans=plans,
                                             plan_ranks=self._plan_ranks)
-        if self.osft and cfg.osft_protect_basis == "inputs":  # fails now, not at the first export
-            check_gram_budget({n: m.in_features for n, m in self.osft.modules if not (m.plan.experts or m.plan.frozen)},
-                              cfg.osft_protect_input_memory_gb * 1e9)
-            if banks := [n for n, m in self.osft.modules if m.plan.experts]:
-                self._say(f"protected subspaces: --osft-protect-basis inputs does not apply to the {len(banks)} expert "
-                          "banks (each expert sees only the tokens routed to it): their exports protect the update "
-                          "directions of each expert")
+        if self.osft and cfg.osft_protect_basis != "update":  # an inputs Gram over budget fails now, not at export
+            collected, fallback = self._input_basis_modules()
+            self._say(describe_bases(len(collected), fallback))
         if self.osft and resume is not None:
             self._say(f"OSFT: {len(self.osft.modules)} modules loaded from {resume.path} (no SVD)")
         elif self.osft:
@@ -319,8 +316,10 @@ class Trainer:
                       "recompute their activations in the backward pass")
         if cfg.compile:
             self._say(f"compile: {compile_blocks(self.model)} decoder blocks (torch.compile, inductor)")
-        if cfg.freeze_non_target:
+        frozen, why = non_targets_frozen(cfg) if self.osft else (False, None)
+        if frozen:
             freeze_non_targets(self.model, self.osft)
+            self._say(why)
         if cfg.freeze_router:
             self._say(f"MoE routers frozen: {len(freeze_routers(self.model, cfg.model_name_or_path))} parameters")
         self._say(count_parameters(self.model, self.osft).describe())
@@ -427,9 +426,13 @@ class Trainer:
         cfg = self.cfg
         found = load_protected_bases(self.cfg)
         if found is None:
-            if cfg.osft and not cfg.osft_protect_subspaces and (Path(cfg.model_name_or_path) / SUBSPACES_FILE).is_file():
-                self._say(f"protected subspaces: {Path(cfg.model_name_or_path) / SUBSPACES_FILE} not used "
-                          "(--no-osft-protect-subspaces): every direction of the model may train again")
+            file = Path(cfg.model_name_or_path) / SUBSPACES_FILE
+            if file.is_file() and not cfg.osft:
+                self._say(f"protected subspaces: {file} dropped (--no-osft): full fine-tuning trains every direction "
+                          "and this run's export carries no subspaces")
+            elif file.is_file() and not cfg.osft_protect_subspaces:
+                self._say(f"protected subspaces: {file} not used (--no-osft-protect-subspaces): every direction of the "
+                          "model may train again")
             return None
         path, bases = found
         p_left = [P.shape[-1] for P, _ in bases.values()]
@@ -691,16 +694,19 @@ class Trainer:
         the shards. Returns its path."""
         out = out or self.run_dir.hf_export(step)
         state = full_state_dict(self.model)
-        inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
+        inputs = self._input_bases(state) if self.osft and self._input_basis_modules()[0] else None
         folds = self._fold_subspaces(state, inputs, step) if self.osft else None
         if self.dist.rank == 0:
             extra = None
             if self.osft:
                 settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
                             ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
+                settings.update(frozen_rank=self.cfg.osft_frozen_rank)
                 if inputs is not None:
                     settings.update(input_energy=self.cfg.osft_protect_input_energy,
-                                    input_samples=self.cfg.osft_protect_input_samples, input_passes=inputs.passes)
+                                    input_criterion=self.cfg.osft_protect_input_criterion,
+                                    input_samples=self.cfg.osft_protect_input_samples, input_seed=self.cfg.seed,
+                                    input_passes=inputs.passes)
                 source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
 
                 def extra(directory: Path) -> None:
@@ -742,7 +748,12 @@ class Trainer:
         results = map_over_ranks(fold, args, len(modules))
         if results is None:
             return None
-        folds = {name: f for (name, _), f in zip(modules, results)}
+        budget = chain_budget([(name, m.plan) for name, m in modules], dict(zip([n for n, _ in modules], results)),
+                              cfg.osft_frozen_rank)
+        folds = budget.folds
+        self._say(budget.line())
+        if warning := budget.warning():
+            self._warn(warning)
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
         passes = {} if inputs is None else {"input_passes": inputs.passes}
         self.metrics.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
@@ -756,12 +767,13 @@ class Trainer:
 
     def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
         """The ``inputs`` variant's directions of every trainable OSFT module (not banks) from its
-        layer inputs over the first ``--osft-protect-input-samples`` training samples
-        (:func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
+        layer inputs over ``--osft-protect-input-samples`` training samples drawn with the run's seed
+        (:func:`.osft.input_grams.calibration_indices`; :func:`.osft.input_grams.input_bases`: eval mode,
+        this run's micro-batch plan, one pass per
         group of Grams that fits ``--osft-protect-input-memory-gb``; collective). ``state``: the
         full state dict (rank 0), whose Q each module's directions avoid."""
         cfg = self.cfg
-        idx = np.arange(min(cfg.osft_protect_input_samples, len(self.data)))
+        idx = calibration_indices(self.data.sizes, self.data.weights, cfg.osft_protect_input_samples, cfg.seed)
         plan = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)[self.dist.rank]
 
         def batch(micro: list[int]) -> dict | None:
@@ -775,13 +787,14 @@ class Trainer:
                 recording(bool(micro))
                 self._micro_batch_loss(batch(micro))
 
-        modules = [(name, m) for name, m in self.osft.modules if not m.plan.experts and not m.plan.frozen]
+        modules = self._input_basis_modules()[0]
         q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
         self.model.eval()
         try:
             with torch.no_grad():
                 found = input_bases(modules, q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
-                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device)
+                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device,
+                                    cfg.osft_protect_input_criterion)
         finally:
             self.model.train()
         shared = sum(len(c) for c in found.classes) - len(found.classes)
@@ -790,6 +803,10 @@ class Trainer:
                       f"({shared} shared) collected in {found.passes} passes over {len(idx)} samples "
                       f"(--osft-protect-input-memory-gb {cfg.osft_protect_input_memory_gb:g})")
         return found
+
+    def _input_basis_modules(self) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+        """:func:`.osft.input_grams.input_basis_modules` of this run's OSFT modules and flags."""
+        return input_basis_modules(self.osft.modules, self.cfg.osft_protect_basis, self.cfg.osft_protect_input_memory_gb * 1e9)
 
     def _finish(self, reason: str, exit_code: int, step: int, **fields) -> None:
         """End the run: wait for the checkpoint written in the background (a stop never leaves one
