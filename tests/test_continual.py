@@ -311,3 +311,21 @@ def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
              "peft_osf": {"5e-05": 0.56, "0.0001": 0.90}}
     assert _choose_rates(pilot) == {"full_ft": 1e-5, "osft_same": 1e-4, "peft_osf": 5e-5}
     assert _choose_rates({"osft_same": {"1e-4": 0.3}}) == {}  # no full FT reference: nothing to match
+
+
+def test_sequence_measures_of_a_hand_made_accuracy_matrix():
+    from continual_learning.matrix import sequence_measures
+
+    R = np.array([[10, 20, 30],  # the base model
+                  [80, 25, 35],  # after stage 1 (task 0)
+                  [85, 90, 40],  # after stage 2 (task 1): task 0 still improved
+                  [50, 70, 95]], dtype=float)  # after stage 3 (task 2)
+    got = sequence_measures(R)
+    assert got["AA"] == pytest.approx((50 + 70 + 95) / 3) and got["LA"] == pytest.approx((80 + 90 + 95) / 3)
+    assert got["BWT"] == pytest.approx(((50 - 80) + (70 - 90)) / 2)  # against the score right after learning
+    assert got["F"] == pytest.approx(((85 - 50) + (90 - 70)) / 2)  # against the best before the last stage
+    assert got["FWT"] == pytest.approx(((25 - 20) + (40 - 30)) / 2)
+    batch = sequence_measures(np.stack([R, R + 1.0, R]))  # bootstrap replicates: one value each
+    assert batch["AA"].shape == (3,) and batch["AA"][1] == pytest.approx(got["AA"] + 1) and batch["BWT"][1] == got["BWT"]
+    with pytest.raises(ValueError, match=r"\[\.\.\., T \+ 1, T\]"):
+        sequence_measures(R[:3])
