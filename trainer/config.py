@@ -74,7 +74,7 @@ class TrainConfig:
     osft_protect_input_criterion: str = "total"
     osft_frozen_rank: str = "reduced"
     osft_protect_input_energy: float = 0.95
-    osft_protect_input_samples: int = 256
+    osft_protect_input_samples: int = 64
     osft_protect_input_memory_gb: float = 4.0
     # precision and device
     device: str = "auto"
@@ -345,7 +345,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    default=d.osft_protect_input_energy,
                    help="epsilon: share of the layer inputs' energy to protect (--osft-protect-basis inputs)")
     g.add_argument("--osft-protect-input-samples", type=positive_int, default=d.osft_protect_input_samples,
-                   help="training samples whose layer inputs are collected at export (--osft-protect-basis inputs)")
+                   help="training samples whose layer inputs are collected at export, drawn with --seed over the whole "
+                   "training data (every source of a mixture by its weight); --osft-protect-basis auto or inputs")
     g.add_argument("--osft-protect-input-memory-gb", type=_float_in(0, INF, lo_open=True, hi_open=True),
                    default=d.osft_protect_input_memory_gb,
                    help="most GB of input Gram matrices (8*M^2 bytes per distinct module input) held at once "
