@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny random model, 1 step per stage, 4 items per task")
     p.add_argument("--spec", type=Path, default=None, help="JSON list of task specs (default: the built-in four)")
-    p.add_argument("--order", nargs="+", default=None, help="task names in training order (default: the spec's)")
+    p.add_argument("--order", nargs="+", default=None,
+                   help="task names in training order, at least 2 (default: every task, in the spec's order)")
     p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=None)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per stage")
@@ -122,8 +123,8 @@ def prepare(args, work: Path) -> tuple[list, dict, Path]:
     specs = read_specs(args.spec) if args.spec else builtin_specs(data_dir, args.foldoc_dir)
     if args.order:
         by_name = {s.name: s for s in specs}
-        if sorted(args.order) != sorted(by_name):
-            raise ValueError(f"--order {' '.join(args.order)} must name each task once: {', '.join(by_name)}")
+        if len(set(args.order)) != len(args.order) or len(args.order) < 2 or not set(args.order) <= set(by_name):
+            raise ValueError(f"--order {' '.join(args.order)} must name at least 2 of {', '.join(by_name)}, each once")
         specs = [by_name[n] for n in args.order]
     files = {}
     for s in specs:
@@ -230,45 +231,72 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
     return evals, stages
 
 
+#: Goals for the default recipe (reported, never asserted): (check, arm A, factor, arm B, bound): the
+#: paired difference A − factor·B of the points matrix's measure must be at least ``bound`` (at most,
+#: for the headroom check on full FT's own BWT: arm B None).
+GOALS = (("BWT", "full_ft", 0, None, None, -15), ("BWT", "osft_default", 0, None, -3, None),
+         ("BWT", "osft_default", 1, "full_ft", 0, None), ("BWT", "osft_default", 1, "osft_unprotected", 0, None),
+         ("LA", "osft_default", 0.9, "full_ft", 0, None), ("AA", "osft_default", 1, "full_ft", 10, None),
+         ("AA", "osft_default", 1, "lora", 0, None), ("AA", "osft_default", 1, "replay", -3, None),
+         ("AA", "osft_default", 0.85, "multitask", 0, None))
+
+
 def summarize(result: dict) -> dict:
-    """Per arm the measures (AA, LA, BWT, FWT, F) of the headline matrix with 95 % paired bootstrap
-    intervals, and their differences to ``full_ft`` and ``osft_unprotected``; the point matrices."""
+    """Per arm and matrix (``points``: the tasks scored by exact match or format, in points; ``nll``:
+    every task, minus the reference NLL in nats per token) the point matrix R, the measures (AA, LA,
+    BWT, FWT, F) with 95 % paired bootstrap intervals and their differences to ``full_ft`` and
+    ``osft_unprotected``; and the goal checks on the points matrix (:data:`GOALS`)."""
     import numpy as np
     from continual_learning.matrix import sequence_measures
     from continual_learning.stats import Bootstrap, interval
 
     names = [t["name"] for t in result["tasks"]]
     metrics = {t["name"]: t["metric"] for t in result["tasks"]}
-    seeds = result["seeds"]
-    sizes = {n: len(result["evals"]["base"][n]["nll" if metrics[n] == "nll" else "hit"]) for n in names}
+    seeds, T = result["seeds"], len(names)
+    base = result["evals"]["base"]
+    sizes = {**{f"{n}:nll": len(base[n]["nll"]) for n in names},
+             **{f"{n}:hit": len(base[n]["hit"]) for n in names if "hit" in base[n]}}
     boot = Bootstrap(len(seeds), sizes, result["settings"]["bootstrap"])
-    T = len(names)
+    empty = np.full(boot.seeds.shape[0], np.nan)
 
-    def score(evals_by_seed: list[dict], task: str) -> np.ndarray:
-        if metrics[task] == "nll":
-            return -boot.mean(task, np.array([e[task]["nll"] for e in evals_by_seed], float),
-                              np.array([e[task]["tokens"] for e in evals_by_seed], float))
-        return 100 * boot.mean(task, np.array([e[task]["hit"] for e in evals_by_seed], float))
+    def score(evals: list[dict | None], task: str, kind: str) -> np.ndarray:
+        if not all(evals):
+            return empty
+        if kind == "nll":
+            return -boot.mean(f"{task}:nll", np.array([e[task]["nll"] for e in evals], float),
+                              np.array([e[task]["tokens"] for e in evals], float))
+        return 100 * boot.mean(f"{task}:hit", np.array([e[task]["hit"] for e in evals], float))
 
-    base = [result["evals"]["base"]] * len(seeds)
-    matrices = {}
-    for arm in result["arms"]:
-        rows = [[score(base, t) for t in names]]
-        for i in range(1, T + 1):
-            per_seed = [result["evals"][s][arm].get(str(i)) for s in seeds]
-            rows.append([score(per_seed, t) if all(per_seed) else np.full(boot.seeds.shape[0], np.nan) for t in names])
-        matrices[arm] = np.moveaxis(np.array(rows), -1, 0)  # [reps + 1, T + 1, T]
-    out = {}
-    measures = {arm: sequence_measures(m) for arm, m in matrices.items()}
-    for arm in result["arms"]:
-        row = {"R": matrices[arm][0].round(3).tolist(), "measures": {k: interval(v) for k, v in measures[arm].items()}}
-        if arm == "multitask":
-            row["measures"] = {"AA": interval(matrices[arm][:, T].mean(-1))}
-        for ref in ("full_ft", "osft_unprotected"):
-            if ref in measures and arm != ref and arm != "multitask":
-                row[f"minus_{ref}"] = {k: interval(measures[arm][k] - measures[ref][k]) for k in measures[arm]}
-        out[arm] = row
-    return out
+    columns = {"points": [j for j, n in enumerate(names) if metrics[n] != "nll"], "nll": list(range(T))}
+    out: dict = {arm: {} for arm in result["arms"]}
+    replicates: dict = {}
+    for kind, cols in columns.items():
+        if len(cols) < 2 and kind == "points":
+            continue
+        for arm in result["arms"]:
+            stages = [[base] * len(seeds)] + [[result["evals"][s][arm].get(str(i)) for s in seeds] for i in range(1, T + 1)]
+            R = np.moveaxis(np.array([[score(row, names[j], kind) for j in cols] for row in stages]), -1, 0)
+            m = sequence_measures(R, [j + 1 for j in cols]) if arm != "multitask" else {"AA": R[:, T].mean(-1)}
+            replicates[(kind, arm)] = m
+            out[arm][kind] = {"tasks": [names[j] for j in cols], "R": np.round(R[0], 3).tolist(),
+                              "measures": {k: interval(v) for k, v in m.items()}}
+        for arm in result["arms"]:
+            for ref in ("full_ft", "osft_unprotected"):
+                if (kind, ref) in replicates and arm not in (ref, "multitask"):
+                    out[arm][kind][f"minus_{ref}"] = {k: interval(v - replicates[(kind, ref)][k])
+                                                      for k, v in replicates[(kind, arm)].items()}
+    goals = []
+    for measure, arm, factor, ref, at_least, at_most in GOALS:
+        if ("points", arm) not in replicates or (ref and ("points", ref) not in replicates):
+            continue
+        diff = replicates[("points", arm)][measure] - (factor * replicates[("points", ref)][measure] if ref else 0)
+        iv = interval(diff)
+        met = None if iv["value"] is None else (iv["value"] >= at_least if at_least is not None else iv["value"] <= at_most)
+        what = f"{arm} {measure}" + (f" - {factor:g} x {ref}'s" if ref else "")
+        goals.append({"check": what + (f" >= {at_least:g}" if at_least is not None else f" <= {at_most:g}"),
+                      **iv, "met": met, "interval_clear": None if iv["low"] is None else
+                      (iv["low"] > at_least if at_least is not None else iv["high"] < at_most)})
+    return {"arms": out, "goals": goals}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,9 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summarize(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for arm, row in result["summary"].items():
-        m = row["measures"]
-        console.print(f"{arm:18s} " + "  ".join(f"{k} {v['value']:+.2f}" for k, v in m.items() if v["value"] is not None))
+    for arm, kinds in result["summary"]["arms"].items():
+        for kind, row in kinds.items():
+            console.print(f"{arm:18s} {kind:6s} " + "  ".join(f"{k} {v['value']:+.2f}" for k, v in row["measures"].items()
+                                                           if v["value"] is not None))
+    for g in result["summary"]["goals"]:
+        console.print(f"goal {g['check']}: {g['value']} [{g['low']}, {g['high']}] met={g['met']}")
     console.print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
     return 0
 

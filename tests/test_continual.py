@@ -327,8 +327,13 @@ def test_sequence_measures_of_a_hand_made_accuracy_matrix():
     assert got["FWT"] == pytest.approx(((25 - 20) + (40 - 30)) / 2)
     batch = sequence_measures(np.stack([R, R + 1.0, R]))  # bootstrap replicates: one value each
     assert batch["AA"].shape == (3,) and batch["AA"][1] == pytest.approx(got["AA"] + 1) and batch["BWT"][1] == got["BWT"]
+    subset = sequence_measures(R[:, [0, 2]], stages=[1, 3])  # the tasks of stages 1 and 3 only
+    assert (subset["AA"], subset["LA"]) == (pytest.approx((50 + 95) / 2), pytest.approx((80 + 95) / 2))
+    assert (subset["BWT"], subset["F"], subset["FWT"]) == (-30, 85 - 50, 40 - 30)
     with pytest.raises(ValueError, match=r"\[\.\.\., T \+ 1, T\]"):
-        sequence_measures(R[:3])
+        sequence_measures(R[:2])
+    with pytest.raises(ValueError, match="stages in 1..T"):
+        sequence_measures(R[:, :2], stages=[1, 4])
 
 
 def test_sequence_tasks_spell_numbers_and_roman_numerals_in_one_convention():
@@ -381,13 +386,16 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
     result = json.loads(out.read_text())
     assert [t["name"] for t in result["tasks"]] == ["trivia", "foldoc", "spell", "roman"]
     assert result["arms"] == ["full_ft", "osft_unprotected", "osft_update", "osft_default", "replay", "lora", "multitask"]
-    for arm, row in result["summary"].items():
-        R = np.array(row["R"], dtype=float)
-        assert R.shape == (5, 4)
-        if arm != "multitask":
-            for name, value in sequence_measures(R).items():
-                assert row["measures"][name]["value"] == pytest.approx(float(value), abs=1e-6), (arm, name)
-            assert arm == "full_ft" or "minus_full_ft" in row
+    for arm, kinds in result["summary"]["arms"].items():
+        assert kinds["points"]["tasks"] == ["trivia", "spell", "roman"] and len(kinds["nll"]["tasks"]) == 4
+        for kind, stages in (("points", [1, 3, 4]), ("nll", [1, 2, 3, 4])):
+            R = np.array(kinds[kind]["R"], dtype=float)
+            assert R.shape == (5, len(stages))
+            if arm != "multitask":
+                for name, value in sequence_measures(R, stages).items():
+                    assert kinds[kind]["measures"][name]["value"] == pytest.approx(float(value), abs=1e-6), (arm, name)
+                assert arm == "full_ft" or "minus_full_ft" in kinds[kind]
+    assert len(result["summary"]["goals"]) == 9
     stages = result["stages"]["0"]
     assert [s["task"] for s in stages["osft_default"]] == ["trivia", "foldoc", "spell", "roman"]
     folds = [s["fold"] for s in stages["osft_default"]]
