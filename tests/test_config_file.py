@@ -220,7 +220,8 @@ def test_the_declarations_give_the_resume_rules_and_check_configs_made_in_code(t
         "batch_size", "max_tokens_per_gpu", "max_seq_len", "seed", "osft", "osft_unfreeze_rank_ratio",
         "osft_target_patterns", "osft_rank_schedule", "osft_importance_samples", "osft_min_frozen_ratio",
         "osft_max_frozen_ratio", "freeze_non_target", "freeze_router", "train_on_all", "overlong",
-        "osft_protect_subspaces", "data_format", "train_reasoning", "train_last_turn_only", "chat_template", "eval_split"}
+        "osft_protect_subspaces", "osft_frozen_rank", "data_format", "train_reasoning", "train_last_turn_only",
+        "chat_template", "eval_split"}
     assert set(RESUME_WARN_SETTINGS) == {"learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "beta1",
                                          "beta2", "eps", "max_grad_norm", "max_steps", "num_epochs"}
     assert ONE_TIME_FIELDS == ("overwrite_output_dir",)

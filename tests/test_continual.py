@@ -311,3 +311,94 @@ def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
              "peft_osf": {"5e-05": 0.56, "0.0001": 0.90}}
     assert _choose_rates(pilot) == {"full_ft": 1e-5, "osft_same": 1e-4, "peft_osf": 5e-5}
     assert _choose_rates({"osft_same": {"1e-4": 0.3}}) == {}  # no full FT reference: nothing to match
+
+
+def test_sequence_measures_of_a_hand_made_accuracy_matrix():
+    from continual_learning.matrix import sequence_measures
+
+    R = np.array([[10, 20, 30],  # the base model
+                  [80, 25, 35],  # after stage 1 (task 0)
+                  [85, 90, 40],  # after stage 2 (task 1): task 0 still improved
+                  [50, 70, 95]], dtype=float)  # after stage 3 (task 2)
+    got = sequence_measures(R)
+    assert got["AA"] == pytest.approx((50 + 70 + 95) / 3) and got["LA"] == pytest.approx((80 + 90 + 95) / 3)
+    assert got["BWT"] == pytest.approx(((50 - 80) + (70 - 90)) / 2)  # against the score right after learning
+    assert got["F"] == pytest.approx(((85 - 50) + (90 - 70)) / 2)  # against the best before the last stage
+    assert got["FWT"] == pytest.approx(((25 - 20) + (40 - 30)) / 2)
+    batch = sequence_measures(np.stack([R, R + 1.0, R]))  # bootstrap replicates: one value each
+    assert batch["AA"].shape == (3,) and batch["AA"][1] == pytest.approx(got["AA"] + 1) and batch["BWT"][1] == got["BWT"]
+    subset = sequence_measures(R[:, [0, 2]], stages=[1, 3])  # the tasks of stages 1 and 3 only
+    assert (subset["AA"], subset["LA"]) == (pytest.approx((50 + 95) / 2), pytest.approx((80 + 95) / 2))
+    assert (subset["BWT"], subset["F"], subset["FWT"]) == (-30, 85 - 50, 40 - 30)
+    with pytest.raises(ValueError, match=r"\[\.\.\., T \+ 1, T\]"):
+        sequence_measures(R[:2])
+    with pytest.raises(ValueError, match="stages in 1..T"):
+        sequence_measures(R[:, :2], stages=[1, 4])
+
+
+def test_sequence_tasks_spell_numbers_and_roman_numerals_in_one_convention():
+    from continual_learning.sequence_tasks import roman_numeral, spell_number
+
+    assert [spell_number(n) for n in (0, 13, 40, 42, 100, 105, 999, 1000, 4821, 9999)] == [
+        "zero", "thirteen", "forty", "forty-two", "one hundred", "one hundred five", "nine hundred ninety-nine",
+        "one thousand", "four thousand eight hundred twenty-one", "nine thousand nine hundred ninety-nine"]
+    assert [roman_numeral(n) for n in (1, 4, 9, 14, 40, 90, 400, 1994, 2024, 3999)] == [
+        "I", "IV", "IX", "XIV", "XL", "XC", "CD", "MCMXCIV", "MMXXIV", "MMMCMXCIX"]
+    with pytest.raises(ValueError, match="outside"):
+        spell_number(10000)
+    with pytest.raises(ValueError, match="outside"):
+        roman_numeral(0)
+
+
+def test_task_spec_file_names_the_entry_that_is_wrong(tmp_path):
+    from continual_learning.sequence_tasks import read_specs
+
+    for name in ("a", "b"):
+        for split in ("train", "eval"):
+            (tmp_path / f"{name}.{split}.jsonl").write_text("{}\n")
+    good = [{"name": n, "train": f"{n}.train.jsonl", "eval": f"{n}.eval.jsonl", "metric": m}
+            for n, m in (("a", "exact"), ("b", "nll"))]
+    spec = tmp_path / "tasks.json"
+    spec.write_text(json.dumps(good))
+    assert [(s.name, s.metric, s.train) for s in read_specs(spec)] == [
+        ("a", "exact", tmp_path / "a.train.jsonl"), ("b", "nll", tmp_path / "b.train.jsonl")]
+    for bad, message in ((good[:1], "at least 2 tasks"), ([good[0], dict(good[1], metric="bleu")], r"entry 1 \(b\): metric"),
+                         ([good[0], dict(good[1], eval="missing.jsonl")], r"entry 1 \(b\): eval file"),
+                         ([good[0], dict(good[0])], "names repeat"), ([good[0], {"name": "x"}], "entry 1 must have")):
+        spec.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            read_specs(spec)
+
+
+@pytest.mark.long
+@pytest.mark.bench
+def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
+    """``continual_sequence.py --quick``: every arm through the four built-in tasks (data built at
+    run time), a matrix of T + 1 rows per arm whose measures are those of its point matrix, paired
+    differences to full FT, and the chained OSFT arms' fold records per stage."""
+    from continual_learning.matrix import sequence_measures
+
+    out = tmp_path / "seq.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "continual_sequence.py"), "--quick", "--seeds", "0",
+                           "--out", str(out), "--data-dir", str(tmp_path / "data")],
+                          cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [t["name"] for t in result["tasks"]] == ["trivia", "foldoc", "spell", "roman"]
+    assert result["arms"] == ["full_ft", "osft_unprotected", "osft_update", "osft_default", "replay", "lora", "multitask"]
+    for arm, kinds in result["summary"]["arms"].items():
+        assert kinds["points"]["tasks"] == ["trivia", "spell", "roman"] and len(kinds["nll"]["tasks"]) == 4
+        for kind, stages in (("points", [1, 3, 4]), ("nll", [1, 2, 3, 4])):
+            R = np.array(kinds[kind]["R"], dtype=float)
+            assert R.shape == (5, len(stages))
+            if arm != "multitask":
+                for name, value in sequence_measures(R, stages).items():
+                    assert kinds[kind]["measures"][name]["value"] == pytest.approx(float(value), abs=1e-6), (arm, name)
+                assert arm == "full_ft" or "minus_full_ft" in kinds[kind]
+    assert len(result["summary"]["goals"]) == 9
+    stages = result["stages"]["0"]
+    assert [s["task"] for s in stages["osft_default"]] == ["trivia", "foldoc", "spell", "roman"]
+    folds = [s["fold"] for s in stages["osft_default"]]
+    assert all(f["inputs_modules"] == f["modules"] == 14 for f in folds)
+    assert all(s["fold"]["inputs_modules"] == 0 for s in stages["osft_update"])
+    assert folds[-1]["median_next_k_low_share"] < folds[0]["median_next_k_low_share"] <= 1

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.demo
 #: each). Each evaluation reads 4 samples of each set instead of the demo's 16 (the forward passes
 #: of the four evaluations were most of the run's time); the 16 are a default checked by
 #: test_demo_defaults_evaluate_sixteen_samples_of_each_set.
-DEMO_FLAGS = ["--max-steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--max-tokens-per-gpu", "512"]
+DEMO_FLAGS = ["--max-steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--max-tokens-per-gpu", "512",
+              "--osft-protect-input-samples", "8"]
 DEMO_EVAL_SAMPLES = 4
 
 
@@ -118,7 +119,8 @@ def test_demo_on_two_ranks_checkpoints_on_sigusr1_stops_on_sigterm_and_resumes_e
     def demo(out, *flags, env=None):
         cmd = [sys.executable, "-m", "osft.trainer.cli", "demo", "--dir", str(demo_assets.model_dir.parent),
                "--output-dir", str(out), "--nproc-per-node", "2", "--max-steps", "4", "--batch-size", "4",
-               "--max-seq-len", "128", "--max-tokens-per-gpu", "256", "--on-demand-checkpointing", *flags]
+               "--max-seq-len", "128", "--max-tokens-per-gpu", "256", "--on-demand-checkpointing",
+               "--osft-protect-input-samples", "8", *flags]
         done = subprocess.run(cmd, env={**os.environ, "OSFT_TEST_STATE_HASH": "1", **(env or {})},
                               capture_output=True, text=True, timeout=1200)
         return done.returncode, done.stdout + done.stderr

@@ -94,3 +94,20 @@ def test_a_gram_larger_than_the_budget_is_an_input_error_before_training(tiny_mo
     assert code == 2, err
     assert "--osft-protect-input-memory-gb 1e-06: the input Gram matrix of model.layers." in err and "alone needs" in err
     assert not (tmp_path / "r" / "hf_format").exists()
+
+
+def test_auto_falls_back_to_update_bases_for_modules_over_the_budget_and_names_them(llama):
+    from osft.trainer.osft.input_grams import describe_bases, input_basis_modules
+
+    _, modules, _ = llama
+    budget = gram_bytes(64) - 1  # down_proj (M = 64) does not fit, every M = 32 input does
+    collected, fallback = input_basis_modules(modules, "auto", budget)
+    assert [n for n, _ in collected] == [n for n, m in modules if m.in_features == 32]
+    assert fallback == {f"model.layers.{i}.mlp.down_proj": "Gram 3.28e-05 GB > budget" for i in (0, 1)}
+    assert describe_bases(len(collected), fallback) == (
+        "protected subspaces at export: input bases for 12 modules; the update for 2: mlp.down_proj in "
+        "model.layers.<i> for i = 0-1 (2, Gram 3.28e-05 GB > budget)")
+    assert input_basis_modules(modules, "update", budget) == ([], {})
+    with pytest.raises(ValueError, match="mlp.down_proj"):
+        input_basis_modules(modules, "inputs", budget)
+    assert input_basis_modules(modules, "inputs", 1e12) == (list(modules), {})

@@ -5,21 +5,27 @@ and 2 gloo ranks, with a resume and a reload of the exported bases."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import QA, chat, save_tiny_model, write_jsonl
+import numpy as np
+from helpers import QA, chat, save_tiny_model, weight_updates, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
 from osft.trainer.osft.plan import plan_module, plan_table
 from osft.trainer.osft.projection import Projector
-from osft.trainer.osft.protect import fold_cap, fold_module, input_directions, update_svd
+from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.chain import chain_budget
+from osft.trainer.osft.input_grams import calibration_indices
+from osft.trainer.osft.protect import EnergyRank, ModuleFold, energy_rank, fold_cap, fold_module, input_directions, update_svd
 
 FOLD_KEYS = ("P", "Q", "U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
@@ -77,7 +83,8 @@ def test_protected_svd_matches_lapack_on_the_projected_matrix():
 
 def test_plan_keep_modes_and_frozen_modules():
     plan = plan_module(48, 32, 0.5, 8, p_left=5, p_right=3)
-    assert (plan.rank, plan.k_high, plan.k_low) == (29, 14, 15)
+    assert (plan.rank, plan.k_high, plan.k_low) == (29, 14, 15)  # reduced: floor(29·0.5)
+    assert plan_module(48, 32, 0.5, 8, 5, 3, frozen_rank="keep").k_high == 16  # a fresh 48×32 split's
     assert not plan.u_keep  # 5 + 29 < 48: [L, U_low] does not span the left side
     assert plan.v_keep  # 3 + 29 = 32 spans the right side and k_low 15 < p_R + k_high = 17
     assert not plan_module(48, 32, 0.75, 8, 5, 3).v_keep  # k_low 22 > 3 + 7: removing Rb is cheaper
@@ -147,18 +154,20 @@ def test_chained_runs_keep_earlier_updates_untouched():
     torch.testing.assert_close(fold_b.P.t() @ fold_b.P, torch.eye(fold_b.P.shape[1]), rtol=0, atol=1e-5)
 
 
-def test_toy_regression_inputs_variant_keeps_task_a_exactly():
+def test_toy_regression_inputs_variant_keeps_task_a_exactly(seed=1):
     """Two regression tasks on a 32×24 linear layer (URR 0.5, no weight decay) whose inputs share 4
     of 8 directions, with conflicting targets. Same-URR OSFT forgets task A. Protecting A's input
     span (8 directions, within the cap k_low = 12 at cap ratio 1.0) keeps A exactly: every ΔW_B
     satisfies ΔW_B Q = 0, so ΔW_B x_A = 0.
 
-    The ``update`` variant protects only D's top directions (4 here at τ = 0.9), and B's split of W′
-    has R = 20 < 24, so k_high = 10 < 12: two directions A kept frozen become trainable. In this
-    toy it forgets *more* than plain OSFT (measured 0.63 vs 0.53 with this seed, and more on
-    seeds 2 and 3): the test records the ordering inputs < plain < update rather than assume a gain.
+    The ``update`` variant protects only D's top directions (4 here at τ = 0.9). B's split of W′ has
+    R = 20 < 24: under ``--osft-frozen-rank reduced`` k_high = 10 < 12, so two directions A kept
+    frozen become trainable, and it forgets *more* than plain OSFT (seed 1: 0.57 vs 0.49); ``keep``
+    freezes a fresh run's 12 (0.40 here). Neither rule is reliable with update bases: over seeds 1-8
+    keep forgot less than reduced in 5 and up to 8 times more in the other 3; the inputs variant kept
+    A in all 8. The test records what holds for every seed: inputs keep A, the others do not.
     """
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     basis = torch.linalg.qr(torch.randn(24, 24, generator=g))[0]
     s_a, s_b = basis[:, :8], basis[:, 4:12]
     x_a = torch.randn(256, 8, generator=g) @ s_a.t()
@@ -175,23 +184,203 @@ def test_toy_regression_inputs_variant_keeps_task_a_exactly():
               weight_decay=0.0)
     w_a = a.dense_weight().detach()
     assert loss_a(w_a) < 0.5 * loss_a(w0)
+    update_fold = fold_module(factors(a), 0.9, 1.0)
     folds = {
-        "plain": None,
-        "update": fold_module(factors(a), 0.9, 1.0),
-        "inputs": fold_module(factors(a), 0.9, 1.0, input_directions(x_a.double().t() @ x_a.double(), torch.zeros(24, 0),
-                                                                     0.95, fold_cap(a.plan.k_low, 1.0))),
+        "plain": (None, "keep"),
+        "update reduced": (update_fold, "reduced"),
+        "update keep": (update_fold, "keep"),
+        "inputs": (fold_module(factors(a), 0.9, 1.0, input_directions(x_a.double().t() @ x_a.double(),
+                                                                      torch.zeros(24, 0), 0.95,
+                                                                      fold_cap(a.plan.k_low, 1.0))), "keep"),
     }
-    assert folds["inputs"].added_right == 8 and not folds["inputs"].inputs.cap_bound
+    assert folds["inputs"][0].added_right == 8 and not folds["inputs"][0].inputs.cap_bound
     forgetting = {}
-    for name, fold in folds.items():
+    for name, (fold, rule) in folds.items():
         prot = None if fold is None else (fold.P, fold.Q)
-        b = OSFTLinear.from_weight(w_a, None, urr=0.5, max_tokens_per_micro_batch=8, protected=prot)
+        plan = plan_module(32, 24, 0.5, 8, *((fold.P.shape[1], fold.Q.shape[1]) if fold else (0, 0)), frozen_rank=rule)
+        b = OSFTLinear.from_weight(w_a, None, plan=plan, protected=prot)
         w_b = train(b, x_b, y_b, steps=150, lr=2e-2, weight_decay=0.0).dense_weight().detach()
         forgetting[name] = loss_a(w_b) - loss_a(w_a)
     assert forgetting["plain"] > 0.5 * loss_a(w_a), forgetting
     # float32 rounding of W (entries ~1, 24 inputs): the loss moves by a few 1e-7 at most
     assert abs(forgetting["inputs"]) < 1e-5, forgetting
-    assert forgetting["inputs"] < forgetting["plain"] < forgetting["update"], forgetting
+    assert forgetting["inputs"] < 0.1 * min(forgetting["update keep"], forgetting["update reduced"]), forgetting
+    assert forgetting["plain"] < forgetting["update reduced"], forgetting  # seed 1, the caveat in the README
+
+
+def test_input_energy_criterion_counts_the_old_basis_as_gpm_does():
+    """Hand-made inputs along the standard basis with energies 10, 5, 3, 1, 0.5, 0.5 (‖X‖² = 20) and
+    Q = e_0 (‖QᵀX‖² = 10): at ε = 0.9 the total (GPM) criterion needs 18, so e_1 and e_2; the residual
+    one needs 0.9 of the other 10, so e_1, e_2, e_3; a basis that already holds 90 % adds nothing."""
+    energies = torch.tensor([10.0, 5, 3, 1, 0.5, 0.5], dtype=torch.float64)
+    rotation = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    x = rotation @ torch.diag(energies.sqrt())  # X Xᵀ has these eigenvalues along rotation's columns
+    gram = x @ x.t()
+    q = rotation[:, :1]
+    got, kept = input_directions(gram, q, 0.9, cap=6)
+    assert (kept.rank, kept.cap_bound) == (2, False) and kept.energy == pytest.approx(18 / 20)
+    torch.testing.assert_close(got @ got.t(), rotation[:, 1:3] @ rotation[:, 1:3].t(), rtol=0, atol=1e-10)
+    got, kept = input_directions(gram, q, 0.9, cap=6, criterion="residual")
+    assert kept.rank == 3 and kept.energy == pytest.approx(9 / 10)
+    torch.testing.assert_close(got @ got.t(), rotation[:, 1:4] @ rotation[:, 1:4].t(), rtol=0, atol=1e-10)
+    got, kept = input_directions(gram, rotation[:, :3], 0.9, cap=6)
+    assert got.shape == (6, 0) and (kept.rank, kept.cap_bound) == (0, False) and kept.energy == pytest.approx(0.9)
+    got, kept = input_directions(gram, q, 0.9, cap=1)  # the cap binds: e_1 only, 15 of 20 kept
+    assert (kept.rank, kept.cap_bound) == (1, True) and kept.energy == pytest.approx(15 / 20)
+    assert energy_rank(torch.tensor([3.0, 1.0]), 0.5, 2, kept=6.0) == EnergyRank(0, 0.6, False)
+    with pytest.raises(ValueError, match="criterion"):
+        input_directions(gram, q, 0.9, 6, criterion="sum")
+
+
+def expected_split(n, m, urr, p_left, p_right, rule):
+    """R, k_high, k_low as docs/architecture.md section 8 states them."""
+    rank = min(n - p_left, m - p_right)
+    fresh_high = math.floor(min(n, m) * (1 - urr) + 1e-9)
+    k_high = min(rank - 1, fresh_high if rule == "keep" else math.floor(rank * (1 - urr) + 1e-9))
+    return rank, k_high, rank - k_high
+
+
+@pytest.mark.parametrize("rule, cap", [("keep", 0.5), ("reduced", 0.5), ("keep", 0.125)])
+def test_four_chained_runs_grow_the_bases_and_split_the_rest_as_documented(rule, cap):
+    """Four runs on one 64×48 module at URR 0.5, each folded at τ = 0.9: P and Q grow by each run's
+    energy rank, capped at floor(cap·k_low) (the cap binds at 0.125); every later run's update leaves
+    all earlier runs' PᵀW and WQ as they were; each run's R, k_high, k_low follow the rule; and the
+    chain budget each export records is the next run's actual split."""
+    g = torch.Generator().manual_seed(3)
+    w = pretrained_like(64, 48, seed=4)
+    protected, earlier, capped = None, [], 0
+    for run in range(4):
+        p_left, p_right = (0, 0) if protected is None else (protected[0].shape[1], protected[1].shape[1])
+        settings = OSFTSettings(urr=0.5, max_tokens_per_micro_batch=8, frozen_rank=rule)
+        mod = OSFTLinear.from_weight(w, None, plan=settings.plan(64, 48, p_left, p_right), protected=protected)
+        assert (mod.plan.p_left, mod.plan.p_right) == (p_left, p_right)
+        assert (mod.plan.rank, mod.plan.k_high, mod.plan.k_low) == expected_split(64, 48, 0.5, p_left, p_right, rule)
+        if rule == "reduced":  # also the layout of a module built without settings
+            assert OSFTLinear.from_weight(w, None, 0.5, 8, protected=protected).plan == mod.plan
+        train(mod, torch.randn(64, 48, generator=g), torch.randn(64, 64, generator=g), steps=20)
+        d = update(mod)
+        for P, Q in earlier:  # every earlier run's protected directions stay untouched
+            assert (P.double().t() @ d).norm() <= 1e-5 * d.norm() and (d @ Q.double()).norm() <= 1e-5 * d.norm()
+        fold = fold_module(factors(mod), energy=0.9, max_rank_ratio=cap)
+        sigma_sq = torch.linalg.svdvals(d).square()
+        wanted = int((torch.cumsum(sigma_sq, 0) < 0.9 * sigma_sq.sum() * (1 - 1e-12)).sum()) + 1
+        assert fold.added_left == min(wanted, fold_cap(mod.plan.k_low, cap)), run
+        assert fold.update.cap_bound == (wanted > fold_cap(mod.plan.k_low, cap))
+        capped += fold.update.cap_bound
+        assert fold.P.shape[1] == p_left + fold.added_left and fold.Q.shape[1] == p_right + fold.added_right
+        if protected is not None:
+            assert torch.equal(fold.P[:, :p_left], protected[0]) and torch.equal(fold.Q[:, :p_right], protected[1])
+        budget = chain_budget([("w", mod.plan)], {"w": fold}, rule).budgets["w"]
+        assert (budget.rank, budget.k_high, budget.k_low) == (mod.plan.rank, mod.plan.k_high, mod.plan.k_low)
+        assert (budget.next_rank, budget.next_k_high, budget.next_k_low) == expected_split(
+            64, 48, 0.5, fold.P.shape[1], fold.Q.shape[1], rule)
+        assert budget.fresh_k_low == 24
+        w = mod.dense_weight().detach()
+        protected = (fold.P, fold.Q)
+        earlier.append(protected)
+    if cap == 0.125:  # the cap binds in every run
+        assert capped == 4
+    if rule == "keep":  # the pretrained block stays at a fresh run's 24 frozen directions
+        assert mod.plan.k_high == 24 and mod.plan.k_low == 24 - max(p_left, p_right)
+        assert mod.plan.k_low == budget.k_low
+
+
+def test_chain_budget_reports_and_warns_below_the_stated_share():
+    plan = plan_module(64, 48, 0.5, 8)
+    folds = {"a": ModuleFold(torch.zeros(64, 4), torch.zeros(48, 4), 4, 4, EnergyRank(4, 0.9, False), None),
+             "b": ModuleFold(torch.zeros(64, 12), torch.zeros(48, 12), 12, 12, EnergyRank(12, 0.7, True),
+                             EnergyRank(12, 0.8, True))}
+    budget = chain_budget([("a", plan), ("b", plan)], folds, "keep")
+    assert budget.budgets["a"].next_k_low == 20 and budget.budgets["b"].next_k_low == 12  # 24 - p
+    assert budget.folds["b"].summary()["next_k_low"] == 12 and budget.folds["b"].summary()["basis"] == "inputs"
+    line = budget.line()
+    assert "p_L 4-12" in line and "k_low 12-20, median 67 % of a fresh run's (lowest 50 %)" in line
+    assert "cap bound in 1 of 2 modules" in line and "update 0.700 (lowest), inputs 0.800" in line
+    warning = budget.warning()
+    assert warning.startswith("chain budget: in 1 of 2 modules") and "below 60%" in warning and "b: 12 of 24" in warning
+    assert chain_budget([("a", plan)], {"a": folds["a"]}, "keep").warning() is None
+
+
+def test_calibration_samples_are_drawn_with_the_seed_across_every_source():
+    one = calibration_indices([1000], None, 64, seed=0)
+    assert len(one) == 64 == len(set(one.tolist())) and one.max() > 500  # not the first 64
+    assert np.array_equal(one, calibration_indices([1000], None, 64, seed=0))
+    assert not np.array_equal(one, calibration_indices([1000], None, 64, seed=1))
+    mixed = calibration_indices([900, 50, 50], [0.5, 0.3, 0.2], 20, seed=0)
+    counts = np.bincount(np.searchsorted(np.cumsum([900, 50, 50]), mixed, side="right"), minlength=3)
+    assert counts.tolist() == [10, 6, 4]
+    tiny = calibration_indices([900, 3, 50], [0.01, 0.9, 0.09], 20, seed=0)  # source 1 has 3 samples only
+    counts = np.bincount(np.searchsorted(np.cumsum([900, 3, 50]), tiny, side="right"), minlength=3)
+    assert counts[1] == 3 and counts.sum() == 20 and counts.min() >= 1
+    assert len(calibration_indices([5, 5], [0.5, 0.5], 64, seed=0)) == 10  # fewer samples than asked: all
+
+
+def test_four_chained_runs_of_a_tiny_model_and_the_logits_on_a_calibration_inputs(job, tmp_path):
+    """Function level, in process: a tiny Llama learns task A (4 steps), then B (the reversed pairs,
+    4 steps at twice the rate), C and D (A and B again), each chained on the export before, with the
+    default recipe (input bases, GPM criterion, frozen non-targets; the cap binds in most modules);
+    and B once without protection. Every export's records follow the docs: p grows by the
+    directions added, R = min(N − p_L, M − p_R), k_high = floor(R·(1 − URR)), and the next run's split
+    is the one recorded; each run leaves every earlier run's PᵀW and WQ as they were. On A's
+    calibration samples (here every sample of A) B with the default recipe moves A's logits by at
+    most 10 % of their norm and by at most a tenth of what the unprotected B moves them (measured:
+    4.0 % and 316 %; A itself moved the base model's logits by 99 %)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from osft.trainer.api import train as api_train
+
+    model, data = job
+    rows = [chat(q, a) for q, a in QA] * 2
+    b_data = write_jsonl(tmp_path / "b.jsonl", [chat(a, q) for q, a in QA] * 2)
+    common = dict(batch_size=4, max_tokens_per_gpu=64, max_seq_len=64, save_dtype="float32",
+                  osft_unfreeze_rank_ratio=0.5, max_steps=4)
+
+    def run(name, source, path, lr, **flags):
+        outcome = api_train(model_name_or_path=str(source), data_path=[str(path)], output_dir=str(tmp_path / name),
+                            learning_rate=lr, **common, **flags)
+        assert outcome.exit_code == 0, name
+        return Path(outcome.export_dir)
+
+    exports = [run("A", model, data, 5e-3)]
+    unprotected = run("B-unprotected", exports[0], b_data, 1e-2, osft_protect_subspaces=False)
+    for name, path in (("B", b_data), ("C", data), ("D", b_data)):
+        exports.append(run(name, exports[-1], path, 1e-2))
+    metas = [json.loads((e / "osft_subspaces.json").read_text()) for e in exports]
+    for i, meta in enumerate(metas):
+        for module, rec in meta["modules"].items():
+            before = metas[i - 1]["modules"][module] if i else {"p_left": 0, "p_right": 0}
+            bases = load_file(str(exports[i] / "osft_subspaces.safetensors"))
+            n, m = bases[f"{module}.P"].shape[0], bases[f"{module}.Q"].shape[0]
+            assert rec["p_left"] == before["p_left"] + rec["added_left"], (i, module)
+            assert rec["p_right"] == before["p_right"] + rec["added_right"], (i, module)
+            rank = min(n - before["p_left"], m - before["p_right"])
+            k_high = min(rank - 1, math.floor(rank * 0.5 + 1e-9))
+            assert (rec["rank"], rec["k_high"], rec["k_low"]) == (rank, k_high, rank - k_high), (i, module)
+            if i:
+                assert (before["next_rank"], before["next_k_high"], before["next_k_low"]) == (
+                    rec["rank"], rec["k_high"], rec["k_low"]), (i, module)
+            assert rec["basis"] == "inputs" and rec["fresh_k_low"] == min(n, m) - min(n, m) // 2
+    assert all(metas[3]["modules"][k]["next_k_low"] < metas[0]["modules"][k]["next_k_low"] for k in metas[0]["modules"])
+    for i in range(1, 4):  # run i's update leaves the bases it was given (every earlier run's) untouched
+        given = load_file(str(exports[i - 1] / "osft_subspaces.safetensors"))
+        for key, P, Q, d in weight_updates(given, load_file(str(exports[i - 1] / "model.safetensors")),
+                                           load_file(str(exports[i] / "model.safetensors"))):
+            assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), (i, key)
+
+    assert len(calibration_indices([len(rows)], None, 64, seed=42)) == len(rows)  # A's calibration: all of A
+    tokenizer = AutoTokenizer.from_pretrained(exports[0])
+    ids = [tokenizer.apply_chat_template(r["messages"], return_tensors="pt", return_dict=True)["input_ids"]
+           for r in rows[: len(QA)]]
+
+    def logits(directory):
+        net = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return torch.cat([net(x).logits[0] for x in ids])
+
+    after_a = logits(exports[0])
+    moved = {name: float((logits(d) - after_a).norm() / after_a.norm()) for name, d in
+             (("default", exports[1]), ("unprotected", unprotected))}
+    assert moved["default"] <= 0.1 and moved["default"] <= 0.1 * moved["unprotected"], moved
 
 
 # -- real `osft-train` runs ---------------------------------------------------------------------
@@ -287,10 +476,30 @@ def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, 
         assert d.norm() > 0, name
         assert (P.t() @ d).norm() <= 1e-4 * d.norm() and (d @ Q).norm() <= 1e-4 * d.norm(), name
         assert meta["modules"][name]["p_left"] > P.shape[1] - 1  # the old bases are kept, new ones added
-    assert meta["basis"] == "update"
+    # the default recipe: input bases (every module of this dense model), the GPM criterion, frozen non-targets
+    assert meta["basis"] == "auto" and meta["input_criterion"] == "total" and meta["frozen_rank"] == "reduced"
+    assert all(m["basis"] == "inputs" and m["next_k_low"] == m["next_rank"] - m["next_k_high"]
+               for m in meta["modules"].values())
+    assert "protected subspaces at export: input bases for 14 modules" in output and "chain budget: p_L" in output
+    assert "non-target parameters frozen: a chained run" in output
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert torch.equal(after[key], before[key]), key
     no_protect = tmp_path / "c"
     code, output = osft_train(exported(one), data, no_protect, "--no-osft-protect-subspaces", "--max-steps", "1")
     assert code == 0 and "not used (--no-osft-protect-subspaces)" in output, output
+    assert "non-target parameters frozen" not in output
+
+
+def test_a_full_fine_tuning_run_on_an_export_with_subspaces_says_they_are_dropped(job, runs, tmp_path, capsys):
+    from osft.trainer.cli import main
+
+    code = main(["--model-name-or-path", str(exported(runs[0])), "--data-path", str(job[1]), "--output-dir",
+                 str(tmp_path / "full"), "--no-osft", "--max-steps", "1", "--batch-size", "2", "--max-seq-len", "64",
+                 "--max-tokens-per-gpu", "64"])
+    err = capsys.readouterr().err.replace("\n", "")
+    assert code == 0, err
+    assert f"{exported(runs[0]) / 'osft_subspaces.safetensors'} dropped (--no-osft)" in err, err
+    assert not (exported(tmp_path / "full", 1) / "osft_subspaces.safetensors").exists()
 
 
 @pytest.mark.torchrun

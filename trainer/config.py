@@ -135,9 +135,11 @@ class OSFTConfig:
         "auto", "forward formulation per module (dense: rebuilt W and its weight gradient; hybrid: rebuilt W, factor "
         "gradients formed directly; split: no rebuild); auto picks the one with fewer FLOPs",
         choices=("auto", "dense", "hybrid", "split"))
-    freeze_non_target: bool = setting(
-        False, "train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), norms "
-        "and every other parameter stay frozen (not with --no-osft)", resume=SAME)
+    freeze_non_target: bool | None = setting(
+        None, "train only the OSFT targets' low-rank factors and biases: embeddings, LM head (tied or not), norms "
+        "and every other parameter stay frozen (not with --no-osft). Default: frozen in a run that protects the "
+        "subspaces of an earlier run (a chained run), trained otherwise",
+        no_help="train the non-target parameters also in a chained run", resume=SAME)
     freeze_router: bool = setting(
         False, "MoE models: keep every router (the gate choosing the experts of each token) as it is; the experts "
         "still train (an error for a model without MoE blocks)", resume=SAME)
@@ -176,13 +178,22 @@ class ProtectionConfig:
     osft_protect_max_rank_ratio: float = setting(
         0.5, "cap: at most floor(cap * k_low) new protected directions per module and side", values=_UNIT)
     osft_protect_basis: str = setting(
-        "update", "right-side (input) directions to protect: from the update dW, or from this run's layer inputs "
-        "(top eigenvectors of X X^T)", choices=("update", "inputs"))
+        "auto", "right-side (input) directions to protect: from the update dW, or from this run's layer inputs "
+        "(top eigenvectors of X X^T); auto: inputs where they apply, the update for expert banks and modules whose "
+        "Gram matrix exceeds --osft-protect-input-memory-gb (named at start)", choices=("auto", "update", "inputs"))
+    osft_protect_input_criterion: str = setting(
+        "total", "input energy to reach: total (GPM: ||Q^T X||^2 of the old basis plus the new directions reach "
+        "epsilon of ||X||^2) or residual (epsilon of the energy outside the old basis)", choices=("total", "residual"))
+    osft_frozen_rank: str = setting(
+        "reduced", "frozen top directions of a module with protected subspaces: reduced, k_high = floor(R*(1-URR)) "
+        "of the reduced rank R = min(N - p_L, M - p_R); keep, as many as a fresh run at this URR freezes "
+        "(floor(min(N, M)*(1-URR)): the pretrained block stays frozen, the protected ranks come out of k_low)",
+        choices=("reduced", "keep"), resume=SAME)
     osft_protect_input_energy: float = setting(
         0.95, "epsilon: share of the layer inputs' energy to protect (--osft-protect-basis inputs)", values=_UNIT)
     osft_protect_input_samples: int = setting(
-        256, "training samples whose layer inputs are collected at export (--osft-protect-basis inputs)",
-        values=positive_int)
+        64, "training samples whose layer inputs are collected at export, drawn with --seed over the whole training "
+        "data (every source of a mixture by its weight); --osft-protect-basis auto or inputs", values=positive_int)
     osft_protect_input_memory_gb: float = setting(
         4.0, "most GB of input Gram matrices (8*M^2 bytes per distinct module input) held at once on each rank; "
         "more than fit take one calibration pass per group (--osft-protect-basis inputs)", values=_POSITIVE)

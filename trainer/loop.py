@@ -127,7 +127,8 @@ class Trainer:
         start = choose_start(cfg, self.dist, inputs.plan, self.report)
         self._build_model_and_optimizer(start.resume)
         self.exporter = Exporter(cfg, self.dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
-                                 self.tokenizer, self.device, self.loss, self._micro_batches, len(self.data))
+                                 self.tokenizer, self.device, self.loss, self._micro_batches, self.data.sizes,
+                                 self.data.weights)
         context = MonitorContext(self.report, self.dist, self.run_dir, self.model, self.checkpoints,
                                  lambda batch: self.loss(batch, float64_sum=True), self.exporter.export,
                                  lambda path: self.checkpoints.restore(path, rollback=True), self.sampler.steps_per_epoch)

@@ -30,8 +30,8 @@ from .contract import Event
 from .distributed import DistEnv, agree
 from .metrics import Reporter
 from .model_loading import load_config, load_model, model_vocab_size
-from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers
-from .osft.input_grams import check_gram_budget
+from .osft.freeze import count_parameters, freeze_non_targets, freeze_routers, non_targets_frozen
+from .osft.input_grams import describe_bases, input_basis_modules
 from .osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
 from .osft.plan import ForwardForm, ModulePlan, plan_table
 from .osft.projection import Projector
@@ -197,8 +197,10 @@ def build_run_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype:
                    "recompute their activations in the backward pass")
     if cfg.compile:
         report.say(f"compile: {compile_blocks(model)} decoder blocks (torch.compile, inductor)")
-    if cfg.freeze_non_target:
+    frozen, why = non_targets_frozen(cfg) if osft else (False, None)
+    if frozen:
         freeze_non_targets(model, osft)
+        report.say(why)
     if cfg.freeze_router:
         report.say(f"MoE routers frozen: {len(freeze_routers(model, cfg.model_name_or_path))} parameters")
     report.say(count_parameters(model, osft).describe())
@@ -215,15 +217,13 @@ def build_run_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype:
 
 def _report_osft(cfg: TrainConfig, env: DistEnv, osft: OSFTModel, resume: Resume | None, rank_plan: RankPlan | None,
                  report: Reporter) -> None:
-    """Check the input Grams fit their budget (now, not at the first export) and say how the OSFT
-    modules were made, with the plan table on rank 0 and the importance plan."""
-    if cfg.osft_protect_basis == "inputs":
-        check_gram_budget({n: m.in_features for n, m in osft.modules if not (m.plan.experts or m.plan.frozen)},
-                          cfg.osft_protect_input_memory_gb * 1e9)
-        if banks := [n for n, m in osft.modules if m.plan.experts]:
-            report.say(f"protected subspaces: --osft-protect-basis inputs does not apply to the {len(banks)} expert "
-                       "banks (each expert sees only the tokens routed to it): their exports protect the update "
-                       "directions of each expert")
+    """Say which modules will protect their input bases at export (an ``inputs`` Gram over its
+    budget fails now, not at the first export) and how the OSFT modules were made, with the plan
+    table on rank 0 and the importance plan."""
+    if cfg.osft_protect_basis != "update":
+        collected, fallback = input_basis_modules(osft.modules, cfg.osft_protect_basis,
+                                                  cfg.osft_protect_input_memory_gb * 1e9)
+        report.say(describe_bases(len(collected), fallback))
     if resume is not None:
         report.say(f"OSFT: {len(osft.modules)} modules loaded from {resume.path} (no SVD)")
     else:
@@ -279,9 +279,13 @@ def _protected_bases(cfg: TrainConfig, report: Reporter) -> dict | None:
     """The protected subspaces of the model directory (None without), announced on the console."""
     found = load_protected_bases(cfg)
     if found is None:
-        if cfg.osft and not cfg.osft_protect_subspaces and (Path(cfg.model_name_or_path) / SUBSPACES_FILE).is_file():
-            report.say(f"protected subspaces: {Path(cfg.model_name_or_path) / SUBSPACES_FILE} not used "
-                       "(--no-osft-protect-subspaces): every direction of the model may train again")
+        file = Path(cfg.model_name_or_path) / SUBSPACES_FILE
+        if file.is_file() and not cfg.osft:
+            report.say(f"protected subspaces: {file} dropped (--no-osft): full fine-tuning trains every direction "
+                       "and this run's export carries no subspaces")
+        elif file.is_file() and not cfg.osft_protect_subspaces:
+            report.say(f"protected subspaces: {file} not used (--no-osft-protect-subspaces): every direction of the "
+                       "model may train again")
         return None
     path, bases = found
     p_left = [P.shape[-1] for P, _ in bases.values()]

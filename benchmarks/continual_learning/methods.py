@@ -38,8 +38,9 @@ STEP_KEYS = ("step", "loss", "lr", "num_tokens", "step_time_s")
 
 @dataclass(frozen=True)
 class Spec:
-    """How one phase trains: ``kind`` (``"trainer"`` or ``"peft_osf"``), ``TrainConfig`` fields
-    (``config``; for ``peft_osf`` only ``osft_unfreeze_rank_ratio`` is read) and ``learning_rate``."""
+    """How one phase trains: ``kind`` (``"trainer"``, ``"peft_osf"`` or ``"peft_lora"``), ``TrainConfig``
+    fields (``config``; for ``peft_osf`` only ``osft_unfreeze_rank_ratio`` is read, for ``peft_lora``
+    only ``lora_rank``, popped before the config is built) and ``learning_rate``."""
 
     kind: str
     config: dict
@@ -48,10 +49,11 @@ class Spec:
 
 #: Task-A runs, by name: full fine-tuning; OSFT at :data:`URR` (its export carries the update-based
 #: protected subspaces, ``osft_subspaces.safetensors``); the same with input-activation right bases
-#: (``--osft-protect-basis inputs``); PEFT's OSF at :data:`URR`.
+#: (``--osft-protect-basis inputs``); PEFT's OSF at :data:`URR`. The settings of the committed run are
+#: pinned (update bases, and task B's non-targets trained), not the chain recipe's defaults.
 TASK_A_RUNS = {
     "full": Spec("trainer", {"osft": False}, 5e-5),
-    "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 5e-5),
+    "osft": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "update"}, 5e-5),
     "osft_inputs": Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "inputs"},
                         5e-5),
     "peft_osf": Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 5e-5),
@@ -76,9 +78,9 @@ ARMS = [
     Arm("osft_015", f"OSFT {URR} -> 0.15, unprotected (training_hub)", "osft",
         Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": 0.15, "osft_protect_subspaces": False}, 1e-4)),
     Arm("osft_protect", f"OSFT {URR} -> {URR}, protected", "osft",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "freeze_non_target": False}, 1e-4)),
     Arm("osft_inputs", f"OSFT {URR} -> {URR}, protected, input bases", "osft_inputs",
-        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR}, 1.4e-4)),
+        Spec("trainer", {"osft": True, "osft_unfreeze_rank_ratio": URR, "freeze_non_target": False}, 1.4e-4)),
     Arm("peft_osf", f"PEFT OSF {URR} -> {URR}", "peft_osf", Spec("peft_osf", {"osft_unfreeze_rank_ratio": URR}, 5e-5)),
 ]
 
@@ -88,14 +90,15 @@ class Phase:
     """One task's training settings, the same for every arm.
 
     Attributes:
-        task: ``"A"`` or ``"B"``. data_path: chat jsonl to train on. steps: optimizer steps.
+        task: ``"A"`` or ``"B"`` (a task name in the sequence benchmark). data_path: chat jsonl to
+            train on, or a list of ``--data-path`` values (``PATH:WEIGHT`` for a mixture). steps: optimizer steps.
         batch_size: samples per step. max_seq_len: tokens per sample (longer ones truncated).
         max_tokens: tokens per packed micro-batch. lr_scheduler / warmup_steps: as ``osft-train``.
         seed: sampler and init seed.
     """
 
     task: str
-    data_path: Path
+    data_path: Path | list[str]
     steps: int
     batch_size: int
     max_seq_len: int
@@ -108,13 +111,15 @@ class Phase:
 def _train_config(spec: Spec, phase: Phase, model_dir: Path, run_dir: Path, cache_dir: Path, learning_rate: float):
     from osft.trainer.config import TrainConfig, check_config
 
+    data = phase.data_path if isinstance(phase.data_path, list) else [str(phase.data_path)]
+    config = {k: v for k, v in spec.config.items() if k != "lora_rank"}
     cfg = TrainConfig(
-        model_name_or_path=str(model_dir), data_path=str(phase.data_path), output_dir=str(run_dir),
+        model_name_or_path=str(model_dir), data_path=data, output_dir=str(run_dir),
         max_seq_len=phase.max_seq_len, overlong="truncate", batch_size=phase.batch_size,
         max_tokens_per_gpu=phase.max_tokens, learning_rate=learning_rate, lr_scheduler=phase.lr_scheduler,
         warmup_steps=phase.warmup_steps, max_steps=phase.steps, seed=phase.seed,
         device="cpu", dtype="float32", save_dtype="float32", data_cache_dir=str(cache_dir),
-        **spec.config,
+        **config,
     )  # fmt: skip
     check_config(cfg)
     return cfg
@@ -139,19 +144,24 @@ def _trainer_phase(cfg, job: str) -> dict:
             "ortho_violations": result.violations_total, "steps": [{k: r[k] for k in STEP_KEYS} for r in records]}
 
 
-def _peft_phase(cfg, out_dir: Path) -> dict:
-    from peft_baselines import PeftTrainer, check_osf_split, osf_config
+def _peft_phase(cfg, out_dir: Path, lora_rank: int | None = None) -> dict:
+    from peft_baselines import TARGET_NAMES, PeftTrainer, check_osf_split, osf_config
 
     want = {}
 
     def make_config(model):
+        if lora_rank is not None:
+            from peft import LoraConfig
+
+            return LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=list(TARGET_NAMES))
         config, split = osf_config(model, cfg.osft_unfreeze_rank_ratio)
         want.update(split)
         return config
 
     start = time.perf_counter()
     trainer = PeftTrainer(cfg, make_config)
-    check_osf_split(trainer.model, want)
+    if lora_rank is None:
+        check_osf_split(trainer.model, want)
     setup_s = time.perf_counter() - start
     records = trainer.train()
     model_dir = trainer.save_merged(out_dir / "merged")
@@ -178,6 +188,9 @@ def train_phase(spec: Spec, phase: Phase, model_dir: Path, out_dir: Path, cache_
     """
     lr = spec.learning_rate if learning_rate is None else learning_rate
     cfg = _train_config(spec, phase, model_dir, out_dir / "run", cache_dir, lr)
-    result = _peft_phase(cfg, out_dir) if spec.kind == "peft_osf" else _trainer_phase(cfg, out_dir.name)
+    if spec.kind == "trainer":
+        result = _trainer_phase(cfg, out_dir.name)
+    else:
+        result = _peft_phase(cfg, out_dir, spec.config["lora_rank"] if spec.kind == "peft_lora" else None)
     gc.collect()
     return dict(result, learning_rate=lr)

@@ -1,9 +1,11 @@
 """The dense Hugging Face export of a run's model with its protected subspaces.
 
 :class:`Exporter` gathers the model's full state (every rank), folds each OSFT module's protected
-bases for the next run of a chain (:func:`.osft.protect.fold_module`, spread over the ranks), with
-``--osft-protect-basis inputs`` first collecting the layer inputs' Grams over the first training
-samples (:func:`.osft.input_grams.input_bases`), and rank 0 writes the export
+bases for the next run of a chain (:func:`.osft.protect.fold_module`, spread over the ranks; the
+chain budget of :func:`.osft.chain.chain_budget`), where input bases apply (``--osft-protect-basis``
+``auto`` or ``inputs``) first collecting the layer inputs' Grams over training samples drawn with the
+run's seed (:func:`.osft.input_grams.calibration_indices`, :func:`.osft.input_grams.input_bases`),
+and rank 0 writes the export
 (:func:`.hf_export.save_hf_model`) with ``osft_subspaces.safetensors``/``.json``
 (:func:`.subspaces.write_subspaces`).
 """
@@ -22,7 +24,8 @@ from ..contract import Event
 from ..data.micro_batches import MicroBatches
 from ..distributed import DistEnv, barrier, map_over_ranks
 from ..metrics import Reporter
-from ..osft.input_grams import InputBases, input_bases
+from ..osft.chain import chain_budget
+from ..osft.input_grams import InputBases, calibration_indices, input_bases, input_basis_modules
 from ..osft.protect import ModuleFold, fold_bank, fold_module, no_bases
 from ..osft.surgery import OSFTModel, dense_state_dict, full_state_dict
 from ..rundir import RunDir
@@ -38,17 +41,18 @@ class Exporter:
             (None: ``--no-osft``); ``tokenizer``: saved with every export.
         loss: the summed token loss of one packed micro-batch (None: this rank's empty one), run
             for the input Grams' forward passes; ``batches(idx)``: the training samples at positions
-            ``idx`` as this run packs them; ``num_samples``: training samples in all.
+            ``idx`` as this run packs them; ``sizes``, ``weights``: samples per training source and
+            the mixture weights (None: drawn as one), for the calibration draw.
         report: the run's console and metrics (``subspaces_folded`` records).
     """
 
     def __init__(self, cfg: TrainConfig, dist: DistEnv, job_id: str, run_dir: RunDir, report: Reporter,
                  model: nn.Module, osft: OSFTModel | None, tokenizer, device: torch.device,
                  loss: Callable[[dict | None], torch.Tensor], batches: Callable[[np.ndarray], MicroBatches],
-                 num_samples: int) -> None:
+                 sizes: list[int], weights: list[float] | None) -> None:
         self.cfg, self.dist, self.job_id, self.run_dir, self.report = cfg, dist, job_id, run_dir, report
         self.model, self.osft, self.tokenizer, self.device = model, osft, tokenizer, device
-        self.loss, self.batches, self.num_samples = loss, batches, num_samples
+        self.loss, self.batches, self.sizes, self.weights = loss, batches, sizes, weights
 
     def export(self, step: int, out: Path | None = None) -> str:
         """Write the dense HF export of the model after ``step`` steps to ``out`` (default
@@ -57,16 +61,19 @@ class Exporter:
         the shards. Returns its path."""
         out = out or self.run_dir.hf_export(step)
         state = full_state_dict(self.model)
-        inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
+        inputs = self._input_bases(state) if self.osft and self.input_basis_modules()[0] else None
         folds = self._fold_subspaces(state, inputs, step) if self.osft else None
         if self.dist.rank == 0:
             extra = None
             if self.osft:
                 settings = {k.removeprefix("osft_protect_"): getattr(self.cfg, k) for k in
                             ("osft_protect_energy", "osft_protect_max_rank_ratio", "osft_protect_basis")}
+                settings.update(frozen_rank=self.cfg.osft_frozen_rank)
                 if inputs is not None:
                     settings.update(input_energy=self.cfg.osft_protect_input_energy,
-                                    input_samples=self.cfg.osft_protect_input_samples, input_passes=inputs.passes)
+                                    input_criterion=self.cfg.osft_protect_input_criterion,
+                                    input_samples=self.cfg.osft_protect_input_samples, input_seed=self.cfg.seed,
+                                    input_passes=inputs.passes)
                 source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
 
                 def extra(directory: Path) -> None:
@@ -108,7 +115,12 @@ class Exporter:
         results = map_over_ranks(fold, args, len(modules))
         if results is None:
             return None
-        folds = {name: f for (name, _), f in zip(modules, results)}
+        budget = chain_budget([(name, m.plan) for name, m in modules], dict(zip([n for n, _ in modules], results)),
+                              cfg.osft_frozen_rank)
+        folds = budget.folds
+        self.report.say(budget.line())
+        if warning := budget.warning():
+            self.report.warn(warning)
         capped = {name: round(f.update.energy, 4) for name, f in folds.items() if f.update.cap_bound}
         passes = {} if inputs is None else {"input_passes": inputs.passes}
         self.report.log(Event.SUBSPACES_FOLDED, step=step, modules=len(folds),
@@ -121,13 +133,13 @@ class Exporter:
         return folds
 
     def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
-        """The ``inputs`` variant's directions of every trainable OSFT module (not banks) from its
-        layer inputs over the first ``--osft-protect-input-samples`` training samples
-        (:func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
+        """The input bases of the modules :meth:`input_basis_modules` names, from their layer inputs
+        over ``--osft-protect-input-samples`` training samples drawn with the run's seed
+        (:func:`.osft.input_grams.calibration_indices`; :func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
         group of Grams that fits ``--osft-protect-input-memory-gb``; collective). ``state``: the
         full state dict (rank 0), whose Q each module's directions avoid."""
         cfg = self.cfg
-        idx = np.arange(min(cfg.osft_protect_input_samples, self.num_samples))
+        idx = calibration_indices(self.sizes, self.weights, cfg.osft_protect_input_samples, cfg.seed)
         batches = self.batches(idx)
 
         def probe() -> None:
@@ -138,13 +150,14 @@ class Exporter:
                 recording(batch is not None)
                 self.loss(batch)
 
-        modules = [(name, m) for name, m in self.osft.modules if not m.plan.experts and not m.plan.frozen]
+        modules = self.input_basis_modules()[0]
         q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
         self.model.eval()
         try:
             with torch.no_grad():
                 found = input_bases(modules, q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
-                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device)
+                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device,
+                                    cfg.osft_protect_input_criterion)
         finally:
             self.model.train()
         shared = sum(len(c) for c in found.classes) - len(found.classes)
@@ -153,3 +166,9 @@ class Exporter:
                       f"({shared} shared) collected in {found.passes} passes over {len(idx)} samples "
                       f"(--osft-protect-input-memory-gb {cfg.osft_protect_input_memory_gb:g})")
         return found
+
+    def input_basis_modules(self) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+        """:func:`.osft.input_grams.input_basis_modules` of this run's OSFT modules and flags: the
+        modules whose input bases are collected, and those that fall back to update bases (why)."""
+        return input_basis_modules(self.osft.modules, self.cfg.osft_protect_basis,
+                                   self.cfg.osft_protect_input_memory_gb * 1e9)

@@ -2,7 +2,10 @@
 as they are; and the count of trainable parameters.
 
 By default every parameter that is not an OSFT target (embeddings, LM head, norms, biases of
-non-target layers) trains normally next to the low-rank factors. Freezing them leaves AdamW only
+non-target layers) trains normally next to the low-rank factors, except in a chained run (one that
+protects the subspaces of an earlier run, :func:`non_targets_frozen`): every protection is
+layer-local, so an embedding or norm that moves changes the inputs the protected layers see, and
+what they keep of earlier tasks with them. Freezing them leaves AdamW only
 U_low, S_low, V_low and the targets' own biases, so an update can only change the targets'
 low-rank parts. A frozen parameter stays a ``requires_grad=False`` parameter: FSDP2's
 ``fully_shard`` shards it like the frozen OSFT factors, and full-state checkpoints still save it
@@ -13,11 +16,34 @@ are stored once per run).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .experts import router_parameters
 from .surgery import OSFTModel
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+
+def non_targets_frozen(cfg: TrainConfig) -> tuple[bool, str | None]:
+    """Whether this run freezes the non-target parameters, and the console's reason when it does.
+
+    ``--freeze-non-target`` / ``--no-freeze-non-target`` decide; unset (None), an OSFT run that
+    protects the subspaces of the export it starts from (``osft_subspaces.safetensors`` there and
+    ``--osft-protect-subspaces``) freezes them, any other run trains them. Decided from the model
+    directory, so a resumed run decides the same.
+    """
+    from ..checkpoint.subspaces import subspaces_file
+
+    if cfg.freeze_non_target is not None:
+        return bool(cfg.freeze_non_target), "non-target parameters frozen (--freeze-non-target)"
+    if not (cfg.osft and cfg.osft_protect_subspaces and subspaces_file(cfg.model_name_or_path) is not None):
+        return False, None
+    return True, ("non-target parameters frozen: a chained run protects the subspaces of "
+                  f"{cfg.model_name_or_path}, and a moving embedding or norm would change the inputs of every "
+                  "protected layer (--no-freeze-non-target trains them)")
 
 
 def freeze_non_targets(model: nn.Module, osft: OSFTModel) -> None:

@@ -16,7 +16,11 @@ for one 14336-wide ``down_proj``. Two things keep that bounded:
 
 Expert banks (:mod:`.experts`) run no forward of their own and are not collected: each expert sees
 only the tokens routed to it inside the fused kernel, so the run's update (``update`` variant)
-protects them instead (:mod:`.protect`).
+protects them instead (:mod:`.protect`). Under ``--osft-protect-basis auto`` (the default) so is
+every module whose Gram alone exceeds the budget (:func:`input_basis_modules`).
+
+The calibration samples (:func:`calibration_indices`) are drawn with the run's seed across the whole
+training data, every source of a mixture in proportion to its weight, not the first N of the file.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,6 +64,92 @@ def check_gram_budget(in_features: Mapping[str, int], budget_bytes: float) -> No
         raise ValueError(f"--osft-protect-input-memory-gb {budget_bytes / 1e9:g}: the input Gram matrix of {name} "
                          f"(M = {in_features[name]}) alone needs {over[name] / 1e9:.3g} GB ({over[name]} bytes; "
                          f"{len(over)} modules do not fit); raise the budget or use --osft-protect-basis update")
+
+
+def input_basis_modules(modules: Sequence[tuple[str, nn.Module]], basis: str,
+                        budget_bytes: float) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+    """Which OSFT modules take their right-side directions from their inputs under ``--osft-protect-basis``.
+
+    Args:
+        modules: the OSFT modules (``plan``, ``in_features``), frozen ones included.
+        basis: ``auto``, ``inputs`` or ``update``.
+        budget_bytes: ``--osft-protect-input-memory-gb`` in bytes.
+
+    Returns:
+        ``(collected, fallback)``: the modules whose inputs are collected (not frozen, not banks; under
+        ``auto`` also not those whose Gram alone exceeds the budget), and the trainable modules that use
+        the update instead with the reason, by name (under ``update``: none named).
+
+    Raises:
+        ValueError: ``inputs`` and a Gram larger than the budget (:func:`check_gram_budget`).
+    """
+    if basis == "update":
+        return [], {}
+    trained = [(name, m) for name, m in modules if not m.plan.frozen]
+    fallback = {name: "expert bank" for name, m in trained if m.plan.experts}
+    linear = [(name, m) for name, m in trained if not m.plan.experts]
+    if basis == "inputs":
+        check_gram_budget({name: m.in_features for name, m in linear}, budget_bytes)
+    for name, m in linear:
+        if gram_bytes(m.in_features) > budget_bytes:
+            fallback[name] = f"Gram {gram_bytes(m.in_features) / 1e9:.3g} GB > budget"
+    return [(name, m) for name, m in linear if name not in fallback], fallback
+
+
+def describe_bases(collected: int, fallback: Mapping[str, str]) -> str:
+    """The console line of :func:`input_basis_modules`' choice, naming every module that falls back
+    (``model.layers.<i>.mlp.experts.gate_proj`` and its peers as ``mlp.experts.gate_proj in blocks 0-3``)."""
+    from .plan import BLOCK_INDEX
+
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for name, reason in fallback.items():
+        hit = BLOCK_INDEX.match(name)
+        key = (hit.group(1), hit.group(2), reason) if hit else ("", name, reason)
+        groups.setdefault(key, []).append(int(name[len(hit.group(1)):].split(".", 1)[0]) if hit else -1)
+    named = []
+    for (prefix, rest, reason), blocks in groups.items():
+        where = "" if blocks == [-1] else (f" in {prefix}<i> for i = {min(blocks)}-{max(blocks)}" if len(blocks) > 1
+                                           else f" in {prefix}{blocks[0]}")
+        named.append(f"{rest}{where} ({len(blocks)}, {reason})")
+    tail = f"; the update for {len(fallback)}: " + ", ".join(named) if fallback else ""
+    return f"protected subspaces at export: input bases for {collected} modules{tail}"
+
+
+def calibration_indices(sizes: Sequence[int], weights: Sequence[float] | None, count: int, seed: int) -> np.ndarray:
+    """``count`` sample indices of the concatenated training data, drawn without replacement with ``seed``.
+
+    One source or several drawn as one (``weights`` None): uniform over every sample. A mixture:
+    source i gets a share w_i of ``count`` (largest remainders; at least one sample each while
+    ``count`` allows), each at most its size, the rest moved to sources with samples left; within a
+    source uniform. The same on every rank (the seed is the run's).
+
+    Args:
+        sizes: samples per source, in ``--data-path`` order. weights: normalized mixture weights or None.
+
+    Returns:
+        int64 indices into the concatenation, ascending, min(``count``, Σ sizes) of them.
+    """
+    rng = np.random.default_rng([seed, 0x6F736674])  # a stream of its own, not the sampler's
+    total = int(sum(sizes))
+    count = min(int(count), total)
+    if weights is None:
+        return np.sort(rng.choice(total, size=count, replace=False)).astype(np.int64)
+    share = np.asarray(weights, dtype=np.float64) * count
+    take = np.floor(share).astype(np.int64)
+    for i in np.argsort(-(share - take), kind="stable")[: count - int(take.sum())]:
+        take[i] += 1
+    if count >= len(sizes):  # every source is represented
+        for i in np.flatnonzero(take == 0):
+            j = int(np.argmax(take))
+            take[j] -= 1
+            take[i] = 1
+    take = np.minimum(take, sizes)
+    while int(take.sum()) < count:  # a source smaller than its share: the rest goes where samples are left
+        room = np.asarray(sizes) - take
+        take[int(np.argmax(room))] += 1
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    picked = [offsets[i] + rng.choice(int(sizes[i]), size=int(n), replace=False) for i, n in enumerate(take)]
+    return np.sort(np.concatenate(picked)).astype(np.int64)
 
 
 def shared_inputs(modules: Sequence[tuple[str, nn.Module]], probe: Callable[[], None]) -> list[list[str]]:
@@ -154,7 +245,7 @@ class InputBases:
 
 def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, torch.Tensor] | None,
                 probe: Callable[[], None], run: CalibrationPass, budget_bytes: float, energy: float,
-                max_rank_ratio: float, device: torch.device) -> InputBases:
+                max_rank_ratio: float, device: torch.device, criterion: str = "total") -> InputBases:
     """The right-side directions of the ``inputs`` variant of every module (see the module docstring).
 
     Collective when a process group of several ranks exists: every rank calls it with the same
@@ -167,7 +258,8 @@ def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, 
         probe: one forward of the model (sharing detection, :func:`shared_inputs`).
         run: one calibration pass (:data:`CalibrationPass`).
         budget_bytes: the most bytes of Grams held at once (``--osft-protect-input-memory-gb``).
-        energy: ε of :func:`.protect.input_directions`; ``max_rank_ratio``: its cap as a share of k_low.
+        energy: ε of :func:`.protect.input_directions`; ``max_rank_ratio``: its cap as a share of k_low;
+            ``criterion``: its energy criterion (``total`` or ``residual``).
         device: where the Grams are summed over the ranks (the ranks' device: NCCL needs CUDA).
 
     Raises:
@@ -197,7 +289,8 @@ def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, 
                 for name in members:
                     m = by_name[name]
                     q = (bases_q or {}).get(name, grams[i].new_zeros(m.in_features, 0))
-                    directions[name] = input_directions(grams[i], q, energy, fold_cap(m.plan.k_low, max_rank_ratio))
+                    directions[name] = input_directions(grams[i], q, energy, fold_cap(m.plan.k_low, max_rank_ratio),
+                                                       criterion)
             grams[i] = None
 
     for group in groups:

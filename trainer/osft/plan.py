@@ -2,8 +2,12 @@
 
 With protected subspaces (sequential OSFT, see :mod:`.protect`) a target W (N×M) carries
 orthonormal bases P (N×p_L) and Q (M×p_R) of what earlier runs changed. This run decomposes
-W′ = (I − PPᵀ) W (I − QQᵀ), whose rank is at most R = min(N − p_L, M − p_R), and splits R by the
-unfreeze rank ratio: k_high = floor(R·(1 − URR)), k_low = R − k_high. The frozen bases are
+W′ = (I − PPᵀ) W (I − QQᵀ), whose rank is at most R = min(N − p_L, M − p_R), and splits R
+(:func:`split_protected_rank`, ``--osft-frozen-rank``): ``reduced`` (the default) splits R by the
+unfreeze rank ratio, k_high = floor(R·(1 − URR)), so k_low shrinks slowly but k_high does too (some
+directions the first run froze become trainable); ``keep`` freezes as many of W′'s top directions as
+a fresh run at the same URR, k_high = min(R − 1, floor(min(N, M)·(1 − URR))), so the pretrained
+block stays frozen and each run's protected directions come out of k_low. k_low = R − k_high. The frozen bases are
 L = [P, U′_{:, :k_high}] (N×(p_L + k_high)) and Rb = [Q, V′_{:, :k_high}] (M×(p_R + k_high)).
 A fresh model has p_L = p_R = 0, which is the plain OSFT split (Nayak et al. 2025, section 3).
 
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 ForwardForm = Literal["dense", "hybrid", "split"]
+#: How a module with protected subspaces splits its rank R (``--osft-frozen-rank``, :func:`split_protected_rank`).
+FrozenRank = Literal["keep", "reduced"]
 
 
 @dataclass(frozen=True)
@@ -189,11 +195,31 @@ def choose_forward_form(n: int, m: int, k_low: int, max_tokens_per_micro_batch: 
     return min(costs, key=costs.get)
 
 
+def split_protected_rank(n: int, m: int, urr: float, p_left: int = 0, p_right: int = 0,
+                         frozen_rank: FrozenRank = "reduced") -> tuple[int, int, int]:
+    """``(R, k_high, k_low)`` of an N×M weight with protected ranks (p_L, p_R): R = min(N − p_L, M − p_R);
+    ``reduced``: :func:`split_rank` of R; ``keep``: k_high = min(R − 1, k_high of a fresh N×M split at
+    ``urr``), k_low = R − k_high (the same as ``reduced`` when nothing is protected).
+
+    Raises:
+        ValueError: URR outside (0, 1]; an unknown rule.
+    """
+    rank = min(n - p_left, m - p_right)
+    if frozen_rank == "reduced" or rank <= 0:
+        return (rank, *split_rank(rank, urr))
+    if frozen_rank != "keep":
+        raise ValueError(f"frozen rank rule must be 'keep' or 'reduced', got {frozen_rank!r}")
+    k_high = max(min(rank - 1, split_rank(min(n, m), urr)[0]), 0)
+    return rank, k_high, rank - k_high
+
+
 def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_left: int = 0, p_right: int = 0,
-                forward_form: ForwardForm | Literal["auto"] = "auto", experts: int = 0) -> ModulePlan:
+                forward_form: ForwardForm | Literal["auto"] = "auto", experts: int = 0,
+                frozen_rank: FrozenRank = "reduced") -> ModulePlan:
     """The layout of an N×M target with protected ranks (p_L, p_R) at unfreeze rank ratio ``urr``
     (``experts`` = E ≥ 1: a bank of E such weights, always ``dense``: the bank is rebuilt into the
-    fused tensor its experts module computes with, see :mod:`.experts`).
+    fused tensor its experts module computes with, see :mod:`.experts`); ranks by
+    :func:`split_protected_rank` under the rule ``frozen_rank``.
 
     Keep mode on a side needs [L, U_low] (or [Rb, V_lowᵀ]) to span that whole side, i.e.
     p + R equal to the side's dimension, so that keeping the complement's component equals removing
@@ -206,8 +232,7 @@ def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_l
     """
     if not (0 <= p_left <= n and 0 <= p_right <= m):
         raise ValueError(f"protected ranks (p_L={p_left}, p_R={p_right}) do not fit a {n}×{m} weight")
-    rank = min(n - p_left, m - p_right)
-    k_high, k_low = split_rank(rank, urr)
+    rank, k_high, k_low = split_protected_rank(n, m, urr, p_left, p_right, frozen_rank)
     u_keep = p_left + rank == n and k_low < p_left + k_high
     v_keep = p_right + rank == m and k_low < p_right + k_high
     if experts:

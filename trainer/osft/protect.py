@@ -10,8 +10,10 @@ At the end of a run (and at every HF export) each module's update
 D = U_low·diag(S_low)·V_low − U_start·diag(S_start)·V_start (rank ≤ 2·k_low) is decomposed,
 D = P_t Σ_D Q_tᵀ, and the smallest r with Σ_{i≤r} σ_i² ≥ τ‖D‖_F² directions (capped at
 floor(cap·k_low)) are appended to P and Q (:func:`fold_module`). The ``inputs`` variant takes Q_t
-from the run's layer inputs instead: the top eigenvectors of (I − QQᵀ) X Xᵀ (I − QQᵀ) holding a
-share ε of its trace (:func:`input_directions`, Grams from :mod:`.input_grams`). An expert bank
+from the run's layer inputs instead: the top eigenvectors of (I − QQᵀ) X Xᵀ (I − QQᵀ), as many as
+bring the energy of X kept, old basis counted, to a share ε of ‖X‖_F² (gradient projection memory,
+Saha et al. 2021: ‖QᵀX‖² + Σ σ²_new ≥ ε‖X‖²; or, ``residual``, ε of the energy outside Q)
+(:func:`input_directions`, Grams from :mod:`.input_grams`). An expert bank
 keeps one basis per expert with one rank per bank (:func:`fold_bank`, ``update`` variant only).
 """
 
@@ -45,21 +47,28 @@ def no_bases(n: int, m: int, like: torch.Tensor | None = None, experts: int = 0)
     return new(*lead, n, 0), new(*lead, m, 0)
 
 
-def energy_rank(sigma_sq: torch.Tensor, target: float, cap: int) -> EnergyRank:
-    """The smallest r with Σ_{i≤r} σ_i² ≥ target·Σ σ_i², capped at ``cap``.
+def energy_rank(sigma_sq: torch.Tensor, target: float, cap: int, kept: float = 0.0) -> EnergyRank:
+    """The smallest r with ``kept`` + Σ_{i≤r} σ_i² ≥ target·(``kept`` + Σ σ_i²), capped at ``cap``.
 
     Args:
         sigma_sq: squared singular values (or eigenvalues), descending, ≥ 0.
         target: energy share in (0, 1]. cap: largest r allowed (≥ 0).
+        kept: energy already held by an earlier basis (≥ 0; 0: the share is of ``sigma_sq``'s alone).
+
+    Returns:
+        r (0 when ``kept`` alone reaches the target), the share of the total held by ``kept`` and
+        the r directions, and whether the cap cut r.
     """
-    total = float(sigma_sq.sum())
+    kept = max(float(kept), 0.0)
+    total = kept + float(sigma_sq.sum())
     if total <= 0.0:
         return EnergyRank(0, 1.0, False)
-    cumulative = torch.cumsum(sigma_sq.double(), 0) / total
-    wanted = int(torch.searchsorted(cumulative, torch.tensor([target * (1 - 1e-12)], dtype=torch.float64)).item()) + 1
+    cumulative = torch.cat([sigma_sq.new_zeros(1, dtype=torch.float64), torch.cumsum(sigma_sq.double(), 0)])
+    cumulative = (kept + cumulative) / total
+    wanted = int(torch.searchsorted(cumulative, torch.tensor([target * (1 - 1e-12)], dtype=torch.float64)).item())
     wanted = min(wanted, sigma_sq.numel())
     rank = min(wanted, cap)
-    return EnergyRank(rank, float(cumulative[rank - 1]) if rank > 0 else 0.0, rank < wanted)
+    return EnergyRank(rank, float(cumulative[rank]), rank < wanted)
 
 
 def update_svd(U_now: torch.Tensor, S_now: torch.Tensor, V_now: torch.Tensor, U_start: torch.Tensor,
@@ -83,18 +92,35 @@ def update_svd(U_now: torch.Tensor, S_now: torch.Tensor, V_now: torch.Tensor, U_
     return qa @ uc, sigma, qb @ vch.t()
 
 
-def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: int) -> tuple[torch.Tensor, EnergyRank]:
+#: The energy an input basis must reach (``--osft-protect-input-criterion``): ``total`` (GPM), the old
+#: basis's ‖QᵀX‖² counted towards ε‖X‖²; ``residual``, ε of the energy outside the old basis.
+INPUT_CRITERIA = ("total", "residual")
+
+
+def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: int,
+                     criterion: str = "total") -> tuple[torch.Tensor, EnergyRank]:
     """Top eigenvectors of (I − QQᵀ) G (I − QQᵀ), G = X Xᵀ (M×M) of a run's layer inputs X (M×T).
 
+    ``total``: the fewest with ‖QᵀX‖_F² + Σ λ_new ≥ ``target``·‖X‖_F² (‖QᵀX‖² = tr(QᵀGQ),
+    ‖X‖² = tr G = tr(QᵀGQ) + tr of the projected Gram); ``residual``: Σ λ_new ≥ ``target``·tr of
+    the projected Gram. Capped at ``cap`` either way.
+
     Returns:
-        ``(Q_t, kept)``: M×r float64 with r from :func:`energy_rank` of the eigenvalues.
+        ``(Q_t, kept)``: M×r float64 with r from :func:`energy_rank` of the eigenvalues; ``kept.energy``
+        the share of the criterion's total held (for ``total``, by Q and Q_t together).
+
+    Raises:
+        ValueError: an unknown criterion.
     """
+    if criterion not in INPUT_CRITERIA:
+        raise ValueError(f"input energy criterion must be one of {INPUT_CRITERIA}, got {criterion!r}")
     q = Q.double()
     g = gram.double()
+    old = float((q * (g @ q)).sum()) if criterion == "total" else 0.0
     g = g - q @ (q.t() @ g)
     g = g - (g @ q) @ q.t()
     eigvals, vecs = torch.linalg.eigh((g + g.t()) / 2)
-    kept = energy_rank(eigvals.flip(0).clamp_min(0), target, cap)
+    kept = energy_rank(eigvals.flip(0).clamp_min(0), target, cap, kept=old)
     return vecs.flip(1)[:, : kept.rank], kept
 
 
@@ -125,7 +151,8 @@ class ModuleFold:
     (directions added this run); ``update`` (the energy of D kept on the P side,
     :class:`EnergyRank`; for a bank the smallest over its experts); ``inputs`` (the input energy
     kept on the Q side, for the ``inputs`` variant, else None, also for a frozen module and a bank);
-    ``expert_ranks`` (a bank: each expert's own energy rank before the bank's shared r, else None)."""
+    ``expert_ranks`` (a bank: each expert's own energy rank before the bank's shared r, else None);
+    ``chain`` (the module's chain budget, :meth:`.chain.ModuleBudget.record`, once the export adds it)."""
 
     P: torch.Tensor
     Q: torch.Tensor
@@ -134,11 +161,13 @@ class ModuleFold:
     update: EnergyRank
     inputs: EnergyRank | None
     expert_ranks: tuple[int, ...] | None = None
+    chain: dict | None = None
 
     def summary(self) -> dict:
-        """Plain data for ``osft_subspaces.json``."""
+        """Plain data for ``osft_subspaces.json`` (``basis``: where Q's new directions came from)."""
         out = {"p_left": self.P.shape[-1], "p_right": self.Q.shape[-1], "added_left": self.added_left,
-               "added_right": self.added_right, "energy_kept": self.update.energy, "cap_bound": self.update.cap_bound}
+               "added_right": self.added_right, "energy_kept": self.update.energy, "cap_bound": self.update.cap_bound,
+               "basis": "update" if self.inputs is None else "inputs", **(self.chain or {})}
         if self.inputs is not None:
             out.update(input_energy_kept=self.inputs.energy, input_cap_bound=self.inputs.cap_bound)
         if self.expert_ranks is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from .plan import ForwardForm, ModulePlan, plan_module
+from .plan import ForwardForm, FrozenRank, ModulePlan, plan_module
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,10 @@ class OSFTSettings:
     rank plan overrides it), ``max_tokens_per_micro_batch`` (tokens, ``--max-tokens-per-gpu``: the
     T of :func:`.plan.choose_forward_form`), ``forward_form`` (``auto``, ``dense``,
     ``hybrid`` or ``split``, ``--osft-forward``), ``target_patterns`` (regular expressions, None
-    for the built-in ones, ``--osft-target-patterns``), ``v_projection`` (``--osft-v-projection``) and
-    ``cache_v_basis`` (``--osft-cache-v-high``; None: :meth:`caches_v_basis` decides by device).
+    for the built-in ones, ``--osft-target-patterns``), ``v_projection`` (``--osft-v-projection``),
+    ``cache_v_basis`` (``--osft-cache-v-high``; None: :meth:`caches_v_basis` decides by device) and
+    ``frozen_rank`` (``--osft-frozen-rank``: how a module with protected subspaces splits its rank,
+    :func:`.plan.split_protected_rank`).
     """
 
     urr: float
@@ -42,6 +44,7 @@ class OSFTSettings:
     target_patterns: tuple[str, ...] | None = None
     v_projection: VProjection = "factored"
     cache_v_basis: bool | None = None
+    frozen_rank: FrozenRank = "reduced"
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> OSFTSettings:
@@ -49,7 +52,8 @@ class OSFTSettings:
         patterns = cfg.osft_target_patterns
         return cls(urr=cfg.osft_unfreeze_rank_ratio, max_tokens_per_micro_batch=cfg.max_tokens_per_gpu,
                    forward_form=cfg.osft_forward, target_patterns=None if patterns is None else tuple(patterns),
-                   v_projection=cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high)
+                   v_projection=cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high,
+                   frozen_rank=cfg.osft_frozen_rank)
 
     def caches_v_basis(self, device: torch.device) -> bool:
         """Whether the all-gathered V bases are kept (:class:`.projection.Projector`): as set, else
@@ -68,4 +72,4 @@ class OSFTSettings:
             ValueError: from :func:`.plan.plan_module`.
         """
         return plan_module(n, m, self.urr if urr is None else urr, self.max_tokens_per_micro_batch, p_left, p_right,
-                           self.forward_form, experts)
+                           self.forward_form, experts, self.frozen_rank)

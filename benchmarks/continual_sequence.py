@@ -1,0 +1,347 @@
+"""Sequence benchmark: T >= 2 tasks learned one after the other, the accuracy matrix R[i][j] per arm.
+
+Every arm starts from the same base model and learns the tasks of a spec in order
+(``continual_learning/sequence_tasks.py``: the built-in trivia, FOLDOC, spelled-out numbers and
+Roman numerals, or ``--spec FILE`` with a user's tasks), each stage from the export of the stage
+before, as a user chains ``osft-train`` runs; every stage has the same steps, batch size, sampler
+seed and schedule. After each stage the model is scored on every task's held-out items, so
+R[i][j] is task j after stage i (R[0] the base model), in points (``exact``/``format``) or minus the
+NLL in nats per token (``nll``); the NLL of every task's reference replies is kept too.
+
+Arms (:data:`ARMS`): sequential full fine-tuning; OSFT at URR 0.25 without protection; OSFT with the
+pre-chain-recipe protection (update bases, non-targets trained); OSFT with the default recipe
+(nothing set: input bases, GPM criterion, frozen non-targets); replay (full FT with 10 % of each batch
+from the earlier tasks' training files, through ``--data-path`` weights); sequential LoRA (PEFT,
+merged after each stage); multi-task training on every task at once for T x the steps (the upper
+bound, one row). Measures (``continual_learning/matrix.py``): AA, LA, BWT, FWT, F; goals are paired
+bootstrap differences (arm - sequential full FT, arm - unprotected OSFT), never ratios; each stage's
+fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
+
+``--quick``: a tiny random Llama, 1 step per stage, 4 items per task: a pipeline check for CI whose
+numbers mean nothing.
+
+Usage::
+
+    python benchmarks/continual_sequence.py --quick --out /tmp/seq.json
+    python benchmarks/continual_sequence.py --arms full_ft osft_default --seeds 0 --out /tmp/pilot.json
+    python benchmarks/continual_sequence.py --spec my_tasks.json --order b a c
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from machine import machine_info
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+QUICK_SIZES = {"steps": 1, "batch": 4, "eval_items": 4, "max_new_tokens": 8, "bootstrap": 100}
+URR = 0.25
+
+
+@dataclass(frozen=True)
+class SequenceArm:
+    """One arm: ``name``, ``kind`` (``trainer``, ``peft_lora``; ``multitask`` and ``replay`` are
+    trainer runs whose data differ), ``config`` (``TrainConfig`` fields) and ``learning_rate``."""
+
+    name: str
+    kind: str
+    config: dict
+    learning_rate: float
+
+
+ARMS = [
+    SequenceArm("full_ft", "trainer", {"osft": False}, 5e-5),
+    SequenceArm("osft_unprotected", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_protect_subspaces": False}, 1e-4),
+    SequenceArm("osft_update", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "update",
+                                           "freeze_non_target": False}, 1e-4),
+    SequenceArm("osft_default", "trainer", {"osft_unfreeze_rank_ratio": URR}, 1e-4),
+    SequenceArm("replay", "replay", {"osft": False}, 5e-5),
+    SequenceArm("lora", "peft_lora", {"lora_rank": 16}, 2e-4),
+    SequenceArm("multitask", "multitask", {"osft": False}, 5e-5),
+]
+#: Share of a replay arm's batches drawn from the earlier tasks (split evenly over them).
+REPLAY_SHARE = 0.1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny random model, 1 step per stage, 4 items per task")
+    p.add_argument("--spec", type=Path, default=None, help="JSON list of task specs (default: the built-in four)")
+    p.add_argument("--order", nargs="+", default=None,
+                   help="task names in training order, at least 2 (default: every task, in the spec's order)")
+    p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=None)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per stage")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--eval-items", type=int, default=48, help="held-out items per task")
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--gen-batch", type=int, default=16)
+    p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--data-dir", type=Path, default=None, help="where the built-in tasks are built (default: user cache)")
+    p.add_argument("--foldoc-dir", type=Path, default=None)
+    p.add_argument("--demo-dir", type=Path, default=None, help="demo assets (the base model)")
+    p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="JSON (default results/continual_sequence[_quick].json)")
+    return p
+
+
+def _by_hash(rows: list[dict], n: int) -> list[dict]:
+    import hashlib
+
+    return sorted(rows, key=lambda r: hashlib.sha256(json.dumps(r["messages"][0]).encode()).digest())[:n]
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def prepare(args, work: Path) -> tuple[list, dict, Path]:
+    """The task specs in order, each task's subsets (train: 4x the samples a stage draws; eval items)
+    under ``work``, and the base model directory."""
+    import platformdirs
+    from continual_learning.sequence_tasks import builtin_specs, read_specs
+
+    data_dir = args.data_dir or Path(platformdirs.user_cache_dir("osft")) / "continual"
+    specs = read_specs(args.spec) if args.spec else builtin_specs(data_dir, args.foldoc_dir)
+    if args.order:
+        by_name = {s.name: s for s in specs}
+        if len(set(args.order)) != len(args.order) or len(args.order) < 2 or not set(args.order) <= set(by_name):
+            raise ValueError(f"--order {' '.join(args.order)} must name at least 2 of {', '.join(by_name)}, each once")
+        specs = [by_name[n] for n in args.order]
+    files = {}
+    for s in specs:
+        train = _write(work / f"{s.name}.train.jsonl", _by_hash(_read(s.train), 4 * args.steps * args.batch))
+        files[s.name] = {"train": train, "eval": _by_hash(_read(s.eval), args.eval_items)}
+    if args.quick:
+        sys.path.insert(0, str(REPO / "tests"))
+        from helpers import save_tiny_model
+
+        base = save_tiny_model(work / "tiny-llama", generation_ids=True, **QUICK_MODEL)
+    else:
+        from assets import demo_assets
+
+        base = demo_assets(args.demo_dir).model_dir
+    return specs, files, base
+
+
+def evaluate(model_dir: Path, specs, files: dict, args) -> dict:
+    """Per task: ``nll``/``tokens`` per item (reference replies) and, for ``exact``/``format``, ``hit`` per item."""
+    import torch
+    from continual_learning.evaluate import sample_nll
+    from continual_learning.trivia import is_compliant
+    from osft.trainer.data.tokenize import tokenize_chat_file
+    from osft.trainer.model_loading import load_model, load_tokenizer
+    from osft.trainer.retention_set import greedy_replies
+
+    model = load_model(model_dir, torch.float32, "cpu").eval()
+    tokenizer = load_tokenizer(model_dir)
+    out = {}
+    for s in specs:
+        rows = files[s.name]["eval"]
+        path = _write(Path(tempfile.mkdtemp()) / "eval.jsonl", rows)
+        tok = tokenize_chat_file(path, tokenizer, args.max_seq_len, "truncate")
+        nll, tokens = sample_nll(model, [tok[i] for i in range(len(tok))], args.max_tokens)
+        shutil.rmtree(path.parent)
+        item = {"nll": [round(float(x), 5) for x in nll], "tokens": [int(t) for t in tokens]}
+        if s.metric != "nll":
+            replies = greedy_replies(model, tokenizer, [r["messages"][0]["content"] for r in rows], args.max_new_tokens,
+                                     args.gen_batch)
+            refs = [r["messages"][1]["content"] for r in rows]
+            if s.metric == "format":
+                item["hit"] = [int(is_compliant(r)) for r in replies]
+            else:
+                item["hit"] = [int(" ".join((r.splitlines() or [""])[0].split()) == " ".join(ref.split()))
+                               for r, ref in zip(replies, refs)]
+        out[s.name] = item
+    del model
+    return out
+
+
+def fold_record(export: Path) -> dict | None:
+    """The chain-health summary of an export's ``osft_subspaces.json`` (None without one)."""
+    path = Path(export) / "osft_subspaces.json"
+    if not path.is_file():
+        return None
+    modules = json.loads(path.read_text())["modules"].values()
+    ratios = [m["next_k_low"] / m["fresh_k_low"] for m in modules if m.get("fresh_k_low")]
+    return {"modules": len(modules), "median_next_k_low_share": statistics.median(ratios) if ratios else None,
+            "cap_bound_share": sum(bool(m["cap_bound"] or m.get("input_cap_bound")) for m in modules) / len(modules),
+            "min_energy_kept": min(m["energy_kept"] for m in modules),
+            "inputs_modules": sum(m.get("basis") == "inputs" for m in modules)}
+
+
+def _spec(arm: SequenceArm):
+    from continual_learning.methods import Spec
+
+    return Spec("peft_lora" if arm.kind == "peft_lora" else "trainer", arm.config, arm.learning_rate)
+
+
+def _phase(name: str, data, steps: int, args, seed: int):
+    from continual_learning.methods import Phase
+
+    return Phase(name, data, steps, args.batch, args.max_seq_len, args.max_tokens, "constant", 0, seed)
+
+
+def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, seed: int) -> tuple[dict, list]:
+    """Train ``arm`` through the sequence; returns its evaluations by stage (``"1"``..``"T"``; the
+    multi-task arm only ``"T"``) and the stages' records (seconds, fold records)."""
+    from continual_learning.methods import train_phase
+
+    evals, stages, model = {}, [], base
+    if arm.kind == "multitask":
+        data = [f"{files[s.name]['train']}:1" for s in specs]
+        out = train_phase(_spec(arm), _phase("all", data, len(specs) * args.steps, args, seed), base, work / "mt",
+                          work / "cache")
+        evals[str(len(specs))] = evaluate(out["model_dir"], specs, files, args)
+        stages.append({"task": "all", "train_s": out["setup_s"] + out["train_s"], "fold": None})
+        shutil.rmtree(work / "mt")
+        return evals, stages
+    for i, s in enumerate(specs):
+        data = files[s.name]["train"]
+        if arm.kind == "replay" and i:
+            share = REPLAY_SHARE / i
+            data = [f"{data}:{1 - REPLAY_SHARE}", *(f"{files[p.name]['train']}:{share}" for p in specs[:i])]
+        out = train_phase(_spec(arm), _phase(s.name, data, args.steps, args, seed), model, work / f"{arm.name}-{i}",
+                          work / "cache")
+        evals[str(i + 1)] = evaluate(out["model_dir"], specs, files, args)
+        stages.append({"task": s.name, "train_s": out["setup_s"] + out["train_s"], "fold": fold_record(out["model_dir"]),
+                       "ortho_violations": out["ortho_violations"]})
+        if i:
+            shutil.rmtree(work / f"{arm.name}-{i - 1}")
+        model = out["model_dir"]
+    shutil.rmtree(work / f"{arm.name}-{len(specs) - 1}")
+    return evals, stages
+
+
+#: Goals for the default recipe (reported, never asserted): (check, arm A, factor, arm B, bound): the
+#: paired difference A − factor·B of the points matrix's measure must be at least ``bound`` (at most,
+#: for the headroom check on full FT's own BWT: arm B None).
+GOALS = (("BWT", "full_ft", 0, None, None, -15), ("BWT", "osft_default", 0, None, -3, None),
+         ("BWT", "osft_default", 1, "full_ft", 0, None), ("BWT", "osft_default", 1, "osft_unprotected", 0, None),
+         ("LA", "osft_default", 0.9, "full_ft", 0, None), ("AA", "osft_default", 1, "full_ft", 10, None),
+         ("AA", "osft_default", 1, "lora", 0, None), ("AA", "osft_default", 1, "replay", -3, None),
+         ("AA", "osft_default", 0.85, "multitask", 0, None))
+
+
+def summarize(result: dict) -> dict:
+    """Per arm and matrix (``points``: the tasks scored by exact match or format, in points; ``nll``:
+    every task, minus the reference NLL in nats per token) the point matrix R, the measures (AA, LA,
+    BWT, FWT, F) with 95 % paired bootstrap intervals and their differences to ``full_ft`` and
+    ``osft_unprotected``; and the goal checks on the points matrix (:data:`GOALS`)."""
+    import numpy as np
+    from continual_learning.matrix import sequence_measures
+    from continual_learning.stats import Bootstrap, interval
+
+    names = [t["name"] for t in result["tasks"]]
+    metrics = {t["name"]: t["metric"] for t in result["tasks"]}
+    seeds, T = result["seeds"], len(names)
+    base = result["evals"]["base"]
+    sizes = {**{f"{n}:nll": len(base[n]["nll"]) for n in names},
+             **{f"{n}:hit": len(base[n]["hit"]) for n in names if "hit" in base[n]}}
+    boot = Bootstrap(len(seeds), sizes, result["settings"]["bootstrap"])
+    empty = np.full(boot.seeds.shape[0], np.nan)
+
+    def score(evals: list[dict | None], task: str, kind: str) -> np.ndarray:
+        if not all(evals):
+            return empty
+        if kind == "nll":
+            return -boot.mean(f"{task}:nll", np.array([e[task]["nll"] for e in evals], float),
+                              np.array([e[task]["tokens"] for e in evals], float))
+        return 100 * boot.mean(f"{task}:hit", np.array([e[task]["hit"] for e in evals], float))
+
+    columns = {"points": [j for j, n in enumerate(names) if metrics[n] != "nll"], "nll": list(range(T))}
+    out: dict = {arm: {} for arm in result["arms"]}
+    replicates: dict = {}
+    for kind, cols in columns.items():
+        if len(cols) < 2 and kind == "points":
+            continue
+        for arm in result["arms"]:
+            stages = [[base] * len(seeds)] + [[result["evals"][s][arm].get(str(i)) for s in seeds] for i in range(1, T + 1)]
+            R = np.moveaxis(np.array([[score(row, names[j], kind) for j in cols] for row in stages]), -1, 0)
+            m = sequence_measures(R, [j + 1 for j in cols]) if arm != "multitask" else {"AA": R[:, T].mean(-1)}
+            replicates[(kind, arm)] = m
+            out[arm][kind] = {"tasks": [names[j] for j in cols], "R": np.round(R[0], 3).tolist(),
+                              "measures": {k: interval(v) for k, v in m.items()}}
+        for arm in result["arms"]:
+            for ref in ("full_ft", "osft_unprotected"):
+                if (kind, ref) in replicates and arm not in (ref, "multitask"):
+                    out[arm][kind][f"minus_{ref}"] = {k: interval(v - replicates[(kind, ref)][k])
+                                                      for k, v in replicates[(kind, arm)].items()}
+    goals = []
+    for measure, arm, factor, ref, at_least, at_most in GOALS:
+        if ("points", arm) not in replicates or (ref and ("points", ref) not in replicates):
+            continue
+        diff = replicates[("points", arm)][measure] - (factor * replicates[("points", ref)][measure] if ref else 0)
+        iv = interval(diff)
+        met = None if iv["value"] is None else (iv["value"] >= at_least if at_least is not None else iv["value"] <= at_most)
+        what = f"{arm} {measure}" + (f" - {factor:g} x {ref}'s" if ref else "")
+        goals.append({"check": what + (f" >= {at_least:g}" if at_least is not None else f" <= {at_most:g}"),
+                      **iv, "met": met, "interval_clear": None if iv["low"] is None else
+                      (iv["low"] > at_least if at_least is not None else iv["high"] < at_most)})
+    return {"arms": out, "goals": goals}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        for k, v in QUICK_SIZES.items():
+            setattr(args, k, v)
+    args.out = args.out or RESULTS / ("continual_sequence_quick.json" if args.quick else "continual_sequence.json")
+    console = Console(stderr=True)
+    arms = [a for a in ARMS if args.arms is None or a.name in args.arms]
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix="osft-sequence-", dir=args.work_dir))
+    try:
+        specs, files, base = prepare(args, work)
+        evals = {"base": evaluate(base, specs, files, args)}
+        stages = {}
+        for seed in args.seeds:
+            evals[str(seed)], stages[str(seed)] = {}, {}
+            for arm in arms:
+                t = time.time()
+                evals[str(seed)][arm.name], stages[str(seed)][arm.name] = run_arm(arm, specs, files, base, work, args, seed)
+                console.print(f"seed {seed}, {arm.name}: {time.time() - t:.0f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"benchmark": "continual_sequence", "created_unix": started, "wall_s": time.time() - started,
+              "machine": machine_info(), "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct",
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "tasks": [{"name": s.name, "metric": s.metric} for s in specs], "arms": [a.name for a in arms],
+              "arm_settings": {a.name: {"kind": a.kind, "config": a.config, "learning_rate": a.learning_rate}
+                               for a in arms},
+              "seeds": [str(s) for s in args.seeds], "evals": evals, "stages": stages}
+    result["summary"] = summarize(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for arm, kinds in result["summary"]["arms"].items():
+        for kind, row in kinds.items():
+            console.print(f"{arm:18s} {kind:6s} " + "  ".join(f"{k} {v['value']:+.2f}" for k, v in row["measures"].items()
+                                                           if v["value"] is not None))
+    for g in result["summary"]["goals"]:
+        console.print(f"goal {g['check']}: {g['value']} [{g['low']}, {g['high']}] met={g['met']}")
+    console.print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
