@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-unit test-long gpu-check
+.PHONY: setup demo test test-unit test-long lint gpu-check
 
 $(BIN)/osft-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: setup
 UNIT_TIER := not long and not demo and not bench and not torchrun and not tui_process and not subprocess
 test-unit: setup
 	OSFT_TEST_TIER=unit $(BIN)/python -m pytest -q -m '$(UNIT_TIER)'
+
+## ruff with the rules of pyproject.toml's [tool.ruff.lint]; .ci/run runs it before `make test`.
+lint: setup
+	$(BIN)/ruff check .
 
 ## Acceptance checks that take several minutes each (not in CI).
 test-long: setup

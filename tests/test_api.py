@@ -1,5 +1,5 @@
 """The Python API (`osft.trainer.api.train`): outcomes of one-rank and launched runs, the CLI's
-errors, the caller's signal handlers kept, and the README example run as written."""
+errors, the caller's signal handlers kept, and the example of docs/python-api.md run as written."""
 
 import json
 import re
@@ -14,7 +14,7 @@ from osft.trainer.checkpoint.requests import TEST_SIGNAL_ENV
 from osft.trainer.checkpoint.signals import CHECKPOINT_SIGNALS
 from osft.trainer.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 TINY = {"batch_size": 4, "max_tokens_per_gpu": 96, "max_seq_len": 64, "max_steps": 3}
 
 
@@ -114,14 +114,13 @@ def test_bad_input_raises_input_error_with_the_cli_message(tiny_model_dir, chat_
     assert kept(handlers)
 
 
-def test_the_readme_example_runs(tiny_model_dir, chat_file, tmp_path, monkeypatch, capsys):
-    section = README.read_text().split("\n## Python API\n", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_the_guide_example_runs(tiny_model_dir, chat_file, tmp_path, monkeypatch, capsys):
+    code = re.search(r"```python\n(.*?)```", GUIDE.read_text(), re.S).group(1)
     monkeypatch.chdir(tmp_path)  # the example's relative paths, with the tiny model as its model
     Path("models").mkdir()
     Path("models/SmolLM2-135M-Instruct").symlink_to(tiny_model_dir)
     namespace = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(GUIDE), "exec"), namespace)
     outcome = namespace["outcome"]
     assert (outcome.exit_code, outcome.reason) == (0, "completed")
     assert Path(outcome.export_dir, "model.safetensors").is_file()
