@@ -43,8 +43,10 @@ _BATCH = 512
 
 
 def default_num_proc() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPU cores this process may run on, shared among the node's ranks when it is one of them
+    (``LOCAL_WORLD_SIZE``, set by torchrun: a rank prepares data itself under ``--no-data-cache``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 @dataclass(frozen=True)
