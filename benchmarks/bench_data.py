@@ -5,7 +5,8 @@ run time, never committed). Each measurement is one fresh process that prepares 
 fresh data cache (:func:`osft.trainer.data.cache.tokenize_chat_file_cached`, what a launch does
 before the first step) with the demo's SmolLM2 tokenizer and ``--max-seq-len``. Peak RSS is the
 largest sum over the process and its children (the shard processes), sampled every 0.1 s, next to
-the kernel's ``ru_maxrss`` of the process and of its largest child. ``--baseline DIR`` measures another
+the kernel's ``ru_maxrss`` of the process and of its largest child, and the CPU seconds of both
+(on a shared machine, what free cores would take). ``--baseline DIR`` measures another
 checkout (its own ``.venv``) side by side in the same run, at the sizes in ``--baseline-rows``.
 The machine's load average is recorded with each measurement (the machine may be shared).
 
@@ -42,7 +43,9 @@ t1 = time.perf_counter()
 data, hit = tokenize_chat_file_cached(path, tok, max_seq_len, cache_dir=Path(cache))
 t2 = time.perf_counter()
 assert not hit
-print(json.dumps(dict(import_and_tokenizer_s=t1 - t0, prepare_s=t2 - t1, rows=data.report.rows,
+cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+          for f in ("ru_utime", "ru_stime"))
+print(json.dumps(dict(import_and_tokenizer_s=t1 - t0, prepare_s=t2 - t1, cpu_s=cpu, rows=data.report.rows,
                       samples=len(data), tokens=data.report.total_tokens,
                       ru_maxrss_self_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       ru_maxrss_children_bytes=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)))
@@ -111,9 +114,15 @@ def main(argv=None) -> dict:
                 r.update(tree=name, revision=git_revision(tree), file_bytes=path.stat().st_size)
                 print(json.dumps(r), flush=True)
                 results.append(r)
+                _write(args, demo, results)
             path.unlink()
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
+    return _write(args, demo, results)
+
+
+def _write(args, demo, results: list[dict]) -> dict:
+    """Write the results so far to ``--out``."""
     out = dict(benchmark="bench_data", max_seq_len=args.max_seq_len, cpu_cores=len(os.sched_getaffinity(0)),
                source=str(demo.train_path), results=results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
