@@ -28,10 +28,15 @@ CASES = [("tiny", 1, True), ("tiny", 1, False), ("tiny", 2, True), ("smollm2", 1
 
 
 def peak_rank_rss(cmd: list[str], env: dict) -> tuple[int, int]:
-    """(exit code, largest RSS of any rank process seen, bytes)."""
+    """(exit code, largest RSS of any rank process seen, bytes): the worker processes, or the
+    process itself where it runs its only rank in-process (no worker process seen)."""
     proc = psutil.Popen(cmd, env=env, stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
-    peak = 0
+    peak = own = 0
     while proc.poll() is None:
+        try:
+            own = max(own, proc.memory_info().rss)
+        except psutil.Error:
+            pass
         try:
             children = proc.children(recursive=True)
         except psutil.Error:
@@ -44,7 +49,7 @@ def peak_rank_rss(cmd: list[str], env: dict) -> tuple[int, int]:
             except psutil.Error:
                 pass
         time.sleep(0.05)
-    return proc.returncode, peak
+    return proc.returncode, peak or own
 
 
 def main(argv=None) -> dict:
