@@ -4,6 +4,7 @@ errors, the caller's signal handlers kept, and the example of docs/python-api.md
 import json
 import re
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,33 @@ def test_bad_input_raises_input_error_with_the_cli_message(tiny_model_dir, chat_
     with pytest.raises(InputError, match=r"^the following arguments are required: --output-dir$"):
         train(model_name_or_path=paths["model_name_or_path"], data_path=paths["data_path"])  # no config: keywords only
     assert kept(handlers)
+
+
+def test_a_call_from_another_thread_is_refused_before_anything_is_written(tiny_model_dir, chat_file, tmp_path,
+                                                                         handlers):
+    """Signal handlers can only be installed by the main thread: a web front end or job runner that
+    calls train from a worker thread gets an InputError saying so (not Python's ValueError), and
+    nothing is written."""
+    caught = []
+    settings = {"model_name_or_path": str(tiny_model_dir), "data_path": str(chat_file),
+                "output_dir": str(tmp_path / "r")}
+    worker = threading.Thread(target=lambda: caught.append(_raised(lambda: train(settings, max_steps=1))))
+    worker.start()
+    worker.join()
+    (exc,) = caught
+    assert isinstance(exc, InputError), exc
+    assert str(exc) == ("osft.trainer.api.train must be called from the main thread: it installs the checkpoint "
+                        "signal handlers, which Python allows only there; from a worker thread, run osft-train "
+                        "in a subprocess instead")
+    assert not (tmp_path / "r").exists() and kept(handlers)
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - the test inspects whatever the thread raised
+        return exc
+    return None
 
 
 def test_the_guide_example_runs(tiny_model_dir, chat_file, tmp_path, monkeypatch, capsys):

@@ -1,5 +1,7 @@
 """The tokenized-data cache: hits only when file, tokenizer and settings are all the same."""
 
+import json
+
 import pytest
 from helpers import chat, tiny_chat_tokenizer, write_jsonl
 
@@ -52,3 +54,29 @@ def test_an_unwritable_cache_is_named_and_the_data_tokenized_without_it(tmp_path
     assert not hit and data.report.kept == 2 and len(data.dataset) == 2
     assert warnings == [f"the tokenized-data cache {cache} is not writable (Not a directory): the data is tokenized "
                         "without it; give a writable --data-cache-dir (or --no-data-cache)"]
+
+
+def test_a_source_left_without_samples_is_refused_naming_it_in_every_cache_mode(tmp_path):
+    """Every sample of long.jsonl is longer than --max-seq-len: as a mixture source, alone, or as the
+    evaluation file, with the cache (a first run and a repeat) and without it, the run stops before
+    training with the file, the count and the reason; nothing empty is cached."""
+    from osft.trainer.config import TrainConfig
+    from osft.trainer.data.cache import tokenize_source
+    from osft.trainer.startup import load_data
+
+    tok = tiny_chat_tokenizer()
+    short = write_jsonl(tmp_path / "a.jsonl", [chat("hi", "ok")] * 4)
+    long = write_jsonl(tmp_path / "long.jsonl", [chat("hello world " * 20, "ok " * 10)] * 5)
+    why = f"{long}: all 5 samples were dropped (longer than --max-seq-len 32)"
+    variants = [([f"{short}:0.5", f"{long}:0.5"], None, "1 problem in the training data"),
+                ([str(long)], None, "1 problem in the training data"),
+                ([str(short)], str(long), "1 problem(s) in the evaluation file (--eval-data-path)")]
+    for data_path, eval_path, header in variants:
+        for cache in (True, True, False):
+            cfg = TrainConfig("m", data_path, str(tmp_path / "run"), max_seq_len=32, eval_data_path=eval_path,
+                              data_cache=cache, data_cache_dir=str(tmp_path / "cache"))
+            with pytest.raises(DataValidationError) as exc:
+                load_data(cfg, tok, print, lambda path, cfg=cfg: tokenize_source(cfg, path, tok, print)[0])
+            assert str(exc.value) == f"{header}:\n  {why}", (data_path, eval_path, cache)
+    entries = [p for p in (tmp_path / "cache").iterdir() if p.name != "sources"]
+    assert [json.loads((p / "report.json").read_text())["kept"] for p in entries] == [4]  # a.jsonl's only

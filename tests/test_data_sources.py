@@ -149,3 +149,35 @@ def test_parquet_conversion_goes_to_the_data_cache_or_a_temporary_directory(tmp_
         assert list(readonly.iterdir()) == []
     assert tokenize_chat_file(path, tok, 128, source_cache=None).dataset["input_ids"] == data.dataset["input_ids"]
     assert not (tmp_path / "never").exists()
+
+
+ALPACA = [{"instruction": "Q", "input": "more", "output": "A"}, {"instruction": "Q", "input": "", "output": "A"},
+          {"instruction": "Q", "output": "A"}, {"instruction": "Q", "input": "  \n", "output": "A"},
+          {"instruction": "Q", "input": "x", "output": ""}, {"instruction": "", "input": "Something", "output": "ok"},
+          {"instruction": "Q", "input": None, "output": "A"}, {"instruction": " ", "input": "", "output": "A"},
+          {"instruction": "Q", "input": "more", "output": "A", "system": None}]
+#: the user turn of each row of ALPACA, or the (field, message) of its problem
+ALPACA_USER = ["Q\n\nmore", "Q", "Q", "Q", ("output", "empty assistant content in output"), "Something", "Q",
+               ("instruction", "empty instruction"), "Q\n\nmore"]
+
+
+def test_alpaca_prompt_is_the_non_blank_instruction_and_input_and_null_is_absent_in_every_format(tmp_path):
+    """The user turn is the instruction, a blank line and the input, each only when not blank; an
+    input (or system) of null is absent, in JSON Lines as in parquet (where Arrow fills in nulls);
+    both formats give the same tokens for every row, all rows together or each next to a normal row."""
+    tok = tiny_chat_tokenizer()
+    cases = [(ALPACA, ALPACA_USER)] + [([ALPACA[0], r], [ALPACA_USER[0], u])
+                                       for r, u in zip(ALPACA[1:], ALPACA_USER[1:])]
+    for rows, users in cases:
+        write_jsonl(tmp_path / "alpaca.jsonl", rows)
+        Dataset.from_list(rows).to_parquet(str(tmp_path / "alpaca.parquet"))
+        for path in (tmp_path / "alpaca.jsonl", tmp_path / "alpaca.parquet"):
+            records, problems = validate_chat_file(path, tok)
+            assert [c.messages[0]["content"] for c in records] == [u for u in users if isinstance(u, str)], path
+            assert [(p.line, p.field, p.message) for p in problems] == [
+                (i, *u) for i, u in enumerate(users, start=1) if not isinstance(u, str)], path
+        good = [r for r, u in zip(rows, users) if isinstance(u, str)]
+        write_jsonl(tmp_path / "good.jsonl", good)
+        Dataset.from_list(good).to_parquet(str(tmp_path / "good.parquet"))
+        assert (tokenize_chat_file(tmp_path / "good.parquet", tok, 128).dataset["input_ids"]
+                == tokenize_chat_file(tmp_path / "good.jsonl", tok, 128).dataset["input_ids"])

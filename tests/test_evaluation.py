@@ -207,9 +207,10 @@ def test_evaluation_leaves_training_bit_identical_and_records_every_set(files, r
     assert records(evaluated)[-1]["reason"] == "completed"
 
 
-def test_resume_in_the_middle_of_a_budgeted_run_is_bit_identical(files, evaluated, tmp_path, monkeypatch):
+def test_resume_in_the_middle_of_a_budgeted_run_is_bit_identical(files, evaluated, tmp_path, monkeypatch, capsys):
     """Stopped after step 4 (SIGUSR2 to itself), resumed: the same steps, evaluations, best and the
-    same evaluation state in the last checkpoint as the uninterrupted run."""
+    same evaluation state in the last checkpoint as the uninterrupted run. Resumed again from step 4
+    on other evaluation and retention files: refused, or accepted with their state reset."""
     out = tmp_path / "run"
     flags = [*eval_flags(files), "--max-forgetting", "100", "--save-best-eval", "--early-stopping-patience", "9",
              "--checkpoint-every-steps", "3", "--on-demand-checkpointing"]
@@ -233,6 +234,27 @@ def test_resume_in_the_middle_of_a_budgeted_run_is_bit_identical(files, evaluate
         return json.loads((run / "full_state_checkpoints" / "step_6" / "trainer_state.json").read_text())["monitor"]
 
     assert final_state(out) == final_state(evaluated)
+
+    # Another evaluation file and retention file (same names, other rows) are refused; with
+    # --resume-accept-changed-inputs the run goes on with what depends on them reset, and says so.
+    (tmp_path / "changed").mkdir()
+    changed = {**files, "eval": write_jsonl(tmp_path / "changed" / "eval.jsonl", [chat(q, a) for q, a in QA[1:]] * 2),
+               "other": write_jsonl(tmp_path / "changed" / "other.jsonl", [chat("hello", "hello world")])}
+    again = [*eval_flags(changed), "--save-best-eval", "--early-stopping-patience", "9", "--max-steps", "5",
+             "--resume-from-full-state-checkpoint", str(out / "full_state_checkpoints" / "step_4")]
+    assert train(files, tmp_path / "refused", *again) == 2
+    assert (f"the evaluation set (--eval-data-path): {changed['eval']} differs in content from {files['eval']}"
+            in " ".join(capsys.readouterr().err.split()))
+    accepted = tmp_path / "accepted"
+    assert train(files, accepted, *again, "--resume-accept-changed-inputs") == 0
+    warnings = [r["message"] for r in records(accepted, "warning")]
+    assert any(w.startswith("--resume-accept-changed-inputs: resuming from checkpoint") and w.endswith(
+        f"reset: the best evaluation (loss {state['eval']['best_loss']:.4f} at step {state['eval']['best_step']}), "
+        "the early-stopping patience counter, the retention baselines (forgetting is measured from step 4 on)")
+        for w in warnings), warnings
+    assert {r["set"]: r["trigger"] for r in records(accepted, "eval") if r["step"] == 4} == {"other": "baseline",
+                                                                                            "own": "baseline"}
+    assert [r["step"] for r in records(accepted, "best_eval")] == [5]  # the first evaluation on the new set
 
 
 def test_forgetting_budget_ends_the_run_with_the_best_export_within_budget(files, evaluated, tmp_path):

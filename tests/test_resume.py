@@ -48,9 +48,10 @@ def job(tmp_path_factory):
     return root / "model", data
 
 
-def train(job, out, *flags, env=None, wait=True):
-    """Start `osft-train` (the launcher) on 2 ranks; 5 samples per step over 2-3 micro-batches per rank."""
-    model, data = job
+def train(job, out, *flags, env=None, wait=True, data=None):
+    """Start `osft-train` (the launcher) on 2 ranks; 5 samples per step over 2-3 micro-batches per rank
+    (``data``: another training file than the job's)."""
+    model, data = job[0], data or job[1]
     cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
            "--learning-rate", "2e-3", "--weight-decay", "0.1", "--save-dtype", "float32", "--max-steps", str(STEPS),
@@ -323,8 +324,12 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
     (broken / "optimizer_rank1.pt").unlink()
     (b04 / "full_state_checkpoints" / "step_abc").mkdir()
     (b04 / "full_state_checkpoints" / "notes").mkdir()
+    copy = tmp_path / "elsewhere" / "renamed.jsonl"  # the same data at another path: the same input
+    copy.parent.mkdir()
+    shutil.copyfile(job[1], copy)
     code, output = train(job, b04, "--resume", "--max-steps", "6", "--checkpoint-every-steps", "5",
-                         "--checkpoint-keep-last", "1", env={"OSFT_TEST_SIGNAL_AT": "5:after_step:0:SIGTERM"})
+                         "--checkpoint-keep-last", "1", env={"OSFT_TEST_SIGNAL_AT": "5:after_step:0:SIGTERM"},
+                         data=copy)
     assert code == EXIT_STOPPED, output
     assert [r["from_step"] for r in records(b04, "resumed")] == [4]
     # ... bit for bit, with one embedding row more in the checkpoint than in the base model
@@ -348,6 +353,18 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
                          "--max-tokens-per-gpu", "128")
     assert code == 2 and not (tmp_path / "b12" / "logs").exists()
     assert "saved with --max-tokens-per-gpu 64, this run has 128: resume with the same setting" in output
+
+    # Data of another content (same rows and samples, one row replaced) is refused before any rank
+    # starts, naming the file; the checkpoint is left as it was.
+    rows = [chat(q, a) for q, a in QA] * 5
+    edited = write_jsonl(tmp_path / "edit.jsonl", [chat(*QA[1])] + rows[1:])
+    before = {p.relative_to(root): p.read_bytes() for p in (root / "step_4").rglob("*") if p.is_file()}
+    code, output = train(job, tmp_path / "edited", "--resume-from-full-state-checkpoint", str(root / "step_4"),
+                         data=edited)
+    assert code == 2 and not (tmp_path / "edited" / "logs").exists(), output
+    assert (f"{edited} differs in content from {job[1]}, the file the checkpoint was trained with" in
+            " ".join(output.split())), output
+    assert {p.relative_to(root): p.read_bytes() for p in (root / "step_4").rglob("*") if p.is_file()} == before
 
     # Field case B13: another world size is refused with both numbers.
     model, data = job

@@ -95,6 +95,27 @@ class FakeRun:
     def finish(self):
         self.finished = True
 
+def test_a_tracker_installed_but_not_importable_is_refused_before_any_rank_starts(tiny_model_dir, chat_file, tmp_path,
+                                                                                   capsys, monkeypatch):
+    """A broken install (here a shim package that fails on import) passes a check that only finds the
+    package: the check imports what the tracker uses (torch.utils.tensorboard's SummaryWriter, wandb)."""
+    shim = tmp_path / "shim"
+    for name in ("tensorboard", "wandb"):
+        (shim / name).mkdir(parents=True)
+        (shim / name / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'google.protobuf'\")\n")
+    monkeypatch.syspath_prepend(str(shim))
+    for module in [m for m in sys.modules if m.split(".")[0] in ("tensorboard", "wandb") or
+                   m.startswith("torch.utils.tensorboard")]:
+        monkeypatch.delitem(sys.modules, module)
+    base = ["--model-name-or-path", str(tiny_model_dir), "--data-path", str(chat_file),
+            "--output-dir", str(tmp_path / "r")]
+    for name, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
+        for ranks in ("1", "2"):
+            assert main([*base, "--report-to", name, "--nproc-per-node", ranks]) == 2
+            assert (f"--report-to {name}: {name} is installed but cannot be imported ({module}): ModuleNotFoundError: "
+                    f"No module named 'google.protobuf'; repair it") in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
 
 def test_wandb_tracker_logs_offline_with_the_config_and_never_goes_back_a_step(monkeypatch, tmp_path):
     fake = types.ModuleType("wandb")

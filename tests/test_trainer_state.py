@@ -33,7 +33,7 @@ def test_the_file_round_trips_with_the_keys_in_the_order_written_before(tmp_path
     text = (tmp_path / TRAINER_STATE).read_text()
     data = json.loads(text)
     assert list(data) == ["step", "epoch", "sampler", "counters", "scheduler", "world_size", "total_steps",
-                          "settings", "model", "osft_plan", "monitor"]
+                          "settings", "model", "osft_plan", "monitor", "inputs"]
     assert data["model"] == {"vocab_size": 96, "model_type": "llama"} and data["settings"]["batch_size"] == 4
     assert text == json.dumps(data, indent=1)
     assert TrainerState.read(tmp_path) == state
@@ -41,11 +41,12 @@ def test_the_file_round_trips_with_the_keys_in_the_order_written_before(tmp_path
 
 def test_an_older_file_without_the_later_keys_loads_and_a_missing_key_names_the_file(tmp_path):
     data = _state().to_json()
-    for key in ("total_steps", "osft_plan", "monitor"):
+    for key in ("total_steps", "osft_plan", "monitor", "inputs"):
         del data[key]
     (tmp_path / TRAINER_STATE).write_text(json.dumps(data))
     old = TrainerState.read(tmp_path)
-    assert (old.step, old.total_steps, old.osft_plan, old.monitor) == (6, None, None, None)
+    assert (old.step, old.total_steps, old.osft_plan, old.monitor, old.inputs) == (6, None, None, None, None)
+    assert old.accept_inputs(CFG, {"training": []}, tmp_path) == (old, [])  # nothing recorded: nothing compared
     del data["sampler"]
     (tmp_path / TRAINER_STATE).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=f"{tmp_path / TRAINER_STATE}: missing sampler"):
@@ -68,3 +69,59 @@ def test_compatibility_refuses_what_a_bit_identical_resume_needs_and_warns_about
     assert state.check_compatible(faster, 2, layout, tmp_path) == [
         f"--learning-rate changed from 0.0001 to 0.0002 since checkpoint {tmp_path}: used from step 7 on, "
         "so the resumed run differs from an uninterrupted one"]
+
+
+def test_inputs_of_another_content_are_refused_naming_them_an_identical_copy_is_not(tmp_path):
+    """The checkpoint's fingerprint of the training data, tokenizer, chat template, evaluation and
+    retention sets is compared by content: an edited or longer file is refused naming it, a copy
+    at another path is the same input; --resume-accept-changed-inputs goes on and resets what
+    depends on the changed input."""
+    from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
+    from osft.trainer.data.fingerprint import run_inputs
+
+    tok = tiny_chat_tokenizer()
+    rows = [chat(q, a) for q, a in QA]
+    d64 = write_jsonl(tmp_path / "d64.jsonl", rows)
+    held = write_jsonl(tmp_path / "eval.jsonl", rows[:2])
+    cfg = dataclasses.replace(CFG, eval_data_path=str(held))
+    monitor = {"eval": {"baselines": {}, "best_loss": 1.5, "best_step": 4, "patience_ref": 1.5, "since_improvement": 1,
+                        "last": {"eval_loss": 1.5}}, "divergence": {}}
+    state = _state(inputs=run_inputs(cfg, tok, [(str(d64), None)]), monitor=monitor)
+
+    (tmp_path / "copy").mkdir()
+    copy = (tmp_path / "copy" / "other-name.jsonl")
+    copy.write_bytes(d64.read_bytes())
+    assert state.accept_inputs(cfg, run_inputs(cfg, tok, [(str(copy), None)]), tmp_path) == (state, [])
+
+    edit = write_jsonl(tmp_path / "edit.jsonl", rows[3:] + rows[:3])
+    longer = write_jsonl(tmp_path / "longer.jsonl", rows + rows[:1])
+    for path in (edit, longer):
+        with pytest.raises(CheckpointError) as exc:
+            state.accept_inputs(cfg, run_inputs(cfg, tok, [(str(path), None)]), tmp_path)
+        assert str(exc.value).startswith(
+            f"checkpoint {tmp_path} was trained with other inputs than this run's: the training data (--data-path): "
+            f"{path} differs in content from {d64}, the file the checkpoint was trained with (sha256 "
+            f"{state.inputs['training'][0]['sha256'][:12]} at the checkpoint, ")
+        assert str(exc.value).endswith(
+            "give --resume-accept-changed-inputs to go on with these from the saved position")
+    with pytest.raises(CheckpointError,
+                       match=r"the training data \(--data-path\): weight None at the checkpoint, 0.5 now"):
+        state.accept_inputs(cfg, run_inputs(cfg, tok, [(str(d64), 0.5)]), tmp_path)
+    other_template = tiny_chat_tokenizer(default_system=False)
+    with pytest.raises(CheckpointError, match=r"other inputs than this run's: the chat template: sha256 \w{12} at the "
+                                              r"checkpoint, \w{12} now\. A resume"):
+        state.accept_inputs(cfg, run_inputs(cfg, other_template, [(str(d64), None)]), tmp_path)
+
+    # accepted: the training data alone changed: the evaluation state still compares the same set
+    accepting = dataclasses.replace(cfg, resume_accept_changed_inputs=True)
+    kept, (warning,) = state.accept_inputs(accepting, run_inputs(cfg, tok, [(str(edit), None)]), tmp_path)
+    assert kept.monitor == monitor and "the resumed run differs from an uninterrupted one" in warning
+    # another evaluation set: the best evaluation and the patience counter are reset, and the run says so
+    write_jsonl(held, rows[2:4])
+    reset, (warning,) = state.accept_inputs(accepting, run_inputs(cfg, tok, [(str(d64), None)]), tmp_path)
+    assert reset.monitor["eval"] == {"baselines": {}, "best_loss": None, "best_step": None, "patience_ref": None,
+                                     "since_improvement": 0, "last": {}}
+    assert warning.startswith(f"--resume-accept-changed-inputs: resuming from checkpoint {tmp_path} on other inputs: "
+                              f"the evaluation set (--eval-data-path): {held} differs in content")
+    assert warning.endswith("; reset: the best evaluation (loss 1.5000 at step 4), the early-stopping patience counter")
+    assert state.monitor == monitor  # the state read from the checkpoint is left as it was

@@ -15,6 +15,7 @@ too, so a notebook keeps its Ctrl-C) are the caller's again when it returns or r
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
@@ -74,7 +75,8 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
           console: Console | None = None, **overrides: Any) -> TrainOutcome:
     """Train as ``osft-train`` would with these settings, in this process or on a torchrun worker group.
 
-    Call it from the main thread (signal handlers can only be set there). Every checkpoint signal
+    Call it from the main thread (signal handlers can only be set there; another thread gets an
+    :class:`InputError`, and can run ``osft-train`` in a subprocess). Every checkpoint signal
     is held from the start, as ``osft-train`` holds it (docs/architecture.md section 6); with
     ``on_demand_checkpointing`` a SIGINT (Ctrl-C) asks for a checkpoint and the run returns with
     exit code 75, otherwise it interrupts as usual (``KeyboardInterrupt`` in this process). The
@@ -92,14 +94,18 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
         returns its exit code (1, or 128 + N) after printing what happened, as ``osft-train`` does.
 
     Raises:
-        InputError: bad settings (:func:`resolve_config`, :func:`.config.check_config`), data,
+        InputError: a call from another thread than the main thread (before anything is read or
+            written); bad settings (:func:`resolve_config`, :func:`.config.check_config`), data,
             model path or sample count, a checkpoint to resume from that does not fit, or an output
             directory another job owns or an earlier run left without ``resume`` or
             ``overwrite_output_dir``, all before any training, with ``osft-train``'s message.
-        ValueError: called from another thread than the main thread.
         Exception: whatever the one-rank run in this process raised while training
             (``run.json`` then says failed).
     """
+    if threading.current_thread() is not threading.main_thread():
+        raise InputError("osft.trainer.api.train must be called from the main thread: it installs the checkpoint "
+                         "signal handlers, which Python allows only there; from a worker thread, run osft-train "
+                         "in a subprocess instead")
     console = console or Console(stderr=True)
     previous = current_handlers()
     hold_signals()

@@ -88,6 +88,7 @@ class TrainConfig:
     on_demand_checkpointing: bool = False
     resume_from_full_state_checkpoint: str | None = None
     resume: bool = False
+    resume_accept_changed_inputs: bool = False
     overwrite_output_dir: bool = False
     checkpoint_every_steps: int = 0
     checkpoint_keep_last: int = 0
@@ -378,6 +379,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
                    help="resume from this checkpoint (a full_state_checkpoints/step_N directory)")
     g.add_argument("--resume", action="store_true",
                    help="resume from the newest complete checkpoint under --output-dir, if there is one")
+    g.add_argument("--resume-accept-changed-inputs", action="store_true",
+                   help="resume even though the training data, tokenizer, chat template, evaluation or retention "
+                   "sets differ in content from the checkpoint's (refused otherwise): training goes on from the "
+                   "saved data position, and the evaluation state that depends on a changed input is reset")
     g.add_argument("--overwrite-output-dir", action="store_true",
                    help="start a new run in an --output-dir an earlier run (no longer running) left, removing its "
                         "checkpoints, exports and metrics (ignored with --resume)")

@@ -102,21 +102,30 @@ def retention_names(paths: list[str]) -> list[str]:
     return names
 
 
-def tokenize_files(paths: list[str], tokenize: Callable[[str], TokenizedChat]) -> list[TokenizedChat]:
+def tokenize_files(paths: list[str], tokenize: Callable[[str], TokenizedChat],
+                   eval_path: str | None = None) -> list[TokenizedChat]:
     """Tokenize every file with ``tokenize``, collecting the validation problems of all of them.
 
+    Args:
+        eval_path: the one of ``paths`` that is the evaluation file (the others are retention files),
+            named as such in the error.
+
     Raises:
-        DataValidationError: every problem of every file at once (each names its file and line).
+        DataValidationError: every problem of every file at once (each names its file and line),
+            under a header naming the evaluation file and/or the retention files.
         ValueError: anything else ``tokenize`` raises (e.g. a file without any conversation).
     """
-    done, problems = [], []
+    done, problems, roles = [], [], {}
     for path in paths:
         try:
             done.append(tokenize(path))
         except DataValidationError as exc:
             problems += exc.problems
+            roles[path == eval_path] = ("the evaluation file (--eval-data-path)" if path == eval_path
+                                        else "the retention data (--retention-data-path)")
     if problems:
-        raise DataValidationError(problems, header=f"{len(problems)} problem(s) in the evaluation and retention data")
+        raise DataValidationError(problems, header=f"{len(problems)} problem(s) in "
+                                                   + " and ".join(roles[k] for k in sorted(roles, reverse=True)))
     return done
 
 
@@ -133,7 +142,7 @@ def load_eval_sets(eval_path: str | None, retention_paths: list[str] | None, spl
             one left without any usable sample.
     """
     paths = ([eval_path] if eval_path else []) + list(retention_paths or [])
-    tokenized = tokenize_files(paths, tokenize)
+    tokenized = tokenize_files(paths, tokenize, eval_path)
     sets = [split_set] if split_set is not None else []
     if eval_path:
         data = tokenized.pop(0)

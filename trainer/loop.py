@@ -357,6 +357,7 @@ class Trainer:
             check_shared(root, self.dist.rank, self.dist.hostname)
         if resume is not None:
             self.start_step = self.load_checkpoint(resume.path)
+            self.monitor.load_state_dict(resume.state.monitor)  # with what an accepted change of inputs resets
             self._saved = (self.start_step, str(resume.path))  # a request before the first step is served by it
             self.metrics.log(Event.RESUMED, from_step=self.start_step, path=str(resume.path),
                              changed={k: list(v) for k, v in resume.state.changed_settings(cfg).items()})
@@ -458,6 +459,7 @@ class Trainer:
                              model_type=self.model.config.model_type),
             osft_plan={name: m.plan.to_dict() for name, m in self.osft.modules} if self.osft else None,
             monitor=self.monitor.state_dict(),
+            inputs=self.data.inputs,
         )
 
     def checkpoint(self, step: int, request: Request | None) -> str:

@@ -9,6 +9,7 @@ logs warnings), so both report the same things in the same words.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ from pathlib import Path
 from .checkpoint.trainer_state import TrainerState
 from .config import TrainConfig
 from .contract import VERIFIED_CHECKPOINT_ENV
+from .data.fingerprint import run_inputs
 from .data.mixture import TrainingData, tokenize_for_run
 from .data.positions import check_positions, position_limit
 from .data.sampler import check_enough_samples, make_sampler
+from .data.specs import parse_data_specs
 from .data.tokenize import TokenizedChat
 from .eval_sets import EvalSet, load_eval_sets, split_training_data
 from .rundir import RunDir
@@ -44,7 +47,8 @@ class RunData:
 def load_data(cfg: TrainConfig, tokenizer, warn: Callable[[str], None],
               tokenize_set: Callable[[str], TokenizedChat]) -> RunData:
     """Validate and tokenize the training sources (through the data cache), hold out the
-    ``--eval-split`` set and read the evaluation and retention sets.
+    ``--eval-split`` set, read the evaluation and retention sets, and fingerprint them
+    (:attr:`.data.mixture.TrainingData.inputs`).
 
     Args:
         tokenizer: the model's tokenizer (with ``--chat-template`` applied). warn: reports a
@@ -57,7 +61,8 @@ def load_data(cfg: TrainConfig, tokenizer, warn: Callable[[str], None],
     data, hit = tokenize_for_run(cfg, tokenizer, warn)
     train, split = split_training_data(data, cfg.eval_split)
     sets = load_eval_sets(cfg.eval_data_path, cfg.retention_data_path, split, cfg.eval_max_samples, tokenize_set)
-    return RunData(train, sets, hit)
+    inputs = run_inputs(cfg, tokenizer, [(spec.path, spec.weight) for spec in parse_data_specs(cfg.data_path)])
+    return RunData(dataclasses.replace(train, inputs=inputs), sets, hit)
 
 
 def resume_requested(cfg: TrainConfig) -> bool:
@@ -107,8 +112,10 @@ def choose_checkpoint(cfg: TrainConfig) -> ResumeChoice:
 
 @dataclass(frozen=True)
 class Resume:
-    """A checked resume: the checkpoint, its trainer state, and one warning per optimisation
-    setting that changed since it was saved (:meth:`.checkpoint.trainer_state.TrainerState.check_compatible`)."""
+    """A checked resume: the checkpoint, its trainer state (with the evaluation state that depends on
+    an input accepted as changed reset: :meth:`.checkpoint.trainer_state.TrainerState.accept_inputs`),
+    a warning naming the inputs accepted as changed, and one per optimisation setting that changed since it was saved
+    (:meth:`.checkpoint.trainer_state.TrainerState.check_compatible`)."""
 
     path: Path
     state: TrainerState
@@ -123,11 +130,13 @@ class DataPlan:
         sampler: the run's global batch sampler (:func:`.data.sampler.make_sampler`).
         total_steps: optimizer steps of the whole run.
         positions_warning: samples beyond a rotary model's trained positions (None: none).
+        inputs: the fingerprint of the run's inputs (:attr:`.data.mixture.TrainingData.inputs`).
     """
 
     sampler: object
     total_steps: int
     positions_warning: str | None
+    inputs: dict | None = None
 
 
 def check_data(cfg: TrainConfig, train: TrainingData, world_size: int) -> DataPlan:
@@ -140,7 +149,7 @@ def check_data(cfg: TrainConfig, train: TrainingData, world_size: int) -> DataPl
     positions_warning = check_positions(train, position_limit(cfg.model_name_or_path))
     check_enough_samples(len(train), world_size)
     sampler = make_sampler(train.sizes, train.weights, cfg.batch_size, cfg.seed)
-    return DataPlan(sampler, sampler.run_steps(cfg.max_steps, cfg.num_epochs), positions_warning)
+    return DataPlan(sampler, sampler.run_steps(cfg.max_steps, cfg.num_epochs), positions_warning, train.inputs)
 
 
 @dataclass(frozen=True)
@@ -162,12 +171,14 @@ def check_start(cfg: TrainConfig, checkpoint: Path | None, world_size: int, data
 
     Raises:
         CheckpointError: the checkpoint was saved with another world size, batch setting, data or
-            OSFT setting; the message gives both values.
+            OSFT setting, or trained with inputs of another content (unless
+            ``--resume-accept-changed-inputs``); the message gives both values.
         ValueError: a warmup that leaves every step at learning rate 0 (:func:`.schedule.check_warmup`).
     """
     resume = None
     if checkpoint is not None:
-        state = TrainerState.read(checkpoint)
-        resume = Resume(checkpoint, state, state.check_compatible(cfg, world_size, data.sampler.layout(), checkpoint))
+        state, accepted = TrainerState.read(checkpoint).accept_inputs(cfg, data.inputs, checkpoint)
+        resume = Resume(checkpoint, state,
+                        accepted + state.check_compatible(cfg, world_size, data.sampler.layout(), checkpoint))
     start_step = resume.state.step if resume else 0
     return StartPlan(resume, check_warmup(cfg.warmup_steps, data.total_steps, start_step))

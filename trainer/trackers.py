@@ -4,7 +4,8 @@ TensorBoard, Weights & Biases and/or MLflow as well.
 :class:`.metrics.MetricsLogger` hands each record it writes to its sinks (:class:`Tracker`
 instances, opened by :func:`open_trackers` on global rank 0 only), so the trackers get exactly the
 JSONL records of docs/architecture.md section 4: ``step`` and ``eval`` records become scalars, every
-other event a text entry. Neither package is a dependency; :func:`check_available` names the extra to install.
+other event a text entry. Neither package is a dependency; :func:`check_available` names the extra to install,
+and imports what each tracker uses, so a broken install is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from typing import Any
 
 from .contract import RECORD_FIELDS, Event
 
-#: ``--report-to`` choices: tracker name -> module that must be importable.
+#: ``--report-to`` choices: tracker name -> module that must be installed.
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+#: tracker name -> (module, attribute or None) the tracker imports when it opens.
+TRACKER_IMPORTS = {"tensorboard": ("torch.utils.tensorboard", "SummaryWriter"), "wandb": ("wandb", None),
+                   "mlflow": ("mlflow.tracking", "MlflowClient")}
 REPORT_TO_CHOICES = ("none", *TRACKER_MODULES)
 
 #: ``step`` record field -> tracker scalar name (the node's tokens/s is added per node).
@@ -42,12 +46,16 @@ def requested(report_to: list[str] | None) -> list[str]:
 
 
 def check_available(report_to: list[str] | None) -> None:
-    """Check that every requested tracker can be used, without importing it.
+    """Check that every requested tracker can be used: its package is installed, and what the
+    tracker uses (:data:`TRACKER_IMPORTS`) imports.
 
     Raises:
-        ValueError: ``none`` given with a tracker, or a tracker's package is not installed (the
-            message names the extra to install, e.g. ``pip install 'osft[tensorboard]'``).
+        ValueError: ``none`` given with a tracker; a tracker's package is not installed (the
+            message names the extra to install, e.g. ``pip install 'osft[tensorboard]'``), or it is
+            installed but importing it fails (the message gives the exception).
     """
+    import importlib
+
     names = requested(report_to)
     if names and "none" in (report_to or []):
         raise ValueError(f"--report-to none excludes other trackers, got {' '.join(report_to)}")
@@ -55,6 +63,15 @@ def check_available(report_to: list[str] | None) -> None:
         if find_spec(TRACKER_MODULES[name]) is None:
             raise ValueError(f"--report-to {name}: the {TRACKER_MODULES[name]} package is not installed; "
                              f"install it with: pip install 'osft[{name}]'")
+        module, attribute = TRACKER_IMPORTS[name]
+        try:
+            loaded = importlib.import_module(module)
+            if attribute:
+                getattr(loaded, attribute)
+        except Exception as exc:  # noqa: BLE001 - any failure of a broken install is the user's to fix
+            raise ValueError(f"--report-to {name}: {TRACKER_MODULES[name]} is installed but cannot be imported "
+                             f"({module}): {type(exc).__name__}: {exc}; repair it, e.g. pip install "
+                             f"--force-reinstall 'osft[{name}]'") from None
 
 
 def step_scalars(record: dict) -> dict[str, float]:

@@ -4,7 +4,11 @@ between it and the run resuming from it (docs/architecture.md section 5).
 The check runs in the launcher before any rank starts and again on every rank
 (tests/test_resume.py::test_periodic_checkpoints_retention_vocab_and_bad_checkpoints); the
 optimisation settings may change, and the resumed run uses them from its first step
-(tests/test_resume_settings.py). Standard library only: the launcher's checks stay free of torch.
+(tests/test_resume_settings.py). The content of the run's inputs (training data, tokenizer, chat
+template, evaluation and retention sets) is recorded as a fingerprint (:mod:`..data.fingerprint`)
+and must match too, unless ``--resume-accept-changed-inputs`` accepts the change and resets the
+state that depends on it (:meth:`TrainerState.accept_inputs`). Standard library only: the
+launcher's checks stay free of torch.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..data.fingerprint import INPUT_NAMES, changed_inputs
 from .manifest import CheckpointError
 
 if TYPE_CHECKING:
@@ -74,6 +79,8 @@ class TrainerState:
         osft_plan: module name -> :meth:`..osft.plan.ModulePlan.to_dict` (None with ``--no-osft``).
         monitor: the evaluation and divergence state (:meth:`..monitor.RunMonitor.state_dict`;
             None in checkpoints older than it).
+        inputs: the fingerprint of the run's inputs (:func:`..data.fingerprint.run_inputs`; None in
+            checkpoints older than it: not compared).
     """
 
     step: int
@@ -87,6 +94,7 @@ class TrainerState:
     model: ModelFacts
     osft_plan: dict[str, dict] | None = None
     monitor: dict | None = None
+    inputs: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The content of ``trainer_state.json`` (plain JSON data)."""
@@ -121,6 +129,48 @@ class TrainerState:
     def write(self, step_dir: Path) -> None:
         """Write ``step_dir/trainer_state.json``."""
         (Path(step_dir) / TRAINER_STATE).write_text(json.dumps(self.to_json(), indent=1))
+
+    def accept_inputs(self, cfg: TrainConfig, inputs: dict | None, path: Path) -> tuple[TrainerState, list[str]]:
+        """Compare the checkpoint's input fingerprint with this run's ``inputs`` (None: not known, nothing compared).
+
+        Returns:
+            ``(state, warnings)``: this state, or with ``--resume-accept-changed-inputs`` and a
+            changed input, the state with what depends on the changed inputs reset (the best
+            evaluation and the early-stopping patience after a change of the evaluation set, of
+            the tokenizer or chat template, or of the training data with ``--eval-split``; the
+            retention baselines after a change of a retention set, tokenizer or chat template: they
+            are measured again at the resumed step), and a warning naming every changed input and
+            what was reset (none when nothing changed).
+
+        Raises:
+            CheckpointError: an input whose content differs, without ``--resume-accept-changed-inputs``;
+                the message names each input and what differs.
+        """
+        changed = changed_inputs(self.inputs, inputs) if inputs is not None else {}
+        if not changed:
+            return self, []
+        what = "; ".join(f"{INPUT_NAMES[k]}: {d}" for k, d in changed.items())
+        if not cfg.resume_accept_changed_inputs:
+            raise CheckpointError(f"checkpoint {path} was trained with other inputs than this run's: {what}. A resume "
+                                  "on them would not reproduce the run: resume with the same inputs, or give "
+                                  "--resume-accept-changed-inputs to go on with these from the saved position")
+        tokens = bool({"tokenizer", "chat_template"} & set(changed))
+        evaluation = dict((self.monitor or {}).get("eval") or {})
+        reset = []
+        if tokens or "evaluation" in changed or ("training" in changed and cfg.eval_split):
+            if evaluation.get("best_loss") is not None:
+                reset.append(f"the best evaluation (loss {evaluation['best_loss']:.4f} at step "
+                             f"{evaluation['best_step']})")
+            reset.append("the early-stopping patience counter")
+            evaluation.update(best_loss=None, best_step=None, patience_ref=None, since_improvement=0, last={})
+        if (tokens or "retention" in changed) and evaluation.get("baselines"):
+            reset.append(f"the retention baselines (forgetting is measured from step {self.step} on)")
+            evaluation["baselines"] = {}
+        monitor = dict(self.monitor or {}, eval=evaluation) if self.monitor is not None else None
+        said = f"; reset: {', '.join(reset)}" if reset else ""
+        warning = (f"--resume-accept-changed-inputs: resuming from checkpoint {path} on other inputs: {what}; the "
+                   f"resumed run differs from an uninterrupted one{said}")
+        return dataclasses.replace(self, monitor=monitor), [warning]
 
     def check_compatible(self, cfg: TrainConfig, world_size: int, layout: dict, path: Path) -> list[str]:
         """Compare this checkpoint state (of ``path``) with the run about to resume from it.

@@ -3,7 +3,8 @@ determines the result, so a rerun on the same source skips validation and tokeni
 
 An entry is ``report.json`` (the :class:`.tokenize.DataReport`) and ``dataset/`` with one Arrow
 file per shard (:mod:`.prepare`), memory-mapped when read. Key = SHA-256 over: the source's bytes
-(a file's, or every file's of a ``save_to_disk`` directory with its relative name), the tokenizer (its serialized fast tokenizer and chat template),
+(a file's, or every file's of a ``save_to_disk`` directory with its relative name), the tokenizer
+(its serialized fast tokenizer and chat template),
 ``max_seq_len``, the overlong policy, the labelling options (``train_on_all``, the row shape, ...)
 and :data:`CACHE_FORMAT`. Only successful results are stored; an entry is written to a temporary
 directory and renamed, so a half-written entry is never read. ``datasets``' own Arrow conversion of
@@ -23,11 +24,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from .fingerprint import hash_source
 from .prepare import load_shards
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
 
 #: Bump when the tokenization or the stored layout changes.
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 #: Environment variable overriding the default cache directory.
 DATA_CACHE_ENV = "OSFT_DATA_CACHE"
 
@@ -42,20 +44,11 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("osft")) / "tokenized"
 
 
-def _source_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-
-
 def cache_key(path, tokenizer, max_seq_len: int, overlong: str, **options) -> str:
     """Hex SHA-256 identifying one tokenization result (see the module docstring); ``options`` are
     the keyword arguments of :func:`.tokenize.tokenize_chat_file` that change the result."""
     h = hashlib.sha256()
-    path = Path(path)
-    for file in _source_files(path):
-        h.update(str(file.relative_to(path) if path.is_dir() else "").encode())
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+    hash_source(h, path)
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
     h.update(json.dumps([max_seq_len, overlong, sorted(options.items()), CACHE_FORMAT]).encode())

@@ -23,12 +23,15 @@ class TrainingData(TokenizedSamples):
 
     ``parts`` are the sources' :class:`.tokenize.TokenizedChat` in ``--data-path`` order, ``dataset``
     their concatenation (sample ``j`` of part ``i`` is ``offsets[i] + j``), ``weights`` the
-    normalized mixture weights (None: one dataset, drawn as one).
+    normalized mixture weights (None: one dataset, drawn as one), ``inputs`` the fingerprint of
+    the run's inputs a checkpoint records (:func:`.fingerprint.run_inputs`; set by
+    :func:`..startup.load_data`).
     """
 
     parts: list[TokenizedChat]
     weights: list[float] | None
     dataset: object
+    inputs: dict | None = None
 
     @classmethod
     def build(cls, parts: list[TokenizedChat], weights: list[float] | None) -> TrainingData:

@@ -199,7 +199,8 @@ def run_shard(prep: Prep, shard: Shard) -> ShardResult:
 
 def _add_samples(prep: Prep, conversation, text: str, columns: dict, keys: dict, result: ShardResult) -> None:
     """Append the samples of one valid row to ``columns`` (``line``, ``text``, trained ``spans``, ``inserted``
-    ranges as ``[start, end, key]`` with ``keys`` numbering the distinct ``(where, text)``), or its problem."""
+    ranges as ``[start, end, key]`` with ``keys`` numbering the distinct ``(where, text)``), or its problem;
+    without ``train_reasoning``, the line of each trained turn left with reasoning tags in it to the report."""
     line, messages, _ = conversation
     found = _samples(prep.finder, prep.tokenizer, conversation, text, prep.train_reasoning, prep.last_turn_only)
     if isinstance(found, str):
@@ -213,6 +214,9 @@ def _add_samples(prep: Prep, conversation, text: str, columns: dict, keys: dict,
         ranges = [(a, b, (BEFORE_ASSISTANT, sample_text[a:b])) for a, b in inserted]
         if system and messages[0]["role"] != "system" and sample_text.startswith(system.text, system.start):
             ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
+        if not prep.train_reasoning:
+            result.report.reasoning_trained += [line for a, b in spans
+                                                if template_text.holds_reasoning_tag(sample_text[a:b])]
         columns["line"].append(line)
         columns["text"].append(sample_text)
         columns["spans"].append([list(span) for span in spans])
@@ -253,7 +257,7 @@ def merge(results, report: DataReport) -> tuple[list[str], list[Problem], list[P
         files.append(result.file)
         problems += result.problems
         mismatch += result.mismatch
-        for name in ("dropped_overlong", "truncated", "dropped_no_trainable", "split"):
+        for name in ("dropped_overlong", "truncated", "dropped_no_trainable", "split", "reasoning_trained"):
             getattr(report, name).extend(getattr(part, name))
         for name in ("rows", "kept", "total_tokens", "total_loss_tokens"):
             setattr(report, name, getattr(report, name) + getattr(part, name))

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``messages`` | ``{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`` | itself |
 | ``sharegpt`` | ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}], "system": ...}`` | ``from`` human/user, gpt/assistant, system, tool (function_response, observation) as roles, ``value`` as content |
-| ``alpaca`` | ``{"instruction": ..., "input": ..., "output": ..., "system": ...}`` | user: instruction, a blank line, input (when not empty); assistant: output |
+| ``alpaca`` | ``{"instruction": ..., "input": ..., "output": ..., "system": ...}`` | user: instruction, a blank line, input (each only when not blank; a null input or system is absent); assistant: output |
 | ``prompt-completion`` | ``{"prompt": ..., "completion": ...}`` (strings, or lists of messages) | user: prompt, assistant: completion (lists: prompt + completion) |
 
 ``--data-format auto`` (the default) takes the shape of a source's first object row (the first
@@ -108,15 +108,19 @@ def _from_sharegpt(row: dict):
 
 
 def _from_alpaca(row: dict):
+    row = {k: v for k, v in row.items() if not (v is None and k in ("input", "system"))}  # null: absent, as in parquet
     problems = [(k, "content_not_string", f'"{k}" must be a string') for k in ("instruction", "input", "output", "system")
                 if k in row and not isinstance(row[k], str)]
     if problems:
         return None, messages_field, problems
+    parts = [text for text in (row["instruction"], row.get("input", "")) if text.strip()]
+    if not parts:
+        return None, messages_field, [("instruction", "empty_instruction", "empty instruction")]
     system = row.get("system", "")
-    prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input", "").strip() else "")
     messages = ([{"role": "system", "content": system}] if system.strip() else []) + [
-        {"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
-    names = (["system"] if system.strip() else []) + ["instruction", "output"]
+        {"role": "user", "content": "\n\n".join(parts)}, {"role": "assistant", "content": row["output"]}]
+    user = "instruction" if row["instruction"].strip() else "input"
+    names = (["system"] if system.strip() else []) + [user, "output"]
     return {"messages": messages}, lambda i, key: names[i], []
 
 

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 #: Unicode private-use characters used as content markers in probe renderings.
 OPEN, CLOSE = "\ue000", "\ue001"
 
+#: The tags that open and close a reasoning block (``<think>...</think>``) in Qwen3-style and DeepSeek-R1-style text.
+THINK_START, THINK_END = "<think>", "</think>"
+
 #: ``where`` of a default system prompt and of text inserted before an assistant content.
 SYSTEM_PROMPT, BEFORE_ASSISTANT = "default system prompt", "before assistant content"
 
@@ -79,17 +82,20 @@ def split_inserted(rendered: str, assistants: list[dict], turns: list[tuple[int,
             of the end-of-turn text).
         content: the position of each one's content in ``rendered`` (None where markers do not
             work for this row: the turns are kept whole).
-        train_reasoning: False leaves a turn's ``reasoning_content`` (and the tags around it:
-            everything before the content) untrained; it is data, so it is not reported as inserted.
+        train_reasoning: False leaves a turn's reasoning untrained (:func:`after_reasoning`): its
+            ``reasoning_content`` (and the tags around it: everything before the content), and
+            reasoning inside the turn up to a closing :data:`THINK_END` tag; it is data, so it is
+            not reported as inserted.
 
     Returns:
-        ``(spans, inserted)``, or a string when reasoning must be left out but the content cannot
-        be located.
+        ``(spans, inserted)``, or a string when reasoning must be left out but cannot be located.
     """
     if content is None:
-        if not train_reasoning and any(m.get("reasoning_content", "").strip() for m in assistants):
+        spans = turns if train_reasoning else [after_reasoning(rendered, span) for span in turns]
+        if not train_reasoning and any(m.get("reasoning_content", "").strip() and span == cut
+                                       for m, span, cut in zip(assistants, turns, spans)):
             return "the assistant content cannot be located in the rendering, so its reasoning cannot be left untrained"
-        return turns, []
+        return spans, []
     spans, inserted = [], []
     for (start, end), (c_start, _), message in zip(turns, content, assistants):
         gap = rendered[start:c_start]
@@ -101,7 +107,29 @@ def split_inserted(rendered: str, assistants: list[dict], turns: list[tuple[int,
             inserted.append((start, c_start))
         else:
             spans.append((start, end))
+    if not train_reasoning:
+        spans = [after_reasoning(rendered, span) for span in spans]
     return spans, inserted
+
+
+def holds_reasoning_tag(text: str) -> bool:
+    """Whether trained text still holds a reasoning tag (``<think>`` or :data:`THINK_END`)."""
+    return THINK_START in text or THINK_END in text
+
+
+def after_reasoning(rendered: str, span: tuple[int, int]) -> tuple[int, int]:
+    """``span`` of a trained turn started after the last :data:`THINK_END` in it and the whitespace
+    after that tag (unchanged without one): reasoning written inside an assistant content, as
+    ``<think>R</think>C`` or as raw completions have it, ``R</think>C`` (templates that split it out
+    render the same tags), is left untrained like a ``reasoning_content``."""
+    start, end = span
+    found = rendered.rfind(THINK_END, start, end)
+    if found < 0:
+        return span
+    start = found + len(THINK_END)
+    while start < end and rendered[start].isspace():
+        start += 1
+    return start, end
 
 
 def summarize(keys: list[tuple[str, str]], counts: list[list[list[int]]]) -> list[dict]:

@@ -63,7 +63,9 @@ class DataReport:
     Lines) or ``"row"`` (other sources); ``template_inserted``: text the chat template inserted that the
     data does not contain (:func:`.template_text.summarize`: where, text, samples, tokens per sample);
     ``split``: ``(line, samples)`` of each row split into several samples, one per assistant turn the
-    template renders differently as history (:mod:`.turns`).
+    template renders differently as history (:mod:`.turns`); ``reasoning_trained``: under
+    ``--no-train-reasoning``, the lines of assistant turns still trained with reasoning tags in them
+    (a ``<think>`` without its ``</think>``: the reasoning cannot be told from the answer).
     """
 
     path: str
@@ -80,6 +82,7 @@ class DataReport:
     total_loss_tokens: int = 0
     template_inserted: list[dict] = field(default_factory=list)
     split: list[tuple[int, int]] = field(default_factory=list)
+    reasoning_trained: list[int] = field(default_factory=list)
 
     def summary_lines(self) -> list[str]:
         """Human-readable summary for the console (one string per line)."""
@@ -107,7 +110,21 @@ class DataReport:
             out.append(f"  split {len(self.split)} rows whose earlier turns the chat template renders differently "
                        "into one sample per such assistant turn: "
                        + listed(self.split, lambda x: f"{self.unit} {x[0]} ({x[1]} samples)"))
+        if self.reasoning_trained:
+            out.append(f"  warning: {len(self.reasoning_trained)} assistant turns hold <think> without a closing "
+                       "</think>, so their reasoning is trained in spite of --no-train-reasoning: "
+                       + listed(self.reasoning_trained, lambda x: f"{self.unit} {x}"))
         return out + template_text.describe(self.template_inserted, self.train_on_all)
+
+    def nothing_kept(self) -> str:
+        """Why no sample was kept: ``all 5 samples were dropped (longer than --max-seq-len 200)``."""
+        overlong = (f"longer than --max-seq-len {self.max_seq_len}", len(self.dropped_overlong))
+        untrained = (f"with {no_trainable_message(self.max_seq_len, self.overlong == 'truncate')}",
+                     len(self.dropped_no_trainable))
+        reasons = [(why, n) for why, n in (overlong, untrained) if n]
+        total = sum(n for _, n in reasons)
+        why = reasons[0][0] if len(reasons) == 1 else ", ".join(f"{n} {why}" for why, n in reasons)
+        return f"all {total} sample{'s' if total != 1 else ''} were dropped ({why})"
 
     def to_dict(self) -> dict:
         """Plain-data form (tuples become lists)."""
@@ -435,6 +452,8 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
             rows that the policy would drop for lack of trained tokens (and, under the ``error``
             policy, the overlong ones); or a template that does not render prefixes consistently.
         OverlongSampleError: overlong samples under the ``error`` policy.
+        DataValidationError: no sample left (every one dropped; rule ``no_usable_samples``, naming
+            the count and the reasons), so an empty dataset is never returned or cached.
         ValueError: bad arguments, a file without any row, or a tokenizer without a chat template
             or offset support.
     """
@@ -483,4 +502,7 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise DataValidationError(sorted(problems + untrainable + overlong_problems, key=lambda p: p.line))
     if overlong_problems:
         raise OverlongSampleError(overlong_problems, report)
+    if not report.kept:  # never an empty dataset: a source that gives nothing is refused, naming why
+        raise DataValidationError([Problem(str(path), 0, None, None, "no_usable_samples", report.nothing_kept(),
+                                           report.unit)])
     return TokenizedChat(dataset=prepare.load_shards(files), report=report)

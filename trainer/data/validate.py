@@ -28,9 +28,12 @@ Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the fiel
 - ``content_missing``: ``missing content in messages[i].content``
 - ``content_not_string``: ``messages[i].content must be a string, got <type>``
 - ``empty_assistant_content``: ``empty assistant content in messages[i].content`` (not with tool calls)
+- ``empty_instruction``: ``empty instruction`` (an alpaca row whose instruction and input are both blank)
 - ``bad_field``: a tool or reasoning field of the wrong type or on the wrong role, e.g.
   ``messages[1].tool_calls[0].function.name must be a non-empty string``, ``"tools" must be a list
-  of objects``, ``messages[0].train is only allowed on assistant messages``
+  of objects``, ``messages[0].train is only allowed on assistant messages``, tool-call
+  ``arguments`` as a string that is not the JSON text of an object (as an object's JSON text they
+  are handed to the template as that object)
 - ``tool_without_call``: ``messages[i] is a tool result, but no assistant tool call comes before it``
 - ``no_assistant``: ``no assistant turn in messages (nothing to train on)``
 - ``roles_not_alternating`` (only when the chat template requires it):
@@ -40,6 +43,8 @@ Rules (``Problem.rule``) and their messages (``messages[i]`` stands for the fiel
   of a message (any field, nested ones too: ``messages[i].tool_calls[0].name``) that holds half of
   a UTF-16 surrogate pair (JSON ``"\ud83d"`` without its partner), which no tokenizer can encode
 - ``template_error``: ``chat template failed on this row: <error type>: <error message>``
+- ``no_usable_samples`` (the whole source, after tokenization): ``all 5 samples were dropped
+  (longer than --max-seq-len 200)``
 
 A UTF-8 byte-order mark at the start of a JSON file is stripped (not an error). Blank lines are skipped.
 """
@@ -65,7 +70,7 @@ class Problem:
     """One validation problem, located in its source.
 
     ``line`` is the 1-based line (``unit`` "line": JSON Lines) or row (``unit`` "row": JSON arrays
-    and columnar sources; 0 for the whole source); ``column`` is None unless the JSON itself is
+    and columnar sources), 0 for the whole source; ``column`` is None unless the JSON itself is
     broken. ``field`` names the offending field (e.g. ``messages[2].content``), ``rule`` the rule
     broken (see the module docstring), ``message`` the human-readable text (it names both).
     """
@@ -79,8 +84,10 @@ class Problem:
     unit: str = "line"
 
     def __str__(self) -> str:
+        if not self.line:
+            return f"{self.path}: {self.message}"
         if self.unit == "row":
-            return f"{self.path}: row {self.line}: {self.message}" if self.line else f"{self.path}: {self.message}"
+            return f"{self.path}: row {self.line}: {self.message}"
         col = f":{self.column}" if self.column is not None else ""
         return f"{self.path}:{self.line}{col}: {self.message}"
 
@@ -213,7 +220,7 @@ def _check_fields(msg: dict, role: Any, name) -> list[tuple[str, str, str]]:
         bad("tool_calls", "must be a non-empty list of tool calls")
         return out
     for j, call in enumerate(calls or []):
-        function = call.get("function", call) if isinstance(call, dict) else None
+        function = _function(call) if isinstance(call, dict) else None
         where = f"tool_calls[{j}]" + (".function" if isinstance(call, dict) and "function" in call else "")
         if not isinstance(function, dict):
             bad(f"tool_calls[{j}]", 'must be an object {"type": "function", "function": {"name": ..., "arguments": ...}}')
@@ -221,7 +228,19 @@ def _check_fields(msg: dict, role: Any, name) -> list[tuple[str, str, str]]:
             bad(f"{where}.name", "must be a non-empty string")
         elif not isinstance(function.get("arguments", {}), (dict, str)):
             bad(f"{where}.arguments", f"must be an object or a JSON string, got {_type_name(function['arguments'])}")
+        elif isinstance(function.get("arguments"), str) and (why := _not_json_object(function["arguments"])):
+            bad(f"{where}.arguments", f"is a string that is not a JSON object ({why}); give the arguments as an "
+                "object, or as the JSON text of one")
     return out
+
+
+def _not_json_object(text: str) -> str | None:
+    """Why ``text`` is not the JSON text of an object (None: it is)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON: {e.msg} at column {e.colno}"
+    return None if isinstance(value, dict) else f"it holds {_type_name(value)}"
 
 
 def check_alternation(messages: list[dict], name: FieldName = messages_field) -> tuple[str, str, str] | None:
@@ -269,8 +288,31 @@ def render(tokenizer, conversation: Conversation | list[dict], tools: list[dict]
 
 
 def _normalized(messages: list[dict]) -> list[dict]:
-    """Messages as templates expect them: an assistant tool call without content gets ``""``."""
-    return [dict(m, content="") if m.get("content") is None else m for m in messages]
+    """Messages as templates expect them: an assistant tool call without content gets ``""``, and
+    tool-call ``arguments`` given as the JSON text of an object (the OpenAI wire format) become that
+    object, so every template renders them once, as it renders an object (:func:`check_row` has
+    checked that they parse)."""
+    out = []
+    for m in messages:
+        if m.get("content") is None:
+            m = dict(m, content="")
+        if any(isinstance(_function(c).get("arguments"), str) for c in m.get("tool_calls") or []):
+            m = dict(m, tool_calls=[_parsed_arguments(c) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _function(call: dict) -> dict:
+    """The ``function`` object of a tool call (``{"type": "function", "function": {...}}``), or the call itself."""
+    return call.get("function", call)
+
+
+def _parsed_arguments(call: dict) -> dict:
+    function = _function(call)
+    if not isinstance(function.get("arguments"), str):
+        return call
+    function = dict(function, arguments=json.loads(function["arguments"]))
+    return dict(call, function=function) if "function" in call else function
 
 
 def scan_chat_file(path, tokenizer=None, data_format: str = "auto", cache_dir=None):
