@@ -10,7 +10,9 @@ small tokenizer and synthetic chats. Then, with ``osft-train`` processes on the 
 2. a resume from that checkpoint (``--resume-from-full-state-checkpoint``) to step 10, which must
    equal the reference bit for bit: losses, gradient norms and ``state_sha256`` (every parameter
    and AdamW tensor, CUDA generator states restored);
-3. full fine-tuning (``--no-osft``) for 10 steps.
+3. full fine-tuning (``--no-osft``) for 10 steps;
+4. ``osft-train estimate-memory``'s peak per rank (:func:`osft.trainer.memory_plan.estimate`) for the
+   OSFT and full fine-tuning runs, against their peak ``gpu_mem_bytes`` (relative error; goal 15 %).
 
 (A served request leaving the trajectory unchanged, and stops with exit code 75, are checked on CPU
 by ``tests/test_resume.py``.)
@@ -114,6 +116,21 @@ def summary(records: list[dict]) -> dict:
                 step_time_s=statistics.median(r["step_time_s"] for r in timed), peak_gpu_mem_bytes=max(mem, default=None))
 
 
+def memory_estimates(model_dir: Path, smoke: bool, runs: dict[str, list[dict]], tokens: int) -> dict:
+    """Per method: the estimator's peak per rank, the measured peak ``gpu_mem_bytes`` (None on CPU)
+    and the relative error of the estimate."""
+    from osft.trainer.memory_plan import estimate
+
+    out = {}
+    for method, records in runs.items():
+        plan = estimate(str(model_dir), osft=method == "osft", dtype="float32" if smoke else "bfloat16",
+                        tokens_per_gpu=tokens, device="cpu" if smoke else "cuda")
+        measured = max((r["gpu_mem_bytes"] for r in records if r.get("gpu_mem_bytes") is not None), default=None)
+        out[method] = dict(estimated_bytes=plan.total, measured_gpu_mem_bytes=measured,
+                           relative_error=(plan.total - measured) / measured if measured else None)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the check; exit code 0 when the resume is bit-exact, 1 otherwise."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         code_res, resumed = (train([*common, "--resume-from-full-state-checkpoint", str(saved[0].parent)],
                                    root / "resumed", env) if saved else (None, []))
         code_full, full = train([*common, "--no-osft"], root / "full", env)
+        estimates = memory_estimates(model_dir, smoke, dict(osft=ref, full_ft=full), 256 if smoke else 2048)
     by_step = {r["step"]: r for r in ref}
     after = [r for r in resumed if r["step"] > (saved_at or 0)]
     keys = ("loss", "grad_norm", "state_sha256")
@@ -149,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                   resume=dict(bit_exact=exact, checkpoint_step=saved_at,
                               steps_compared=[r["step"] for r in after], mismatches=mismatches),
                   methods=dict(osft=summary(ref), full_ft=summary(full) if full else None,
-                               peft_osf="measured by benchmarks/bench_step.py"))
+                               peft_osf="measured by benchmarks/bench_step.py"),
+                  memory_estimate=estimates)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("device", "model", "resume", "methods")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("device", "model", "resume", "methods", "memory_estimate")}, indent=2))
     return 0 if exact and code_full == 0 else 1
 
 

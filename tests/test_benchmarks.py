@@ -67,6 +67,8 @@ def test_gpu_check_cpu_smoke_resumes_bit_exact(tmp_path):
     assert result["resume"]["checkpoint_step"] >= 4 and result["resume"]["steps_compared"][-1] == 10
     for method in ("osft", "full_ft"):
         assert result["methods"][method]["tokens_per_s"] > 0 and 0 < result["methods"][method]["mfu"]
+        estimate = result["memory_estimate"][method]  # on CPU there is no gpu_mem_bytes to compare with
+        assert estimate["estimated_bytes"] > 0 and estimate["measured_gpu_mem_bytes"] is None
 
 
 @pytest.mark.bench

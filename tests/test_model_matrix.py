@@ -16,6 +16,7 @@ from model_matrix import MATRIX, TWO_RANK_SUBSET, block_targets, save_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from osft.trainer.checkpoint.subspaces import load_bases
 from osft.trainer.osft.settings import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft, dense_state_dict
 
@@ -93,7 +94,7 @@ def test_two_ranks_train_and_export_the_subset_in_one_worker_group(data, tmp_pat
         (step,) = [r for r in records if r["event"] == "step"]
         assert (step["step"], step["world_size"], step["ortho_violations"]) == (1, 2, 0), source.name
         check_export(source, out / source.name / "hf_format" / "step_1")
-    bases = load_file(chained / "osft_subspaces.safetensors")
+    bases = load_bases(chained / "osft_subspaces.safetensors")  # as the chained run read them
     assert bases["model.layers.1.mlp.experts.down_proj.P"].shape[:2] == (4, 32)
     moved = 0
     for key, P, Q, d in weight_updates(bases, load_file(chained / "model.safetensors"),

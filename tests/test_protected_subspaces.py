@@ -18,6 +18,7 @@ import numpy as np
 from helpers import QA, chat, save_tiny_model, weight_updates, write_jsonl
 from safetensors.torch import load_file, save_file
 
+from osft.trainer.checkpoint.subspaces import load_bases
 from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
 from osft.trainer.osft.plan import plan_module, plan_table
@@ -466,7 +467,7 @@ def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, 
     code, output = osft_train(exported(one), data, tmp_path / "b", "--learning-rate", "1e-2")
     assert code == 0, output
     assert "protected subspaces: 14 modules from" in output and "OSFT plan" in output
-    bases = load_file(str(exported(one) / "osft_subspaces.safetensors"))
+    bases = load_bases(exported(one) / "osft_subspaces.safetensors")  # as the chained run read them
     before = load_file(str(exported(one) / "model.safetensors"))
     after = load_file(str(exported(tmp_path / "b") / "model.safetensors"))
     meta = json.loads((exported(tmp_path / "b") / "osft_subspaces.json").read_text())

@@ -1,8 +1,10 @@
 """`--report-to`: the step metrics and events of the JSONL also go to TensorBoard / W&B (global rank 0)."""
 
 import importlib.machinery
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from helpers import QA, chat, write_jsonl
@@ -160,3 +162,29 @@ def test_eval_records_become_scalars_at_their_step():
                  "forgetting": 0.125})
     assert sink.got == [("scalars", 4, {"eval/eval/loss": 2.5}),
                         ("scalars", 4, {"retention/chat/loss": 2.25, "retention/chat/forgetting": 0.125})]
+
+
+@pytest.mark.slow
+def test_mlflow_tracker_writes_a_local_file_store_with_the_config_steps_and_events(tmp_path):
+    """Offline: the run in ``<output_dir>/mlruns`` read back with MLflow's own client."""
+    from mlflow.tracking import MlflowClient
+
+    config = TrainConfig("m", "d", str(tmp_path), report_to=["mlflow"]).to_json()
+    (tracker,) = trackers.open_trackers(["mlflow"], tmp_path, config, "job1")
+    common = {"ts": 1.0, "node_rank": 0, "rank": 0, "local_rank": 0, "world_size": 1, "hostname": "h", "job_id": "job1"}
+    for step, loss in ((1, 3.0), (2, 2.5)):
+        tracker.record({**common, "event": "step", "step": step, "loss": loss, "lr": 1e-3, "grad_norm": 0.5,
+                        "tokens_per_s": 10.0, "node_tokens_per_s": 10.0, "ortho_violations": 0,
+                        "ortho_max_dev_deg": None})
+    tracker.record({**common, "event": "eval", "step": 2, "set": "heldout", "kind": "eval", "eval_loss": 2.75})
+    tracker.record({**common, "event": "checkpoint_saved", "step": 2, "path": "p2", "bytes": 1, "seconds": 0.5})
+    tracker.close()
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("osft").experiment_id])
+    assert run.info.run_name == "job1" and run.info.status == "FINISHED"
+    assert run.data.params["model_name_or_path"] == "m" and run.data.params["report_to"] == '["mlflow"]'
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [(1, 3.0), (2, 2.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/heldout/loss")] == [(2, 2.75)]
+    events = (Path(client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path / "dl")))).read_text()
+    assert [json.loads(line) for line in events.splitlines()] == [
+        {"step": 2, "event": "checkpoint_saved", "ts": 1.0, "path": "p2", "bytes": 1, "seconds": 0.5}]

@@ -5,7 +5,8 @@ data; ``osft-train demo [flags]`` prepares them and trains on them with demo-siz
 ``osft-train plot RUN_DIR [--out PNG]`` draws a run's metrics (:mod:`.plot`);
 ``osft-train make-retention-set [flags]`` writes a model's greedy replies as chat jsonl (:mod:`.retention_set`);
 ``osft-train slurm-script [flags]`` and ``osft-train k8s-manifest [flags]`` print a multi-node job
-for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`).
+for SLURM (:mod:`.slurm`) or Kubernetes (:mod:`.kubernetes`); ``osft-train estimate-memory MODEL
+[flags]`` prints the peak memory per rank of a run (:mod:`.memory_plan`).
 
 ``--config FILE`` reads flag values from a YAML file (:mod:`.config_file`); ``--print-config``
 prints the resolved config as such a file and exits with code 0.
@@ -40,7 +41,7 @@ from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
 from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED, JOB_ID_ENV, FinishReason, RunState
 
 #: Subcommands that do not train: signals keep their default handling there.
-NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest")
+NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest", "estimate-memory")
 
 #: Demo run: SmolLM2-135M-Instruct on chit-chat, sized for a few minutes on two CPU cores.
 DEMO_DEFAULTS = dict(
@@ -286,6 +287,11 @@ def _main(argv: list[str]) -> int:
             return EXIT_COMPLETED
         if argv[:1] == ["plot"]:
             _plot(argv[1:], console)
+            return EXIT_COMPLETED
+        if argv[:1] == ["estimate-memory"]:
+            from .memory_plan import main as estimate_memory
+
+            estimate_memory(argv[1:], console)
             return EXIT_COMPLETED
         if argv[:1] == ["make-retention-set"]:
             from .retention_set import RetentionSetError

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .contract import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, Event, read_records
+from .contract import EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED, Event
+from .metrics_file import tail_records
 from .rundir import RunDir
 
 #: ``reason`` of each exit code; any other (128 + N: stopped by signal N without a checkpoint) is
 #: ``interrupted``.
 REASONS = {EXIT_COMPLETED: "completed", EXIT_STOPPED: "stopped", EXIT_FAILED: "failed"}
+_WANTED = (Event.STEP, Event.CHECKPOINT_SAVED, Event.RUN_FINISHED)
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,21 @@ class TrainOutcome:
 
 def read_outcome(run_dir: RunDir, job_id: str, exit_code: int, export_dir: str | None) -> TrainOutcome:
     """The outcome of job ``job_id``, which ended with ``exit_code`` and ``export_dir``, from the
-    records it wrote to its node's metrics file (a missing file: a run that reached no step).
+    records it wrote to its node's metrics file (a missing file: a run that reached no step), read
+    from the file's end back to the job's ``run_started`` at most.
 
     Raises:
         OSError: the metrics file exists but cannot be read.
     """
     path = run_dir.node_metrics()
-    records = [r for r in (read_records(path)[0] if path.is_file() else []) if r.get("job_id") == job_id]
-    last = {r["event"]: r for r in records if r.get("event") in (Event.STEP, Event.CHECKPOINT_SAVED, Event.RUN_FINISHED)}
+    last: dict[str, dict] = {}
+    for r in tail_records(path) if path.is_file() else ():  # newest first: a long file is read from its end
+        if r.get("job_id") != job_id:
+            continue
+        if r.get("event") in _WANTED:
+            last.setdefault(r["event"], r)
+        if len(last) == len(_WANTED) or r.get("event") == Event.RUN_STARTED:  # nothing older is this job's
+            break
     last_step, finished = last.get(Event.STEP), last.get(Event.RUN_FINISHED)
     step = finished["step"] if finished else last_step["step"] if last_step else None
     return TrainOutcome(exit_code=exit_code, reason=REASONS.get(exit_code, "interrupted"), step=step,

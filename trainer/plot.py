@@ -6,7 +6,8 @@ orthogonality deviation with the violating steps marked; every panel has vertica
 resumed from. A resumed run appends to the same ``metrics/node<N>.jsonl`` files, so a step can
 appear in several segments: the latest segment wins, as a resume from step K supersedes whatever
 an earlier segment logged after K (its steps, evaluations and checkpoints). :func:`run_series` returns exactly
-what the picture draws. matplotlib is optional (``pip install 'osft[plot]'``).
+what the picture draws: a long run's series decimated to each bucket's minimum and maximum
+(:func:`.metrics_file.decimate`), the files read in blocks (:func:`.metrics_file.iter_records`). matplotlib is optional (``pip install 'osft[plot]'``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .contract import Event, read_records
+from .contract import Event
+from .metrics_file import decimate, iter_records
 from .rundir import NODE_METRICS
 
 #: Figure size (inches) and resolution: the PNG is 1000 x 1000 pixels.
@@ -22,6 +24,8 @@ FIGSIZE_IN = (10.0, 10.0)
 DPI = 100
 #: A series with at most this many points is drawn with a marker on each point.
 FEW_POINTS = 20
+#: The fields of a step record the plot keeps (a long run's records are not held whole).
+STEP_FIELDS = ("loss", "lr", "node_tokens_per_s", "ortho_max_dev_deg", "ortho_violations")
 
 
 class PlotError(ValueError):
@@ -46,10 +50,12 @@ class NodeTimeline:
     checkpoints: list[int] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    last: int | None = None
 
     def _supersede(self, after: int) -> None:
         """Forget what an earlier segment logged for steps after ``after``."""
         self.steps = {s: r for s, r in self.steps.items() if s <= after}
+        self.last = max(self.steps, default=None)
         self.evals = {k: r for k, r in self.evals.items() if k[1] <= after}
         self.checkpoints = [s for s in self.checkpoints if s <= after]
         self.resumes = [s for s in self.resumes if s <= after]
@@ -65,9 +71,10 @@ class NodeTimeline:
             self.resumes.append(int(record["from_step"]))
         elif event == Event.STEP:
             step = int(record["step"])
-            if self.steps and step <= max(self.steps):
+            if self.last is not None and step <= self.last:
                 self._supersede(step - 1)
-            self.steps[step] = record
+            self.steps[step] = {key: record.get(key) for key in STEP_FIELDS}
+            self.last = step if self.last is None else max(self.last, step)
         elif event == Event.EVAL:
             self.evals[(str(record["set"]), int(record["step"]))] = record
         elif event == Event.CHECKPOINT_SAVED and int(record["step"]) not in self.checkpoints:
@@ -106,14 +113,15 @@ class RunSeries:
 
 
 def _series(steps: dict[int, dict], key: str) -> Series:
-    """The non-null values of ``key`` in the step records, by ascending step."""
-    out = Series()
+    """The non-null values of ``key`` in the step records, by ascending step, decimated to at most
+    :data:`.metrics_file.MAX_POINTS` points (each bucket's minimum and maximum)."""
+    xs, ys = [], []
     for step in sorted(steps):
         value = steps[step].get(key)
         if value is not None:
-            out.steps.append(step)
-            out.values.append(float(value))
-    return out
+            xs.append(step)
+            ys.append(float(value))
+    return Series(*decimate(xs, ys))
 
 
 def _eval_series(evals: dict[tuple[str, int], dict], kind: str, key: str) -> dict[str, Series]:
@@ -140,10 +148,8 @@ def run_series(run_dir: str | Path) -> RunSeries:
     nodes: dict[int, NodeTimeline] = {}
     problems: list[str] = []
     for node in sorted(files):
-        records, bad = read_records(files[node])
-        problems += bad
         timeline = NodeTimeline()
-        for record in records:
+        for record in iter_records(files[node], problems):
             timeline.add(record)
         if timeline.steps:
             nodes[node] = timeline

@@ -1,5 +1,5 @@
 """Experiment trackers (``--report-to``): global rank 0 sends every metrics record it writes to
-TensorBoard and/or Weights & Biases as well.
+TensorBoard, Weights & Biases and/or MLflow as well.
 
 :class:`.metrics.MetricsLogger` hands each record it writes to its sinks (:class:`Tracker`
 instances, opened by :func:`open_trackers` on global rank 0 only), so the trackers get exactly the
@@ -11,6 +11,7 @@ and imports what each tracker uses, so a broken install is refused before any ra
 from __future__ import annotations
 
 import json
+import os
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 from .contract import RECORD_FIELDS, Event
 
 #: ``--report-to`` choices: tracker name -> module that must be installed.
-TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 #: tracker name -> (module, attribute or None) the tracker imports when it opens.
-TRACKER_IMPORTS = {"tensorboard": ("torch.utils.tensorboard", "SummaryWriter"), "wandb": ("wandb", None)}
+TRACKER_IMPORTS = {"tensorboard": ("torch.utils.tensorboard", "SummaryWriter"), "wandb": ("wandb", None),
+                   "mlflow": ("mlflow.tracking", "MlflowClient")}
 REPORT_TO_CHOICES = ("none", *TRACKER_MODULES)
 
 #: ``step`` record field -> tracker scalar name (the node's tokens/s is added per node).
@@ -184,6 +186,48 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
+class MlflowTracker(Tracker):
+    """An MLflow run in the local file store ``<output_dir>/mlruns`` (experiment ``osft``; point
+    ``mlflow ui --backend-store-uri`` at it, or copy it to a tracking server), named by the job id,
+    with the training config as its parameters. Scalars are metrics at their step (a resumed job is
+    a run of its own); events are lines of the run's ``events.jsonl`` artifact. MLflow 3 keeps the
+    file store in maintenance mode behind ``MLFLOW_ALLOW_FILE_STORE``, which is set to ``true`` here
+    unless the environment sets it."""
+
+    def __init__(self, output_dir: str | Path, config: dict, name: str | None = None) -> None:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        super().__init__()
+        self.store = Path(output_dir) / "mlruns"
+        self.client = MlflowClient(tracking_uri=self.store.resolve().as_uri())
+        experiment = self.client.get_experiment_by_name("osft")
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("osft")
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        self.events: list[str] = []
+
+        params = [Param(key, json.dumps(value) if not isinstance(value, str) else value) for key, value in config.items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def scalars(self, step: int, values: dict[str, float], ts: float) -> None:
+        from mlflow.entities import Metric
+
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, int(ts * 1000), step) for k, v in values.items()])
+
+    def event(self, step: int, event: str, fields: dict[str, Any], ts: float) -> None:
+        self.events.append(json.dumps({"step": step, "event": event, "ts": ts, **fields}, sort_keys=True))
+        self.client.log_text(self.run_id, "\n".join(self.events) + "\n", "events.jsonl")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+_TRACKERS = {"tensorboard": lambda out, config, name: TensorBoardTracker(out), "wandb": WandbTracker,
+             "mlflow": MlflowTracker}
+
+
 def open_trackers(report_to: list[str] | None, output_dir: str | Path, config: dict,
                   name: str | None = None) -> list[Tracker]:
     """Open the trackers asked for by ``--report-to`` (call on global rank 0 only).
@@ -191,8 +235,8 @@ def open_trackers(report_to: list[str] | None, output_dir: str | Path, config: d
     Args:
         report_to: tracker names (``none`` and None: no tracker).
         output_dir: the run directory; each tracker writes under it.
-        config: the training config (``TrainConfig.to_json()``), kept by W&B.
-        name: run name shown by W&B (the job id).
+        config: the training config (``TrainConfig.to_json()``), kept by W&B and MLflow.
+        name: run name shown by W&B and MLflow (the job id).
 
     Raises:
         ValueError: see :func:`check_available`.
@@ -200,5 +244,5 @@ def open_trackers(report_to: list[str] | None, output_dir: str | Path, config: d
     check_available(report_to)
     trackers: list[Tracker] = []
     for tracker in requested(report_to):
-        trackers.append(TensorBoardTracker(output_dir) if tracker == "tensorboard" else WandbTracker(output_dir, config, name))
+        trackers.append(_TRACKERS[tracker](output_dir, config, name))
     return trackers

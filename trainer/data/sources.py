@@ -90,7 +90,7 @@ def read_rows(path, cache_dir: Path | None = None) -> Iterator[Located]:
     kind = source_kind(path)
     path = Path(path)
     if kind == "json":
-        yield from (_json_array(path) if _is_json_array(path) else _json_lines(path))
+        yield from (_json_array(path) if _is_json_array(path) else json_lines(path))
     elif kind == "saved":
         yield from _dataset_rows(_load_saved(path))
     elif cache_dir is not None and _writable_dir(Path(cache_dir)):
@@ -109,9 +109,13 @@ def _writable_dir(path: Path) -> bool:
     return os.access(path, os.W_OK)
 
 
-def _json_lines(path: Path) -> Iterator[Located]:
+def json_lines(path, start: int = 0, stop: int | None = None, first_line: int = 1) -> Iterator[Located]:
+    """The rows of a JSON Lines file, or of its bytes ``[start, stop)`` (both at line starts; the
+    line at ``start`` is ``first_line``), with their physical lines."""
     with open(path, "rb") as f:
-        for line, raw in enumerate(f, start=1):
+        f.seek(start)
+        lines = f if stop is None else iter(lambda: f.readline() if f.tell() < stop else b"", b"")
+        for line, raw in enumerate(lines, start=first_line):
             if line == 1:
                 raw = raw.removeprefix(_BOM)
             raw = raw.rstrip(b"\r\n")

@@ -1,10 +1,11 @@
 """Chat JSONL -> token ids and loss labels, with a visible policy for overlong samples.
 
-Pipeline: validate the whole file (every problem raised at once, before any tokenization), render
-each conversation with the tokenizer's chat template, locate the assistant turns as character
-spans, tokenize with offsets (HF ``datasets`` map, one process) and mark the tokens whose start lies
-in an assistant span as trained. Then apply the overlong policy and account for every sample in a
-``DataReport``.
+Pipeline: validate every row (every problem of the file raised at once, before any rank starts),
+render each conversation with the tokenizer's chat template, locate the assistant turns as character
+spans, tokenize with offsets and mark the tokens whose start lies in an assistant span as trained.
+Then apply the overlong policy and account for every sample in a ``DataReport``. The file-level
+driver (:mod:`.prepare`) runs this over shards of the file in parallel processes, each writing an
+Arrow file; the result does not depend on the number of processes.
 
 Assistant spans: for assistant message ``i``, the span starts after
 ``render(messages[:i], add_generation_prompt=True)`` (so the role header is not trained) and ends at
@@ -25,8 +26,11 @@ Labels are NOT shifted here (``labels[j]`` is ``input_ids[j]`` or -100); ``colla
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -34,14 +38,16 @@ from pathlib import Path
 import numpy as np
 
 from . import template_text
+from .shapes import DATA_FORMATS
 from .sources import location_unit
-from .template_text import BEFORE_ASSISTANT, CLOSE, OPEN, SYSTEM_PROMPT
+from .template_text import CLOSE, OPEN
 from .turns import Sample, rstrip_end, split_samples, trained_turns
-from .validate import DataValidationError, Problem, render, scan_chat_file
+from .validate import DataValidationError, Problem, render
 
 IGNORE_INDEX = -100
 OVERLONG_POLICIES = ("drop", "error", "truncate")
 _MAX_LISTED = 10
+
 
 
 @dataclass
@@ -363,47 +369,6 @@ def _label_batch(batch, tokenizer, max_seq_len: int, truncate: bool, train_on_al
     return out
 
 
-def _render_all(path, records, rendered, tokenizer, train_on_all, train_reasoning, last_turn_only):
-    """The samples of every record as columns (``line``, ``text``, trained ``spans``, ``inserted``
-    ranges of text the template inserted as ``[start, end, key]``), the ``(where, text)`` of each
-    key (:mod:`.template_text`), ``(line, samples)`` of each record split into several
-    (:mod:`.turns`), and the line of each trained turn left with reasoning tags in it (one per turn;
-    only without ``train_reasoning``).
-
-    Raises:
-        DataValidationError: rows whose assistant turns cannot be located.
-    """
-    columns = {"line": [], "text": [], "spans": [], "inserted": []}
-    problems, split, tagged = [], [], []
-    keys: dict[tuple[str, str], int] = {}
-    finder = None if train_on_all else SpanFinder(tokenizer)
-    system = template_text.default_system_prompt(tokenizer)
-    for conversation, text in zip(records, rendered):
-        line, messages, tools = conversation
-        found = _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only)
-        if isinstance(found, str):
-            problems.append(Problem(str(path), line, None, "messages", "template_prefix_mismatch", found,
-                                    location_unit(path)))
-            continue
-        if len(found) > 1:
-            split.append((line, len(found)))
-        for sample_text, spans, inserted in found:
-            ranges = [(a, b, (BEFORE_ASSISTANT, sample_text[a:b])) for a, b in inserted]
-            if system and messages[0]["role"] != "system" and sample_text.startswith(system.text, system.start):
-                ranges.insert(0, (system.start, system.start + len(system.text), (SYSTEM_PROMPT, system.text)))
-            if not train_reasoning:
-                tagged += [line for a, b in spans if template_text.holds_reasoning_tag(sample_text[a:b])]
-            columns["line"].append(line)
-            columns["text"].append(sample_text)
-            columns["spans"].append([list(span) for span in spans])
-            columns["inserted"].append([[a, b, keys.setdefault(key, len(keys))] for a, b, key in ranges])
-    if problems:
-        raise DataValidationError(problems, header=(
-            f"{len(problems)} row(s) whose assistant turns the chat template does not let us locate; "
-            "use a template that renders each turn where its generation prompt ends, or --train-on-all"))
-    return columns, list(keys), split, tagged
-
-
 def _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_only) -> list[tuple] | str:
     """``(text, trained spans, inserted ranges)`` of each sample of one conversation (usually one;
     :mod:`.turns` when the template renders earlier turns differently), or a string saying why its
@@ -427,32 +392,34 @@ def _samples(finder, tokenizer, conversation, text, train_reasoning, last_turn_o
     return out or [(text, [], [])]  # no turn trained: kept as one sample, dropped for lack of trained tokens
 
 
-def _apply_policy(ds, report: DataReport) -> np.ndarray:
-    """Fill the report's per-sample lists and totals; returns the boolean keep mask over ``ds``."""
-    lines = np.asarray(ds["line"], dtype=np.int64)
-    full = np.asarray(ds["full_length"], dtype=np.int64)
-    loss = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
-    length = np.asarray(ds["length"], dtype=np.int64)
+def _apply_policy(out: dict, report: DataReport) -> np.ndarray:
+    """Add one batch of :func:`_label_batch`'s samples to the report's per-sample lists and totals;
+    returns the boolean keep mask over the batch."""
+    lines = np.asarray(out["line"], dtype=np.int64)
+    full = np.asarray(out["full_length"], dtype=np.int64)
+    loss = np.asarray(out["num_loss_tokens"], dtype=np.int64)
+    length = np.asarray(out["length"], dtype=np.int64)
     over = full > report.max_seq_len
-    if report.overlong == "truncate":  # overlong rows were cut to max_seq_len by the map
+    if report.overlong == "truncate":  # overlong rows were cut to max_seq_len by _label_batch
         keep = loss > 0
         cut = over & keep
-        report.truncated = [(int(a), int(b), int(c)) for a, b, c in zip(lines[cut], full[cut], loss[cut])]
+        report.truncated += [(int(a), int(b), int(c)) for a, b, c in zip(lines[cut], full[cut], loss[cut])]
         no_trainable = ~keep
     else:
         keep = ~over & (loss > 0)
-        report.dropped_overlong = [(int(a), int(b)) for a, b in zip(lines[over], full[over])]
+        report.dropped_overlong += [(int(a), int(b)) for a, b in zip(lines[over], full[over])]
         no_trainable = ~over & (loss == 0)
-    report.dropped_no_trainable = [int(a) for a in lines[no_trainable]]
-    report.kept = int(keep.sum())
-    report.total_tokens = int(length[keep].sum())
-    report.total_loss_tokens = int(loss[keep].sum())
+    report.dropped_no_trainable += [int(a) for a in lines[no_trainable]]
+    report.kept += int(keep.sum())
+    report.total_tokens += int(length[keep].sum())
+    report.total_loss_tokens += int(loss[keep].sum())
     return keep
 
 
 def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop", train_on_all: bool = False,
                        data_format: str = "auto", source_cache=None, train_reasoning: bool = True,
-                       last_turn_only: bool = False) -> TokenizedChat:
+                       last_turn_only: bool = False, out_dir=None, num_proc: int | None = None,
+                       shard_bytes: int | None = None) -> TokenizedChat:
     """Validate, render, tokenize and label a chat JSONL file.
 
     Args:
@@ -472,6 +439,10 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
             trains only what follows it.
         last_turn_only: train only the last assistant turn (a message's ``"train"`` overrides;
             :mod:`.turns`).
+        out_dir: the directory the dataset's Arrow files are written to, one per shard (None: a
+            temporary directory removed when the process exits); :mod:`.prepare`.
+        num_proc: processes (None: every core this process may use); the result does not depend on it.
+        shard_bytes: the JSON Lines shard size (None: :data:`.prepare.SHARD_BYTES`).
 
     Returns:
         TokenizedChat (dataset + DataReport).
@@ -486,7 +457,7 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         ValueError: bad arguments, a file without any row, or a tokenizer without a chat template
             or offset support.
     """
-    from datasets import Dataset, Features, List, Value
+    from . import prepare
 
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
@@ -494,34 +465,30 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("a fast tokenizer (with offset mapping) is required")
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data format must be one of {', '.join(DATA_FORMATS)}, got {data_format!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer has no chat_template; cannot render {path}")
     max_seq_len = int(max_seq_len)
-    records, problems, rendered = scan_chat_file(path, tokenizer, data_format, source_cache)
-    if not records and not problems:
-        raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
-    if not records:
-        raise DataValidationError(problems)
-    columns, inserted_keys, split, tagged = _render_all(path, records, rendered, tokenizer, train_on_all,
-                                                        train_reasoning, last_turn_only)
+    if out_dir is None:
+        out_dir = Path(tempfile.mkdtemp(prefix="osft-tokenized-"))
+        atexit.register(shutil.rmtree, out_dir, True)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    prep = prepare.make_prep(path, tokenizer, out_dir, max_seq_len, overlong, train_on_all, data_format, source_cache,
+                             train_reasoning, last_turn_only)
     report = DataReport(path=str(path), max_seq_len=max_seq_len, overlong=overlong, train_on_all=train_on_all,
-                        unit=location_unit(path), rows=len(records), split=split, reasoning_trained=tagged)
-
-    raw = Dataset.from_dict(columns,
-                            features=Features({"line": Value("int64"), "text": Value("string"),
-                                               "spans": List(List(Value("int64"))),
-                                               "inserted": List(List(Value("int64")))}))
-    features = Features({"input_ids": List(Value("int32")), "labels": List(Value("int32")),
-                         "length": Value("int64"), "num_loss_tokens": Value("int64"),
-                         "full_length": Value("int64"), "line": Value("int64"),
-                         "inserted_tokens": List(List(Value("int64")))})
-    ds = raw.map(_label_batch, batched=True, batch_size=512, remove_columns=raw.column_names,
-                 features=features, num_proc=None, desc=f"tokenizing {Path(path).name}",
-                 new_fingerprint=f"osft-tokenize-{id(raw)}",
-                 fn_kwargs=dict(tokenizer=tokenizer, max_seq_len=max_seq_len,
-                                truncate=overlong == "truncate", train_on_all=train_on_all))
-
-    keep = _apply_policy(ds, report)
-    report.template_inserted = template_text.summarize(
-        inserted_keys, [c for c, k in zip(ds["inserted_tokens"], keep) if k])
+                        unit=location_unit(path))
+    shards = prepare.plan_shards(path, shard_bytes or prepare.SHARD_BYTES)
+    files, problems, mismatch = prepare.merge(
+        prepare.run_shards(prep, shards, prepare.default_num_proc() if num_proc is None else num_proc), report)
+    if not report.rows and not problems:
+        raise ValueError(f"{path}: no conversations (the file is empty or has only blank lines)")
+    if not report.rows:
+        raise DataValidationError(problems)
+    if mismatch:
+        raise DataValidationError(mismatch, header=(
+            f"{len(mismatch)} row(s) whose assistant turns the chat template does not let us locate; "
+            "use a template that renders each turn where its generation prompt ends, or --train-on-all"))
     overlong_problems = [
         Problem(str(path), line, None, "messages", "overlong",
                 f"sample has {n} tokens, more than max_seq_len {max_seq_len} (overlong policy: error)", report.unit)
@@ -538,5 +505,4 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
     if not report.kept:  # never an empty dataset: a source that gives nothing is refused, naming why
         raise DataValidationError([Problem(str(path), 0, None, None, "no_usable_samples", report.nothing_kept(),
                                            report.unit)])
-    ds = ds.select(np.flatnonzero(keep)).remove_columns(["full_length", "inserted_tokens"]).flatten_indices()
-    return TokenizedChat(dataset=ds, report=report)
+    return TokenizedChat(dataset=prepare.load_shards(files), report=report)

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .shapes import DATA_FORMATS, FieldName, convert, detect_shape, messages_field
-from .sources import location_unit, read_rows
+from .sources import Located, location_unit, read_rows
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 MAX_SHOWN_PROBLEMS = 50
@@ -343,39 +343,49 @@ def scan_chat_file(path, tokenizer=None, data_format: str = "auto", cache_dir=No
     records: list[Conversation] = []
     rendered: list[str | None] = []
     problems: list[Problem] = []
-
-    def report(line, field, rule, message, column=None):
-        problems.append(Problem(shown, line, column, field, rule, message, unit))
-
     for located in read_rows(path, cache_dir):
-        line = located.where
-        if located.error is not None:
-            rule, message, column = located.error
-            report(line, None, rule, message, column)
-            continue
-        shape = shape or detect_shape(located.row)
-        row, name, found = convert(located.row, shape or "messages")
-        if row is not None:
-            found = check_row(row, name)
-            if not found and strict:
-                alt = check_alternation(row["messages"], name)
-                found = [alt] if alt else []
-        if found:
-            for field, rule, message in found:
-                report(line, field, rule, message)
-            continue
-        conversation = Conversation(line, _normalized(row["messages"]), row.get("tools"))
-        text_out = None
-        if tokenizer is not None:
-            try:
-                text_out = render(tokenizer, conversation)
-            except Exception as e:  # noqa: BLE001 - any template failure becomes a located problem
-                report(line, "messages", "template_error",
-                       f"chat template failed on this row: {type(e).__name__}: {e}")
-                continue
-        records.append(conversation)
-        rendered.append(text_out)
+        if located.error is None:
+            shape = shape or detect_shape(located.row)
+        scanned = scan_row(located, shape or "messages", strict, tokenizer, shown, unit)
+        if isinstance(scanned, list):
+            problems += scanned
+        else:
+            records.append(scanned[0])
+            rendered.append(scanned[1])
     return records, problems, rendered
+
+
+def scan_row(located: Located, shape: str, strict: bool, tokenizer, shown: str,
+             unit: str) -> tuple[Conversation, str | None] | list[Problem]:
+    """Check one row of a source as :func:`scan_chat_file` does: ``(conversation, rendering)`` of a
+    valid row (rendering None without a tokenizer), else its problems (a non-empty list).
+
+    Args:
+        located: the row (:func:`.sources.read_rows`).
+        shape: its row shape (:data:`.shapes.DATA_FORMATS`, not ``auto``).
+        strict: the chat template requires alternating roles (:func:`template_requires_alternation`).
+        shown, unit: the source's name and location unit, for the problems.
+    """
+    line = located.where
+    if located.error is not None:
+        rule, message, column = located.error
+        return [Problem(shown, line, column, None, rule, message, unit)]
+    row, name, found = convert(located.row, shape)
+    if row is not None:
+        found = check_row(row, name)
+        if not found and strict:
+            alt = check_alternation(row["messages"], name)
+            found = [alt] if alt else []
+    if found:
+        return [Problem(shown, line, None, field, rule, message, unit) for field, rule, message in found]
+    conversation = Conversation(line, _normalized(row["messages"]), row.get("tools"))
+    if tokenizer is None:
+        return conversation, None
+    try:
+        return conversation, render(tokenizer, conversation)
+    except Exception as e:  # noqa: BLE001 - any template failure becomes a located problem
+        return [Problem(shown, line, None, "messages", "template_error",
+                        f"chat template failed on this row: {type(e).__name__}: {e}", unit)]
 
 
 def validate_chat_file(path, tokenizer=None, data_format: str = "auto",

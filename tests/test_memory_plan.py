@@ -1,0 +1,48 @@
+"""``osft-train estimate-memory``: the estimator's arithmetic on a model small enough to count by hand."""
+
+import pytest
+from transformers import LlamaConfig
+
+from osft.trainer.cli import main
+from osft.trainer.memory_plan import CPU_RUNTIME_BYTES, MemoryPlan, estimate
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """H 8, I 16, one layer, 2 heads of 4 (one KV head: kv width 4), vocabulary 32, tied embeddings.
+    Parameters: embeddings 256, q 64, k 32, v 32, o 64, gate/up/down 128 each, norms 3 × 8: 856."""
+    LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                vocab_size=32, tie_word_embeddings=True).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_full_fine_tuning_counts_every_parameter_three_float32_states_and_the_activations(model_dir):
+    plan = estimate(model_dir, osft=False, tokens_per_gpu=10, device="cuda", dtype="float32")
+    per_token = 7 * 8 + 2 * 4 + 4 * 16  # values a layer keeps per token for backward
+    assert plan == MemoryPlan(trainable=4 * 856, frozen=0, gradients=4 * 856, adamw=8 * 856, gathered=0, v_cache=0,
+                              activations=per_token * 10 * 4, logits=2 * 4 * 10 * 32, runtime=0)
+    ckpt = estimate(model_dir, osft=False, tokens_per_gpu=10, device="cuda", dtype="bfloat16", activation_checkpointing=True)
+    assert ckpt.activations == (1 * 8 + per_token) * 10 * 2
+
+
+def test_osft_splits_a_target_into_trainable_factors_and_a_frozen_store_sharded_over_the_ranks(model_dir):
+    """q_proj (8×8) at URR 0.25: k_high 6, k_low 2, both sides in keep mode (the 2 low vectors are the
+    bases). Trainable: 856 − 64 + 2·(8 + 8 + 1) = 826. Frozen: W_high 64, bases 8·2 + 2·8, start
+    copies 34 = 130. Two ranks: sharded by 2, the cached V basis (2×8) whole, two gathered blocks."""
+    plan = estimate(model_dir, world_size=2, tokens_per_gpu=10, device="cpu", target_patterns=[r".*q_proj"])
+    assert (plan.trainable, plan.frozen, plan.gradients, plan.adamw) == (4 * 826 // 2, 4 * 130 // 2, 4 * 826 // 2,
+                                                                        8 * 826 // 2)
+    assert (plan.v_cache, plan.gathered, plan.runtime) == (4 * 16, 2 * 592 * 4, CPU_RUNTIME_BYTES)
+    assert plan.activations == (7 * 8 + 2 * 4 + 4 * 16) * 10 * 4 + 64 * 4  # the dense form's rebuilt q_proj weight
+    # protected ranks p_L = p_R = 2: R 6, k_high 4, k_low 2; frozen adds P (8×2) and Q (8×2)
+    protected = estimate(model_dir, world_size=1, tokens_per_gpu=10, device="cuda", target_patterns=[r".*q_proj"],
+                         protected={"model.layers.0.self_attn.q_proj": (2, 2)})
+    assert protected.frozen == 4 * (64 + 16 + 16 + 16 + 16 + 34) and protected.v_cache == 0
+
+
+def test_the_command_prints_the_parts_and_a_one_line_verdict(model_dir, capsys):
+    assert main(["estimate-memory", model_dir, "--device", "cpu", "--device-memory-gb", "0.1"]) == 0
+    err = capsys.readouterr().err
+    assert "adamw" in err and "does not fit: peak per rank ≈ 0.54 GiB" in err  # the CPU runtime alone
+    assert main(["estimate-memory", model_dir, "--device", "cuda", "--device-memory-gb", "80"]) == 0
+    assert "fits: peak per rank ≈ 0.00 GiB of 74.5 GiB (0%)" in capsys.readouterr().err
