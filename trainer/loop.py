@@ -803,6 +803,16 @@ class Trainer:
             self.trigger.remove()  # under the launcher, the launcher removes it
         shutdown_distributed()
 
+    def release(self) -> None:
+        """After a failure in process: wait for a background write, give back the signal handlers,
+        the trigger directory and the process group (what :meth:`_finish` does at a normal end)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        restore_handlers(self._handlers)
+        if self.dist.is_local_main and not os.environ.get(LAUNCHER_PID_ENV):
+            self.trigger.remove()
+        shutdown_distributed()
+
     def run(self) -> TrainResult:
         """Train to ``total_steps`` optimizer steps (from the resumed step), log every step, serve
         checkpoint requests and periodic checkpoints, export at the end.

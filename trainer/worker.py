@@ -23,6 +23,7 @@ from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
 from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, Event
+from .failure_report import error_fields
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +67,7 @@ def _main(argv: list[str]) -> int:
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) else EXIT_FAILED
         trainer.metrics.log(Event.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
-                            exit_code=code)
+                            exit_code=code, **error_fields(exc))
         if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: as Python ends on them
             raise
         # One line here (a peer's death makes every other rank fail too); the launcher reports the

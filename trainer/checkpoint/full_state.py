@@ -19,6 +19,7 @@ once, to ``frozen_<job_id>-<token>/``, and referenced.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
@@ -54,7 +56,7 @@ from .manifest import (
 )
 from .background import BackgroundWriter
 from .safe_load import SafeFileSystemReader, load_plain
-from .store import apply_retention, versions
+from .store import NO_ROOM_ERRNOS, apply_retention, newest_complete, no_room_line, versions
 from .trainer_state import TRAINER_STATE, TrainerState
 
 # One rank without a process group is a supported case (no_dist=True), not something to warn about.
@@ -164,7 +166,77 @@ class PendingSave:
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (a rank's file, DCP shard or the manifest failed); it got
-    no manifest, so it is never resumed from. The message names the checkpoint and every rank's error."""
+    no manifest, so it is never resumed from. The message names the checkpoint and every rank's error.
+
+    For lack of space or permission (:data:`.store.NO_ROOM_ERRNOS`) ``headline`` is the one line the
+    failure report starts with (:func:`.store.no_room_line`) and ``fields`` its numbers (``checkpoint``,
+    ``errno``, ``bytes_needed``, ``bytes_free``, ``newest_complete``); else both are empty."""
+
+    def __init__(self, message: str, headline: str | None = None, fields: dict | None = None) -> None:
+        super().__init__(message)
+        self.headline = headline
+        self.fields = fields or {}
+
+
+@dataclass(frozen=True)
+class _RankFailure:
+    """One rank's failed write, as gathered: its message and the errno of the ``OSError`` behind it (or 0)."""
+
+    message: str
+    errno: int
+
+
+def _rank_failure(rank: int, exc: BaseException) -> _RankFailure:
+    """``rank``'s failure from ``exc``; a DCP ``CheckpointException`` (whose text is every rank's
+    traceback) is told by the ``OSError`` behind it when there is one."""
+    found = os_error(exc)
+    shown = found if found is not None and isinstance(exc, CheckpointException) else exc
+    if isinstance(shown, CheckpointException):
+        first = next(iter(shown.failures.values()))[0]
+        shown = first
+    return _RankFailure(f"rank {rank}: {type(shown).__name__}: {shown}", found.errno if found is not None else 0)
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` with an errno in ``exc``, its causes and contexts, and the per-rank
+    failures of a DCP ``CheckpointException`` (None if there is none)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e
+        if isinstance(e, CheckpointException):
+            todo += [pair[0] for pair in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes of the file system of ``path`` (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def _nbytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (nested dicts and lists; a DTensor's local shard)."""
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        t = local_tensor(state)
+        return t.numel() * t.element_size()
+    return 0
 
 
 class Checkpointer:
@@ -249,12 +321,13 @@ class Checkpointer:
         """
         start = time.perf_counter()
         rest, frozen_bytes, tmp = self._begin(step)
+        optim = self._optimizer_state()
 
         def write() -> list[str]:
             dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
-            return self._write_rank_files(tmp, self._optimizer_state(), rng, trainer_state)
+            return self._write_rank_files(tmp, optim, rng, trainer_state)
 
-        return self._complete(step, tmp, write, None, start, None, frozen_bytes)
+        return self._complete(step, tmp, write, None, start, None, frozen_bytes, _nbytes(rest) + _nbytes(optim))
 
     def save_async(self, step: int, trainer_state: TrainerState, rng: dict[str, Any]) -> PendingSave:
         """Stage ``step_<step>`` on this thread and write it on the writer's thread (collective,
@@ -278,8 +351,9 @@ class Checkpointer:
             model.result()
             return self._write_rank_files(tmp, staged["optimizer"], staged["rng"], state)
 
+        needed = _nbytes(rest) + _nbytes(staged["optimizer"])
         future = self.writer.submit(lambda: self._complete(step, tmp, write, self.writer.group, start, blocking,
-                                                           frozen_bytes))
+                                                           frozen_bytes, needed))
         return PendingSave(step, self.root / f"step_{step}", blocking, future)
 
     def close(self) -> None:
@@ -323,40 +397,63 @@ class Checkpointer:
         return names
 
     def _complete(self, step: int, tmp: Path, write: Callable[[], list[str]], group: dist.ProcessGroup | None,
-                  start: float, blocking_s: float | None, frozen_bytes: int) -> SavedCheckpoint:
+                  start: float, blocking_s: float | None, frozen_bytes: int, local_bytes: int) -> SavedCheckpoint:
         """Run this rank's ``write`` (returns the names of the files it wrote besides the DCP
         shards), gather every rank's file entries (or error) over ``group``, and, when no rank
         failed, let rank 0 write the manifest, rename ``tmp`` to ``step_<step>`` and apply retention.
+        ``local_bytes``: what this rank's part needs on disk (for the report of a full disk).
 
         Raises:
-            CheckpointWriteError: on every rank, naming each rank's error, when a write failed.
+            CheckpointWriteError: on every rank, naming each rank's error, when a write failed
+                (:meth:`_failed`).
         """
         r = self.env.rank
         final = self.root / f"step_{step}"
         try:
             written = write()  # first: the DCP shards are listed once they are on disk
-            report: dict | str = describe_files(tmp, self._my_files(tmp, "model") + written, r)
-        except Exception as exc:  # every rank learns it below, so none writes a manifest or waits alone
-            report = f"rank {r}: {type(exc).__name__}: {exc}"
-        reports = self._gather(report, group)
-        errors = [e for e in reports if isinstance(e, str)]
-        outcome = [None]
-        if r == 0 and not errors:
+            report: dict | _RankFailure = describe_files(tmp, self._my_files(tmp, "model") + written, r)
+        except (Exception, CheckpointException) as exc:  # every rank learns it below: none writes a manifest or waits alone
+            report = _rank_failure(r, exc)
+        reports = self._gather((report, local_bytes), group)
+        failures = [e for e, _ in reports if isinstance(e, _RankFailure)]
+        outcome: list = [None]
+        if r == 0 and not failures:
             try:
-                self._write_manifest(step, tmp, final, {k: v for e in reports for k, v in e.items()})
+                self._write_manifest(step, tmp, final, {k: v for e, _ in reports for k, v in e.items()})
             except OSError as exc:
-                outcome = [f"rank 0: {type(exc).__name__}: {exc}"]
+                failures = [_rank_failure(0, exc)]
+        if r == 0 and failures:
+            outcome = [self._failed(final, tmp, failures, sum(b for _, b in reports))]
         if is_distributed():
             dist.broadcast_object_list(outcome, src=0, group=group)
-        errors += [outcome[0]] if outcome[0] else []
-        if errors:
-            raise CheckpointWriteError(f"checkpoint {final.name} was not written ({'; '.join(errors)}); it has no "
-                                       f"{MANIFEST}, so it is never resumed from: {tmp} is left for inspection")
-        size = sum(f["size"] for e in reports for f in e.values()) if r == 0 else 0
+        if outcome[0] is not None:
+            raise CheckpointWriteError(*outcome[0])
+        size = sum(f["size"] for e, _ in reports for f in e.values()) if r == 0 else 0
         seconds = time.perf_counter() - start
         removed = tuple(apply_retention(self.root, self.keep_last, self.frozen_dir)) if r == 0 else ()
         return SavedCheckpoint(step, final, size, seconds, seconds if blocking_s is None else blocking_s,
                                frozen_bytes, removed)
+
+    def _failed(self, final: Path, tmp: Path, failures: list[_RankFailure], needed: int) -> tuple[str, str | None, dict]:
+        """Rank 0, a write failed: the :class:`CheckpointWriteError` arguments. For lack of space or
+        permission the partial ``tmp`` is removed (it would keep the disk full) and the error gets
+        its one line with the bytes ``needed`` and free; else ``tmp`` is left for inspection."""
+        errors = "; ".join(f.message for f in failures)
+        no_room = next((f.errno for f in failures if f.errno in NO_ROOM_ERRNOS), 0)
+        if not no_room and _free_bytes(self.root) < needed - _tree_bytes(tmp):
+            no_room = errno.ENOSPC  # a short write with no errno (torch.save's zip writer): what is left does not fit
+        if not no_room:
+            return (f"checkpoint {final.name} was not written ({errors}); it has no {MANIFEST}, so it is never "
+                    f"resumed from: {tmp} is left for inspection", None, {})
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = _free_bytes(self.root)
+        newest, _skipped = newest_complete(self.root)
+        line = no_room_line(final.name, no_room, self.root, needed, free, newest.name if newest else None)
+        fields = {"checkpoint": final.name, "errno": no_room, "bytes_needed": needed, "bytes_free": free,
+                  "newest_complete": str(newest) if newest else None}
+        removed = f"{tmp} was removed" if not tmp.exists() else f"{tmp} could not be removed"
+        return (f"checkpoint {final.name} was not written ({errors}); it has no {MANIFEST}, so it is never "
+                f"resumed from: {removed}", line, fields)
 
     def _write_manifest(self, step: int, tmp: Path, final: Path, files: dict[str, dict]) -> None:
         """Rank 0: the manifest (last, after every rank's files are on disk), then ``tmp`` renamed to ``final``."""
