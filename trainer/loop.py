@@ -86,6 +86,8 @@ from .osft.targets import describe_unconstrained, find_target_modules
 from .packed_attention import BOUNDS_KWARG, use_packed_attention
 from .progress import TrainProgress
 from .rundir import RunDir, write_json_atomic
+from .router_loss import describe as describe_router_loss
+from .router_loss import router_aux_coef, router_term
 from .schedule import build_scheduler
 from .startup import (
     DataPlan,
@@ -323,6 +325,9 @@ class Trainer:
             freeze_non_targets(self.model, self.osft)
         if cfg.freeze_router:
             self._say(f"MoE routers frozen: {len(freeze_routers(self.model, cfg.model_name_or_path))} parameters")
+        self.router_coef = router_aux_coef(self.model.config)
+        if self.router_coef:
+            self._say(describe_router_loss(self.router_coef))
         self._say(count_parameters(self.model, self.osft).describe())
         if self.osft and self.dist.rank == 0:
             warning, note = describe_unconstrained(self.model, [name for name, _ in self.osft.modules])
@@ -548,6 +553,7 @@ class Trainer:
             logits_to_keep=keep.to(self.device),
             **bounds,
         )
+        self.last_aux_loss = getattr(out, "aux_loss", None)  # the routers' auxiliary loss (.router_loss)
         logits = out.logits
         losses = F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(),
@@ -582,6 +588,7 @@ class Trainer:
         plans = plan_micro_batches(self.lengths[idx], cfg.max_tokens_per_gpu, self.dist.world_size)
         plan = plans[self.dist.rank]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
+        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # coef x router aux loss x loss tokens
         num_tokens = 0
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
@@ -593,13 +600,16 @@ class Trainer:
             mb_loss = self._micro_batch_loss(batch)
             if m == 0 and inject in ("loss", "spike"):  # test hook (.divergence.TEST_DIVERGE_ENV)
                 mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
+            aux = router_term(self.last_aux_loss, self.router_coef, batch)
             self._poll("before_backward", step, m)
-            (mb_loss * scale).backward()
+            ((mb_loss if aux is None else mb_loss + aux) * scale).backward()
             self._poll("after_backward", step, m)
             loss_sum += mb_loss.detach().double()
+            if aux is not None:
+                aux_sum += aux.detach().double()
             if batch is not None:
                 num_tokens += int(batch["num_tokens"])  # collate_packed's host tensor
-        loss_by_rank = gather_on_device(loss_sum)
+        loss_by_rank = gather_on_device(torch.stack([loss_sum, aux_sum]) if self.router_coef else loss_sum).reshape(-1)
         tokens_by_rank = [int(t) for t in gather_float(num_tokens)]
         if inject == "grad":
             local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
@@ -610,6 +620,11 @@ class Trainer:
         # The step's one host sync before the update: the divergence check needs the loss and the grad norm
         # (after it, a step between full orthogonality checks reads the bound: _bound_exceeds_margin).
         *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
+        router = {}
+        if self.router_coef:  # (CE sum, aux term) per rank
+            ce, aux_total = sum(losses[0::2]) / total_loss_tokens, sum(losses[1::2]) / total_loss_tokens
+            router = {"ce_loss": ce, "router_aux_loss": aux_total / self.router_coef}
+            losses = [ce * total_loss_tokens, aux_total * total_loss_tokens]
         loss = sum(losses) / total_loss_tokens  # the ranks' sums added in rank order, as global_sums does
         self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))
         lr = self.optimizer.param_groups[0]["lr"]  # what this update uses (also after a resume that changed it)
@@ -652,6 +667,7 @@ class Trainer:
             node_tokens_per_s=node_tokens / elapsed,
             samples_per_s=len(indices) / elapsed,
             **utilization,
+            **router,
             ortho_violations=violations,
             ortho_max_dev_deg=max_dev,
             **forgetting,
