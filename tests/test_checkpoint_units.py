@@ -156,6 +156,29 @@ def test_a_failed_background_write_on_one_rank_gives_the_failure_paragraph(tiny_
     assert not [r for r in recs if r["event"] == "checkpoint_saved"]
 
 
+def test_the_wait_for_the_previous_background_write_is_the_next_saves_blocking_time(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """--async-checkpoint with a checkpoint every step and every write held 3 s (test hook), so
+    each save (and each step's orthogonality check, every step here) waits for the write before
+    it: that wait is counted in the next save's ``blocking_s`` (and ``seconds``), never in
+    ``step_time_s`` (nor tokens/s and MFU, computed from it). Every checkpoint is complete."""
+    monkeypatch.setenv("OSFT_TEST_SAVE_DELAY_S", "3")
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]] * 3)
+    out = tmp_path / "run"
+    assert main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data), "--output-dir", str(out),
+                 "--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "3",
+                 "--checkpoint-every-steps", "1", "--ortho-check-every", "1", "--async-checkpoint"]) == 0
+    recs = [json.loads(line) for line in (out / "metrics" / "node0.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in recs if r["event"] == "step"}
+    saved = {r["step"]: r for r in recs if r["event"] == "checkpoint_saved"}
+    assert sorted(saved) == [1, 2, 3] and newest_complete(out / "full_state_checkpoints")[0].name == "step_3"
+    for step in (2, 3):  # write step-1 (step-2) took 3 s; training waited for it during step 2 (3)
+        assert steps[step]["step_time_s"] < 1.5, steps[step]
+        assert saved[step]["blocking_s"] + steps[step]["step_time_s"] >= 2.9, (saved[step], steps[step])
+        assert saved[step]["blocking_s"] <= saved[step]["seconds"]
+        assert steps[step]["tokens_per_s"] == pytest.approx(steps[step]["num_tokens"] / steps[step]["step_time_s"])
+
+
 def test_async_checkpoint_needs_checkpoints_to_write(tiny_model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]])
     assert main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data),

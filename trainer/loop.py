@@ -581,6 +581,7 @@ class Trainer:
         """
         cfg = self.cfg
         start = time.perf_counter()
+        waited = self.checkpointer.waited_s  # a wait for a background write below is the next save's, not this step's
         idx = np.asarray(indices, dtype=np.int64)
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
@@ -646,7 +647,7 @@ class Trainer:
                 self._warn(f"step {step}: orthogonality violations in {report.violating}")
             if scheduled:
                 forgetting = self.projector.indicators().fields()
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start - (self.checkpointer.waited_s - waited)
         exceeded_before = self.utilization.peak_exceeded
         utilization = self.utilization.fields([self.lengths[idx[[i for micro in p for i in micro]]] for p in plans], elapsed)
         if self.utilization.peak_exceeded and not exceeded_before:

@@ -128,7 +128,8 @@ class SavedCheckpoint:
     """A complete checkpoint just written: its step and directory, its size (bytes, frozen factors
     excluded), the time from the start of the save to its manifest (s), how long the training
     thread was blocked by it (s; ``seconds`` for a synchronous save, the staging time with
-    ``--async-checkpoint``), the bytes of the frozen factors written with it (0 when reused), and
+    ``--async-checkpoint``; both include the time training waited for the previous background
+    write before this save could begin, wherever it waited), the bytes of the frozen factors written with it (0 when reused), and
     what retention removed after it (rank 0; empty elsewhere)."""
 
     step: int
@@ -144,24 +145,31 @@ class SavedCheckpoint:
 class PendingSave:
     """A checkpoint being written in the background (:meth:`Checkpointer.save_async`): its step,
     its final directory (which exists only once it is complete), how long the training thread was
-    blocked staging it (s), and the write's future (a :class:`SavedCheckpoint`)."""
+    blocked by it (s: the wait for the previous write and the staging), the write's future (a
+    :class:`SavedCheckpoint`) and what is told how long :meth:`result` waited (s)."""
 
     step: int
     path: Path
     blocking_s: float
     future: Future
+    on_wait: Callable[[float], None]
 
     def done(self) -> bool:
         """True once the write has finished, complete or failed (never blocks)."""
         return self.future.done()
 
     def result(self) -> SavedCheckpoint:
-        """Wait for the write to finish.
+        """Wait for the write to finish; the time waited is handed to ``on_wait`` (the training
+        thread's wait, counted in the next save's ``blocking_s`` and kept out of the step's time).
 
         Raises:
             CheckpointWriteError: a rank's write failed; the checkpoint has no manifest.
         """
-        return self.future.result()
+        start = time.perf_counter()
+        try:
+            return self.future.result()
+        finally:
+            self.on_wait(time.perf_counter() - start)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -264,6 +272,9 @@ class Checkpointer:
         self.frozen_keys = {f"{n}.{k}" for n, _ in osft.modules for k in FROZEN_PARAMS} if osft else set()
         #: name of the frozen store this run references (written at the first save, or the resumed one's)
         self.frozen_dir: str | None = None
+        #: seconds the training thread waited for background writes since the last save began
+        #: (:meth:`PendingSave.result`): the next save counts them in its ``blocking_s`` and ``seconds``
+        self.waited_s = 0.0
 
     # -- model ---------------------------------------------------------------------------------
     def _model_state(self) -> tuple[dict, dict]:
@@ -319,7 +330,7 @@ class Checkpointer:
         Raises:
             CheckpointWriteError: on every rank when a rank's write failed (no manifest is written).
         """
-        start = time.perf_counter()
+        start = time.perf_counter() - self._take_wait()
         rest, frozen_bytes, tmp = self._begin(step)
         optim = self._optimizer_state()
 
@@ -340,7 +351,7 @@ class Checkpointer:
 
         The frozen OSFT factors of a run's first save are still written on this thread (once per run).
         """
-        start = time.perf_counter()
+        start = time.perf_counter() - self._take_wait()
         rest, frozen_bytes, tmp = self._begin(step)
         model = self.writer.save_model(rest, tmp / "model")
         staged = self.writer.stage({"optimizer": self._optimizer_state(), "rng": rng})
@@ -354,7 +365,15 @@ class Checkpointer:
         needed = _nbytes(rest) + _nbytes(staged["optimizer"])
         future = self.writer.submit(lambda: self._complete(step, tmp, write, self.writer.group, start, blocking,
                                                            frozen_bytes, needed))
-        return PendingSave(step, self.root / f"step_{step}", blocking, future)
+        return PendingSave(step, self.root / f"step_{step}", blocking, future, self._add_wait)
+
+    def _add_wait(self, seconds: float) -> None:
+        self.waited_s += seconds
+
+    def _take_wait(self) -> float:
+        """The training thread's wait for the previous write (s), now counted by the save beginning."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
 
     def close(self) -> None:
         """Free what asynchronous saves hold (after the last one has finished)."""
