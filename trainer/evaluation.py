@@ -12,6 +12,7 @@ evaluation invisible to training: eval mode, no autograd, and every generator st
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,8 +59,18 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
         restore_rng(rng)
 
 
+#: Test-only hook (tests/test_evaluation.py, tests/test_resume.py: a slow evaluation set):
+#: "SECONDS@STEP" makes each micro-batch of the evaluations after that step sleep that long.
+TEST_EVAL_DELAY_ENV = "OSFT_TEST_EVAL_DELAY_S"
+
+
+def _test_eval_delay(step: int) -> float:
+    seconds, _, at = (os.environ.get(TEST_EVAL_DELAY_ENV) or "0@0").partition("@")
+    return float(seconds) if int(at or 0) == step else 0.0
+
+
 def evaluate_set(eval_set: EvalSet, micro_batch_loss: Callable[[dict | None], torch.Tensor], max_tokens: int,
-                 dist: DistEnv) -> EvalResult:
+                 dist: DistEnv, check: Callable[[int], None] | None = None, step: int = 0) -> EvalResult:
     """Evaluate one set (collective: every rank calls it, inside :func:`evaluation_mode`).
 
     Args:
@@ -67,18 +78,27 @@ def evaluate_set(eval_set: EvalSet, micro_batch_loss: Callable[[dict | None], to
             with None for this rank's empty micro-batch (fewer samples than micro-batches), which
             must still join the model's collectives and add 0.
         max_tokens: token budget of one micro-batch (``--max-tokens-per-gpu``).
+        check: called before each micro-batch with its index (every rank has as many):
+            :meth:`.checkpoint.requests.RequestPoller.stop_check`, which raises
+            :class:`.checkpoint.requests.StopRequested` to abandon the pass on a stop request.
+        step: the optimizer steps done (for the test hook :data:`TEST_EVAL_DELAY_ENV`).
 
     Returns:
         the token-mean loss over every selected sample of the set (NaN if it is not finite).
 
     Raises:
         ValueError: a sample longer than ``max_tokens`` (as the packer raises it).
+        StopRequested: from ``check``.
     """
     start = time.perf_counter()
     plan = plan_micro_batches(eval_set.lengths, max_tokens, dist.world_size)[dist.rank]
     loss_sum = torch.zeros((), dtype=torch.float64)
     loss_tokens = 0
-    for micro in plan:
+    delay = _test_eval_delay(step)
+    for m, micro in enumerate(plan):
+        if check is not None:
+            check(m)
+        time.sleep(delay)
         batch = collate_packed([eval_set.sample(i) for i in micro]) if micro else None
         loss_sum += micro_batch_loss(batch).double().cpu()
         if batch is not None:

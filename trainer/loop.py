@@ -37,7 +37,7 @@ from .checkpoint.full_state import (
     restore_rng,
 )
 from .checkpoint.hf_export import save_hf_model, source_generation_config
-from .checkpoint.requests import Request, RequestPoller, Seen
+from .checkpoint.requests import Request, RequestPoller, Seen, StopRequested
 from .checkpoint.signals import (
     Action,
     TriggerDir,
@@ -708,7 +708,7 @@ class Trainer:
         the shards. Returns its path."""
         out = out or self.run_dir.hf_export(step)
         state = full_state_dict(self.model)
-        inputs = self._input_bases(state) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
+        inputs = self._input_bases(state, step) if self.osft and self.cfg.osft_protect_basis == "inputs" else None
         folds = self._fold_subspaces(state, inputs, step) if self.osft else None
         if self.dist.rank == 0:
             extra = None
@@ -771,7 +771,7 @@ class Trainer:
                       f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
         return folds
 
-    def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
+    def _input_bases(self, state: dict[str, torch.Tensor], step: int) -> InputBases:
         """The ``inputs`` variant's directions of every trainable OSFT module (not banks) from its
         layer inputs over the first ``--osft-protect-input-samples`` training samples
         (:func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
@@ -787,8 +787,12 @@ class Trainer:
         def probe() -> None:
             self._micro_batch_loss(batch(plan[0]))
 
+        check = self.poller.stop_check("export", step) if self.poller else None
+
         def run(recording) -> None:
-            for micro in plan:
+            for m, micro in enumerate(plan):
+                if check:
+                    check(m)
                 recording(bool(micro))
                 self._micro_batch_loss(batch(micro))
 
@@ -841,7 +845,10 @@ class Trainer:
         cfg = self.cfg
         step, last_loss, last_checkpoint = self.start_step, float("nan"), None
         process = psutil.Process()
-        self.monitor.start(step)
+        try:
+            self.monitor.start(step)
+        except StopRequested as stop:  # agreed in the step-0 evaluation: served by a checkpoint of the start step
+            return self._stopped(step, last_loss, self.checkpoint(step, stop.request), stop.request)
         with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
             while step < self.total_steps:
                 self.check_checkpoint()  # a failed background write ends the run here
@@ -886,17 +893,26 @@ class Trainer:
                     progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
                                     self.counters["ortho_violations_total"], record["mfu"],
                                     self.monitor.console_stats())
-                end = self.monitor.after_step(step, final=step == self.total_steps)
-                request = self.poller.poll("after_step", step) if self.poller else None
+                try:
+                    end = self.monitor.after_step(step, final=step == self.total_steps)
+                    request = self.poller.poll("after_step", step) if self.poller else None
+                except StopRequested as stop:  # the evaluation (or best export) abandoned, not recorded
+                    end, request = None, stop.request
                 if request or (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
                     last_checkpoint = self.checkpoint(step, request)
                 if request and request.action is Action.CHECKPOINT_AND_EXIT:
                     return self._stopped(step, last_loss, last_checkpoint, request)
                 if end is not None:
                     return self._end_early(step, last_loss, end)
-                if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
-                    progress.print(f"exported {self.export(step)}")
-        export_dir = self.export(step)
+                try:
+                    if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
+                        progress.print(f"exported {self.export(step)}")
+                except StopRequested as stop:
+                    return self._stopped(step, last_loss, self.checkpoint(step, stop.request), stop.request)
+        try:
+            export_dir = self.export(step)
+        except StopRequested as stop:  # agreed in its input-Gram pass: the export is written by the resume
+            return self._stopped(step, last_loss, self.checkpoint(step, stop.request), stop.request)
         self._say(f"export: {export_dir}")
         late = self.poller.poll("after_export", step) if self.poller else None
         if late:  # after the last step's safe point: the completed run answers it (.checkpoint.requests)

@@ -229,9 +229,10 @@ class RunMonitor:
         """Evaluate ``sets`` after ``step`` steps, judge, record one ``eval`` record per set and
         print one line."""
         t = self.trainer
+        check = t.poller.stop_check("eval", step) if t.poller else None  # a stop abandons the pass: nothing recorded
         with evaluation_mode(t.model):
             results = [evaluate_set(s, lambda batch: t._micro_batch_loss(batch, float64_sum=True),
-                                    self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
+                                    self.cfg.max_tokens_per_gpu, t.dist, check, step) for s in sets]
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]
