@@ -156,6 +156,32 @@ def test_a_failed_background_write_on_one_rank_gives_the_failure_paragraph(tiny_
     assert not [r for r in recs if r["event"] == "checkpoint_saved"]
 
 
+def test_a_failure_before_training_on_one_rank_gives_the_same_report(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """One rank, a failure while the trainer is built (a tracker that is installed but cannot be
+    imported, injected): exit 1, the "training failed" paragraph and an ``error`` record, as a
+    worker group reports it; no traceback on the console."""
+    import osft.trainer.loop
+
+    def broken(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'google.protobuf'")
+
+    monkeypatch.setattr(osft.trainer.loop, "open_trackers", broken)
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]])
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data), "--output-dir", str(out),
+                 "--max-steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (paragraph,) = [line for line in err.splitlines() if line.startswith("training failed.")]
+    assert paragraph.startswith(f"training failed. Rank 0 (local rank 0, pid {os.getpid()}) exited with exit code 1: "
+                                "ModuleNotFoundError: No module named 'google.protobuf'. No step had finished.")
+    (error,) = [json.loads(line) for line in (out / "metrics" / "node0.jsonl").read_text().splitlines()]
+    assert (error["event"], error["message"], error["exit_code"]) == (
+        "error", "ModuleNotFoundError: No module named 'google.protobuf'", 1)
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"
+
+
 def test_the_wait_for_the_previous_background_write_is_the_next_saves_blocking_time(tiny_model_dir, tmp_path,
                                                                                     monkeypatch):
     """--async-checkpoint with a checkpoint every step and every write held 3 s (test hook), so

@@ -285,20 +285,9 @@ def _failed_in_process(trainer, cfg, console: Console, run_dir, job_id: str, arg
     traceback), with an ``error`` record (traceback included) and ``run.json`` failed. Every write
     here is best effort (:func:`.failure_report.best_effort`): a full disk never makes the report
     fail. The trainer's signal handlers and trigger directory are released. Returns exit code 1."""
-    import traceback
+    from .failure_report import failure_paragraph, headline, in_process_failure, record_error
 
-    from .contract import Event
-    from .distributed import DistEnv
-    from .failure_report import error_fields, failure_paragraph, headline, in_process_failure
-    from .metrics import MetricsLogger
-
-    metrics = trainer.metrics if trainer is not None else None
-    if metrics is None:
-        metrics = best_effort(lambda: MetricsLogger(run_dir.metrics, DistEnv.from_env(), job_id))
-    if metrics is not None:
-        best_effort(lambda: metrics.log(Event.ERROR, message=f"{type(exc).__name__}: {exc}",
-                                        traceback=traceback.format_exc(), exit_code=EXIT_FAILED, **error_fields(exc)))
-        best_effort(metrics.close)
+    record_error(trainer.metrics if trainer is not None else None, run_dir.metrics, job_id, exc, EXIT_FAILED)
     best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
     if trainer is not None:
         best_effort(trainer.release)

@@ -59,6 +59,26 @@ def error_fields(exc: BaseException) -> dict:
     return {"headline": line, **getattr(exc, "fields", {})} if line else {}
 
 
+def record_error(metrics, metrics_dir: Path, job_id: str, exc: BaseException, exit_code: int) -> None:
+    """Write the ``error`` record of a failure (message, traceback, exit code, :func:`error_fields`)
+    through ``metrics`` (a :class:`.metrics.MetricsLogger`), or, when the failure came before there
+    was one, through a new one for ``metrics_dir``; then close it. Best effort (:func:`best_effort`)."""
+    import traceback
+
+    from .contract import Event
+
+    if metrics is None:
+        from .distributed import DistEnv
+        from .metrics import MetricsLogger
+
+        metrics = best_effort(lambda: MetricsLogger(metrics_dir, DistEnv.from_env(), job_id))
+    if metrics is None:
+        return
+    best_effort(lambda: metrics.log(Event.ERROR, message=f"{type(exc).__name__}: {exc}", exit_code=exit_code,
+                                    traceback="".join(traceback.format_exception(exc)), **error_fields(exc)))
+    best_effort(metrics.close)
+
+
 def read_failures(failures_file: Path) -> dict[str, dict]:
     """The agent's failure file (:mod:`.agent`; {} when absent: no rank failed): per global rank
     (a string), its ``local_rank``, ``pid``, ``exit_code``, ``signal`` and ``message``."""
