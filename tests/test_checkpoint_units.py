@@ -182,6 +182,28 @@ def test_a_failure_before_training_on_one_rank_gives_the_same_report(tiny_model_
     assert json.loads((out / "run.json").read_text())["state"] == "failed"
 
 
+def test_the_failure_paragraph_names_the_failed_ranks_last_error_line_from_its_log(tmp_path):
+    """A rank that died before it could write an ``error`` record (its traceback only in its
+    ``stderr.log``): the paragraph quotes the last error line of its log; a line that only repeats
+    the recorded message is not quoted again."""
+    from osft.trainer.failure_report import failure_paragraph
+    from osft.trainer.rundir import RunDir
+
+    run_dir = RunDir(tmp_path / "run")
+    log = run_dir.root / "logs" / "node0" / "abc_1" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                   "ModuleNotFoundError: No module named 'google.protobuf'\nsome later output\n")
+    failures = {"1": {"local_rank": 1, "pid": 42, "exit_code": 1, "signal": None, "message": None},
+                "0": {"local_rank": 0, "pid": 41, "exit_code": -15, "signal": "SIGTERM", "message": None}}
+    paragraph = failure_paragraph(run_dir, "job", 1, failures, ["--output-dir", "run"])
+    assert paragraph.startswith("training failed. Rank 1 (local rank 1, pid 42) exited with exit code 1. Its last "
+                                "error line: ModuleNotFoundError: No module named 'google.protobuf'. Then rank 0 was "
+                                "killed by SIGTERM. No step had finished."), paragraph
+    failures["1"]["message"] = "ModuleNotFoundError: No module named 'google.protobuf'"
+    assert "Its last error line" not in failure_paragraph(run_dir, "job", 1, failures, ["--output-dir", "run"])
+
+
 def test_the_wait_for_the_previous_background_write_is_the_next_saves_blocking_time(tiny_model_dir, tmp_path,
                                                                                     monkeypatch):
     """--async-checkpoint with a checkpoint every step and every write held 3 s (test hook), so

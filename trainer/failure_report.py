@@ -155,8 +155,8 @@ def failure_paragraph(run_dir: RunDir, job_id: str, agent_code: int, failures: d
         message = errors.get(int(rank)) or failure.get("message")
         parts.append(f"{line}: {message}." if message else f"{line}.")
         logged = None if in_process else last_error_line(run_dir, int(failure["local_rank"]))
-        if logged and logged not in (message or ""):
-            parts.append(f"Its last error line: {logged}")
+        if logged and (not message or (message not in logged and logged not in message)):  # it says more
+            parts.append(f"Its last error line: {logged}" + ("" if logged.endswith(".") else "."))
     if not failures and not cause:
         started = any(r.get("event") == Event.RUN_STARTED for r in records)
         parts.append(f"torchrun's agent ended with {describe(agent_code)}"
