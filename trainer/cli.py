@@ -308,9 +308,14 @@ def _job_id(cfg) -> str:
 
 def run() -> NoReturn:
     """The ``osft-train`` command (and ``python -m osft.trainer.cli``): :func:`main` on
-    ``sys.argv``, then exit with its code (:func:`.quick_exit.exit_without_final_gc`)."""
+    ``sys.argv``, then exit with its code (:func:`.quick_exit.exit_without_final_gc`). A crash in
+    native code (SIGSEGV, SIGABRT) first writes every thread's Python stack to stderr, as a worker
+    rank does: a one-rank run trains in this process (its background checkpoint writer included)."""
+    import faulthandler
+
     from .quick_exit import exit_without_final_gc
 
+    faulthandler.enable(all_threads=True)
     exit_without_final_gc(main())
 
 
