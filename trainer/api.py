@@ -88,8 +88,9 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
 
     Returns:
         what happened (:class:`TrainOutcome`): exit code, step reached, final export, newest
-        checkpoint, last step record. A worker group that failed or was stopped by a signal
-        returns its exit code (1, or 128 + N) after printing what happened, as ``osft-train`` does.
+        checkpoint, last step record. A run that failed (on one rank in this process or a worker
+        group) or was stopped by a signal returns its exit code (1, or 128 + N) after printing what
+        happened, as ``osft-train`` does.
 
     Raises:
         InputError: bad settings (:func:`resolve_config`, :func:`.config.check_config`), data,
@@ -97,8 +98,6 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
             directory another job owns or an earlier run left without ``resume`` or
             ``overwrite_output_dir``, all before any training, with ``osft-train``'s message.
         ValueError: called from another thread than the main thread.
-        Exception: whatever the one-rank run in this process raised while training
-            (``run.json`` then says failed).
     """
     console = console or Console(stderr=True)
     previous = current_handlers()
