@@ -279,6 +279,7 @@ def test_a_stop_during_a_slow_evaluation_is_served_within_seconds_and_the_pass_i
 
     again = tmp_path / "again"
     metrics = again / "metrics" / "node0.jsonl"
+    monkeypatch.setenv("OSFT_TEST_EVAL_DELAY_S", "1@2")  # a pass of 3 s or more
     thread = threading.Thread(target=signal_during_the_evaluation, args=(signal.SIGUSR1, 2))
     thread.start()
     try:

@@ -351,12 +351,22 @@ def test_bank_bases_that_do_not_fit_the_bank_name_it(tmp_path):
                 read_bases(path, shapes)
 
 
-@pytest.mark.parametrize("coef", [0.5, 0.0])
+def test_the_router_auxiliary_loss_applies_only_where_the_config_asks_for_it():
+    from osft.trainer.router_loss import router_aux_coef
+
+    assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)) == 0.5
+    assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=False, router_aux_loss_coef=0.5)) == 0
+    assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0)) == 0
+    assert router_aux_coef(AutoConfig.for_model("llama")) == 0  # no router at all
+
+
+@pytest.mark.parametrize("coef", [0.5])
 def test_the_router_auxiliary_loss_is_trained_as_transformers_computes_it(tmp_path, coef, capsys):
     """A random Mixtral whose config asks for router logits: with ``router_aux_loss_coef`` 0.5 the
     step-1 loss of one sample is cross-entropy + 0.5 x auxiliary loss and equals transformers' own
     ``loss`` on the same ids and labels (float rounding; the OSFT reconstruction), with the two
-    parts logged apart and a start-up line; with coefficient 0 it is the plain cross-entropy."""
+    parts logged apart and a start-up line (with coefficient 0, as with
+    ``output_router_logits: false``, it is the plain cross-entropy: the test above)."""
     from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
 
     from osft.trainer.cli import main
@@ -379,10 +389,7 @@ def test_the_router_auxiliary_loss_is_trained_as_transformers_computes_it(tmp_pa
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()(
             input_ids=torch.tensor([sample["input_ids"]]), labels=torch.tensor([sample["labels"]]))
     assert step["loss"] == pytest.approx(float(hf.loss), rel=1e-5)
-    shown = "MoE router auxiliary loss: the training loss is cross-entropy + 0.5 x load-balancing loss"
-    if coef:
-        assert float(hf.aux_loss) > 0 and step["router_aux_loss"] == pytest.approx(float(hf.aux_loss), rel=1e-5)
-        assert step["loss"] == pytest.approx(step["ce_loss"] + coef * step["router_aux_loss"], rel=1e-12)
-        assert shown in capsys.readouterr().err
-    else:
-        assert "router_aux_loss" not in step and shown not in capsys.readouterr().err
+    assert float(hf.aux_loss) > 0 and step["router_aux_loss"] == pytest.approx(float(hf.aux_loss), rel=1e-5)
+    assert step["loss"] == pytest.approx(step["ce_loss"] + coef * step["router_aux_loss"], rel=1e-12)
+    assert "MoE router auxiliary loss: the training loss is cross-entropy + 0.5 x load-balancing loss" in \
+        capsys.readouterr().err
