@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import QA, chat, write_jsonl
-from osft.trainer.checkpoint.full_state import CheckpointWriteError, capture_rng, restore_rng
+from osft.trainer.checkpoint.full_state import capture_rng, restore_rng
 from osft.trainer.checkpoint.manifest import (
     CheckpointError,
     describe_files,
