@@ -306,9 +306,13 @@ class Checkpointer:
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         if self.env.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            self._make_dir(tmp, final, _nbytes(frozen))
         barrier()
-        dcp.save(frozen, checkpoint_id=tmp, no_dist=not is_distributed())
+        try:
+            dcp.save(frozen, checkpoint_id=tmp, no_dist=not is_distributed())
+        except CheckpointException as exc:  # raised on every rank alike (DCP gathers the errors)
+            raise CheckpointWriteError(*self._failed(final, tmp, [_rank_failure(self.env.rank, exc)],
+                                                     _nbytes(frozen))) from None
         files = {k: v for e in self._gather(describe_files(tmp, self._my_files(tmp), self.env.rank)) for k, v in e.items()}
         if self.env.rank == 0:
             write_manifest(tmp, files, kind="frozen_osft_factors", job_id=self.job_id, keys=sorted(frozen))
@@ -388,9 +392,22 @@ class Checkpointer:
         tmp = self.root / f"step_{step}.tmp-{self.job_id}"
         if self.env.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "model").mkdir(parents=True)
+            self._make_dir(tmp / "model", self.root / f"step_{step}", _nbytes(rest))
         barrier()
         return rest, frozen_bytes, tmp
+
+    def _make_dir(self, path: Path, final: Path, needed: int) -> None:
+        """Rank 0: create ``path`` (and its parents) for the checkpoint ``final``.
+
+        Raises:
+            CheckpointWriteError: it cannot be created (:meth:`_failed`: one line for lack of space
+                or permission); torchrun then stops the peers waiting at the barrier.
+        """
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            tmp = path.parent if path.name == "model" else path
+            raise CheckpointWriteError(*self._failed(final, tmp, [_rank_failure(0, exc)], needed)) from None
 
     def _optimizer_state(self) -> dict:
         """This rank's AdamW state dict with its local shards of the moments (no DTensors)."""
