@@ -236,7 +236,7 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
             finished = finished_record(run_dir, cfg.node_rank, job_id)
             reason, export_dir = finished.get("reason") or FinishReason.COMPLETED, finished.get("export_dir")
             if code == EXIT_FAILED and reason != FinishReason.DIVERGED:  # the launcher printed what happened
-                run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED)
+                best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
                 return code, None
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
     except Exception as exc:
