@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +259,58 @@ def test_resume_in_the_middle_of_a_budgeted_run_is_bit_identical(files, evaluate
     assert {r["set"]: r["trigger"] for r in records(accepted, "eval") if r["step"] == 4} == {"other": "baseline",
                                                                                             "own": "baseline"}
     assert [r["step"] for r in records(accepted, "best_eval")] == [5]  # the first evaluation on the new set
+
+
+def test_a_stop_during_a_slow_evaluation_is_served_within_seconds_and_the_pass_is_not_recorded(files, tmp_path,
+                                                                                                 monkeypatch):
+    """A real SIGTERM 0.5 s into the evaluation after step 2, whose every micro-batch takes 2 s (test
+    hook; an evaluation and a retention set: at least 3 micro-batches, 6 s or more): the pass is
+    abandoned at its next micro-batch and the stop served by a checkpoint of step 2 within 5 s
+    (exit 75, point ``eval``); the abandoned evaluation is not recorded. A SIGUSR1 during the same
+    kind of pass waits for it (a checkpoint request need not hurry) and training goes on."""
+    out = tmp_path / "run"
+    metrics = out / "metrics" / "node0.jsonl"
+    sent: list[float] = []
+
+    def signal_during_the_evaluation(signum: int, after_step: int) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            lines = metrics.read_text().splitlines() if metrics.is_file() else []
+            if any(r["event"] == "step" and r["step"] == after_step for r in map(json.loads, lines)):
+                time.sleep(0.5)
+                sent.append(time.time())
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.05)
+
+    flags = ["--eval-data-path", str(files["eval"]), "--retention-data-path", str(files["other"]),
+             "--eval-every-steps", "2", "--on-demand-checkpointing"]
+    monkeypatch.setenv("OSFT_TEST_EVAL_DELAY_S", "2@2")
+    thread = threading.Thread(target=signal_during_the_evaluation, args=(signal.SIGTERM, 2))
+    thread.start()
+    try:
+        assert train(files, out, *flags) == 75
+    finally:
+        thread.join()
+    finished = records(out, "run_finished")[-1]
+    assert (finished["reason"], finished["step"], finished["signal"]) == ("stopped", 2, "SIGTERM")
+    assert finished["ts"] - sent[0] < 5.0, finished["ts"] - sent[0]
+    assert [(r["step"], r["point"]) for r in records(out, "checkpoint_requested")] == [(2, "eval")]
+    assert [r["step"] for r in records(out, "checkpoint_saved")] == [2]
+    assert sorted({r["step"] for r in records(out, "eval")}) == [0]  # the abandoned pass left no record
+
+    again = tmp_path / "again"
+    metrics = again / "metrics" / "node0.jsonl"
+    monkeypatch.setenv("OSFT_TEST_EVAL_DELAY_S", "1@2")  # a pass of 3 s or more
+    thread = threading.Thread(target=signal_during_the_evaluation, args=(signal.SIGUSR1, 2))
+    thread.start()
+    try:
+        assert train(files, again, *flags, "--max-steps", "3") == 0
+    finally:
+        thread.join()
+    assert sorted({r["step"] for r in records(again, "eval")}) == [0, 2, 3]  # the pass was finished
+    requested = records(again, "checkpoint_requested")
+    assert [(r["step"], r["point"], r["signal"]) for r in requested] == [(2, "after_step", "SIGUSR1")]
 
 
 def test_forgetting_budget_ends_the_run_with_the_best_export_within_budget(files, evaluated, tmp_path):

@@ -356,3 +356,47 @@ def test_bank_bases_that_do_not_fit_the_bank_name_it(tmp_path):
         else:
             with pytest.raises(ValueError, match=f"{name} {why}" if why.startswith("is") else why):
                 read_bases(path, shapes)
+
+
+def test_the_router_auxiliary_loss_applies_only_where_the_config_asks_for_it():
+    from osft.trainer.router_loss import router_aux_coef
+
+    assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)) == 0.5
+    assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=False, router_aux_loss_coef=0.5)) == 0
+    assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.0)) == 0
+    assert router_aux_coef(AutoConfig.for_model("llama")) == 0  # no router at all
+
+
+@pytest.mark.parametrize("coef", [0.5])
+def test_the_router_auxiliary_loss_is_trained_as_transformers_computes_it(tmp_path, coef, capsys):
+    """A random Mixtral whose config asks for router logits: with ``router_aux_loss_coef`` 0.5 the
+    step-1 loss of one sample is cross-entropy + 0.5 x auxiliary loss and equals transformers' own
+    ``loss`` on the same ids and labels (float rounding; the OSFT reconstruction), with the two
+    parts logged apart and a start-up line (with coefficient 0, as with
+    ``output_router_logits: false``, it is the plain cross-entropy: the test above)."""
+    from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
+
+    from osft.trainer.cli import main
+    from osft.trainer.data.tokenize import tokenize_chat_file
+    from osft.trainer.model_loading import load_tokenizer
+
+    tokenizer = tiny_chat_tokenizer()
+    model = moe_model("mixtral", vocab_size=len(tokenizer), output_router_logits=True, router_aux_loss_coef=coef)
+    model.config.eos_token_id = model.config.pad_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = write_jsonl(tmp_path / "one.jsonl", [chat(*QA[0])])
+    out = tmp_path / "run"
+    assert main(["--model-name-or-path", str(tmp_path / "model"), "--data-path", str(data), "--output-dir", str(out),
+                 "--max-steps", "1", "--batch-size", "1", "--max-seq-len", "64", "--learning-rate", "1e-9"]) == 0
+    (step,) = [r for r in map(json.loads, (out / "metrics" / "node0.jsonl").read_text().splitlines())
+               if r["event"] == "step"]
+    sample = tokenize_chat_file(data, load_tokenizer(tmp_path / "model"), 64)[0]  # unshifted labels, -100 untrained
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()(
+            input_ids=torch.tensor([sample["input_ids"]]), labels=torch.tensor([sample["labels"]]))
+    assert step["loss"] == pytest.approx(float(hf.loss), rel=1e-5)
+    assert float(hf.aux_loss) > 0 and step["router_aux_loss"] == pytest.approx(float(hf.aux_loss), rel=1e-5)
+    assert step["loss"] == pytest.approx(step["ce_loss"] + coef * step["router_aux_loss"], rel=1e-12)
+    assert "MoE router auxiliary loss: the training loss is cross-entropy + 0.5 x load-balancing loss" in \
+        capsys.readouterr().err

@@ -145,7 +145,7 @@ STOPS = [
     (2, "before_forward", 1, "SIGQUIT", 1),
     (3, "before_backward", 0, "SIGINT", 2),
     (5, "after_backward", 1, "SIGHUP", 4),
-    (6, "after_step", 0, "SIGUSR2", 6),
+    (6, "eval", 1, "SIGUSR2", 6),  # inside the evaluation after step 6: the pass is abandoned
     (8, "before_forward", 0, "SIGTERM", 7),
 ]
 
@@ -155,7 +155,9 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
     with one new complete checkpoint at the right step, the request recorded once at its safe
     point, ``run.json`` stopped, the resume (same job id, field case B03: no stale request fires
     again) continuing bit for bit with the uninterrupted run, the schedule going on, and each
-    rank's generators saved apart (field case B13). Before the first segment a SIGTERM request
+    rank's generators saved apart (field case B13). The fourth stop arrives inside the evaluation
+    after step 6 (every segment evaluates): the pass is abandoned, not recorded, and the stop served
+    by a checkpoint of step 6. Before the first segment a SIGTERM request
     of a killed earlier run lies in the job's trigger directory: it is removed with a warning
     and never served."""
     out = tmp_path / "run"
@@ -166,12 +168,13 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
     os.utime(trigger.files()[0].path, (past, past))
     metrics = out / "metrics" / "node0.jsonl"
     want = {r["step"]: r for r in records(reference, "step")}
+    evaluation = ("--eval-data-path", str(job[1]), "--eval-max-samples", "10", "--eval-every-steps", "6")
     resumed_from = []
     for n, (step, point, micro, sig, saved) in enumerate(STOPS):
         lines_before = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
         # Segments 1 and 3 recompute activations (--activation-checkpointing, FSDP2 and attention
         # dropout): their steps still equal the reference's bit for bit.
-        flags = (("--resume",) if n else ()) + (("--activation-checkpointing",) if n % 2 else ())
+        flags = (("--resume",) if n else ()) + (("--activation-checkpointing",) if n % 2 else ()) + evaluation
         code, output = train(job, out, *flags,
                              env={"OSFT_JOB_ID": job_id, "OSFT_TEST_SIGNAL_AT": f"{step}:{point}:{micro}:{sig}"})
         assert code == EXIT_STOPPED, output
@@ -202,8 +205,10 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
             warnings = [r["message"] for r in records(out, "warning")]
             assert any("stale checkpoint request removed (trigger SIGTERM)" in w for w in warnings), warnings
             assert not trigger.path.exists()
-    code, output = train(job, out, "--resume", env={"OSFT_JOB_ID": job_id})
+    assert sorted({r["step"] for r in records(out, "eval")}) == [0]  # the pass after step 6 was abandoned
+    code, output = train(job, out, "--resume", *evaluation, env={"OSFT_JOB_ID": job_id})
     assert code == 0, output
+    assert sorted({r["step"] for r in records(out, "eval")}) == [0, 8]
     assert [r["from_step"] for r in records(out, "resumed")] == resumed_from
     assert len(records(out, "checkpoint_requested")) == len(STOPS)
     assert_same_steps(out, reference, resumed_from[-1] + 1)

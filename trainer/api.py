@@ -90,8 +90,9 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
 
     Returns:
         what happened (:class:`TrainOutcome`): exit code, step reached, final export, newest
-        checkpoint, last step record. A worker group that failed or was stopped by a signal
-        returns its exit code (1, or 128 + N) after printing what happened, as ``osft-train`` does.
+        checkpoint, last step record. A run that failed (on one rank in this process or a worker
+        group) or was stopped by a signal returns its exit code (1, or 128 + N) after printing what
+        happened, as ``osft-train`` does.
 
     Raises:
         InputError: a call from another thread than the main thread (before anything is read or
@@ -99,8 +100,6 @@ def train(config: TrainConfig | Mapping[str, Any] | str | os.PathLike | None = N
             model path or sample count, a checkpoint to resume from that does not fit, or an output
             directory another job owns or an earlier run left without ``resume`` or
             ``overwrite_output_dir``, all before any training, with ``osft-train``'s message.
-        Exception: whatever the one-rank run in this process raised while training
-            (``run.json`` then says failed).
     """
     if threading.current_thread() is not threading.main_thread():
         raise InputError("osft.trainer.api.train must be called from the main thread: it installs the checkpoint "

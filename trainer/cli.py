@@ -39,6 +39,7 @@ from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
 from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED, JOB_ID_ENV, FinishReason, RunState
+from .failure_report import best_effort
 
 #: Subcommands that do not train: signals keep their default handling there.
 NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest", "estimate-memory")
@@ -183,6 +184,9 @@ def run_training(cfg, console: Console, argv: list[str], command: list[str]) -> 
         console.print(f"overwrite: removing the checkpoints, exports and metrics of {previous.describe()} "
                       f"in {run_dir.root}", markup=False, highlight=False, soft_wrap=True)
         clear_previous_run(run_dir)
+    if cfg.node_rank == 0 and (problem := _prepare_checkpoint_root(cfg, run_dir.checkpoints, console)):
+        console.print(f"osft-train: {problem}", markup=False, highlight=False, soft_wrap=True)
+        return TrainingEnd(EXIT_FAILED, None, job_id)
     run_dir.create()
     if cfg.node_rank == 0:
         write_text_atomic(run_dir.config_yaml, config_to_yaml(cfg))
@@ -201,6 +205,7 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
     from .launcher import finished_record, launch, preflight
 
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
+    trainer = None
     try:
         if in_process:
             from .loop import Trainer  # the launcher of a worker group never loads the training stack
@@ -212,6 +217,10 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
         run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_BAD_INPUT)
         raise InputError(str(exc)) from exc
+    except Exception as exc:
+        if not in_process:
+            raise
+        return _failed_in_process(trainer, cfg, console, run_dir, job_id, argv, exc), None
     try:
         if in_process:
             run_dir.update_run_json(state=RunState.RUNNING)
@@ -228,11 +237,16 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
             finished = finished_record(run_dir, cfg.node_rank, job_id)
             reason, export_dir = finished.get("reason") or FinishReason.COMPLETED, finished.get("export_dir")
             if code == EXIT_FAILED and reason != FinishReason.DIVERGED:  # the launcher printed what happened
-                run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED)
+                best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
                 return code, None
             summary = f"{cfg.nproc_per_node * cfg.nnodes} ranks"
+    except Exception as exc:
+        if not in_process:
+            best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
+            raise
+        return _failed_in_process(trainer, cfg, console, run_dir, job_id, argv, exc), None
     except BaseException:
-        run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED)
+        best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
         raise
     if code == EXIT_STOPPED:
         run_dir.update_run_json(state=RunState.STOPPED, exit_code=EXIT_STOPPED)
@@ -250,6 +264,40 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
     return code, export_dir
 
 
+def _prepare_checkpoint_root(cfg, root: Path, console: Console) -> str | None:
+    """Node 0, before anything of the new job is written: remove the partial checkpoints a dead
+    job left (:func:`.checkpoint.store.remove_orphans`, one line saying what and how many bytes),
+    then check there is room for the next checkpoint (:func:`.checkpoint.store.room_problem`).
+    Returns why the run cannot start, or None."""
+    from .checkpoint.store import megabytes, remove_orphans, room_problem
+
+    removed = remove_orphans(root)
+    if removed:
+        console.print(f"checkpoints: removed {len(removed)} partial checkpoint(s) left by a job that is no longer "
+                      f"running ({megabytes(sum(b for _, b in removed))}): "
+                      + ", ".join(f"{name} ({megabytes(size)})" for name, size in removed),
+                      markup=False, highlight=False, soft_wrap=True)
+    return room_problem(root) if cfg.checkpointing else None
+
+
+def _failed_in_process(trainer, cfg, console: Console, run_dir, job_id: str, argv: list[str], exc: Exception) -> int:
+    """A one-rank run failed in this process: as a worker group's failure is reported (the error's
+    own line first when it has one, :func:`.failure_report.headline`, then the failure paragraph; no
+    traceback), with an ``error`` record (traceback included) and ``run.json`` failed. Every write
+    here is best effort (:func:`.failure_report.best_effort`): a full disk never makes the report
+    fail. The trainer's signal handlers and trigger directory are released. Returns exit code 1."""
+    from .failure_report import failure_paragraph, headline, in_process_failure, record_error
+
+    record_error(trainer.metrics if trainer is not None else None, run_dir.metrics, job_id, exc, EXIT_FAILED)
+    best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
+    if trainer is not None:
+        best_effort(trainer.release)
+    console.print(failure_paragraph(run_dir, job_id, EXIT_FAILED, in_process_failure(exc, EXIT_FAILED), argv,
+                                    in_process=True, first_line=headline(exc)), markup=False, highlight=False,
+                  soft_wrap=True)
+    return EXIT_FAILED
+
+
 def _job_id(cfg) -> str:
     """A fresh id for a one-node job; for several nodes one that every node derives alike (from
     the output directory and the rendezvous endpoint), since it is also torchrun's rendezvous id."""
@@ -261,9 +309,14 @@ def _job_id(cfg) -> str:
 
 def run() -> NoReturn:
     """The ``osft-train`` command (and ``python -m osft.trainer.cli``): :func:`main` on
-    ``sys.argv``, then exit with its code (:func:`.quick_exit.exit_without_final_gc`)."""
+    ``sys.argv``, then exit with its code (:func:`.quick_exit.exit_without_final_gc`). A crash in
+    native code (SIGSEGV, SIGABRT) first writes every thread's Python stack to stderr, as a worker
+    rank does: a one-rank run trains in this process (its background checkpoint writer included)."""
+    import faulthandler
+
     from .quick_exit import exit_without_final_gc
 
+    faulthandler.enable(all_threads=True)
     exit_without_final_gc(main())
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import test_hooks
 from .checkpoint.full_state import capture_rng, restore_rng
 from .data.micro_batches import micro_batches
 from .distributed import DistEnv, global_sums
@@ -58,7 +59,7 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
 
 
 def evaluate_set(eval_set: EvalSet, micro_batch_loss: Callable[[dict | None], torch.Tensor], max_tokens: int,
-                 dist: DistEnv) -> EvalResult:
+                 dist: DistEnv, check: Callable[[int], None] | None = None, step: int = 0) -> EvalResult:
     """Evaluate one set (collective: every rank calls it, inside :func:`evaluation_mode`).
 
     Args:
@@ -66,17 +67,27 @@ def evaluate_set(eval_set: EvalSet, micro_batch_loss: Callable[[dict | None], to
             with None for this rank's empty micro-batch (fewer samples than micro-batches), which
             must still join the model's collectives and add 0.
         max_tokens: token budget of one micro-batch (``--max-tokens-per-gpu``).
+        check: called before each micro-batch with its index (every rank has as many):
+            :meth:`.checkpoint.requests.RequestPoller.stop_check`, which raises
+            :class:`.checkpoint.requests.StopRequested` to abandon the pass on a stop request.
+        step: the optimizer steps done (for the test hook :data:`.test_hooks.EVAL_DELAY_ENV`).
 
     Returns:
         the token-mean loss over every selected sample of the set (NaN if it is not finite).
 
     Raises:
         ValueError: a sample longer than ``max_tokens`` (as the packer raises it).
+        StopRequested: from ``check``.
     """
     start = time.perf_counter()
     loss_sum = torch.zeros((), dtype=torch.float64)
     loss_tokens = 0
-    for batch in micro_batches(eval_set.sample, eval_set.lengths, max_tokens, dist.world_size, dist.rank):
+    delay = test_hooks.eval_delay(step)
+    batches = micro_batches(eval_set.sample, eval_set.lengths, max_tokens, dist.world_size, dist.rank)
+    for m, batch in enumerate(batches):
+        if check is not None:
+            check(m)
+        time.sleep(delay)
         loss_sum += micro_batch_loss(batch).double().cpu()
         if batch is not None:
             loss_tokens += int(batch["num_loss_tokens"])

@@ -54,7 +54,7 @@ from .contract import (
     read_records,
 )
 from .exit_codes import stopped_by_signal
-from .failure_report import failure_paragraph
+from .failure_report import failure_paragraph, read_failures
 from .rundir import RunDir, write_text_atomic
 
 #: Signals that stop the job at once when on-demand checkpointing is off.
@@ -253,7 +253,7 @@ def launch(cfg: TrainConfig, console: Console, job_id: str, argv: list[str]) -> 
     if killed or (code != 0 and not (deadline and stopped)):
         cause = (f"No complete checkpoint within --checkpoint-grace-seconds {cfg.checkpoint_grace_seconds} after "
                  "the stop request: the launcher killed the worker group." if killed else None)
-        console.print(failure_paragraph(run_dir, job_id, code, failures, argv, cause),
+        console.print(failure_paragraph(run_dir, job_id, code, read_failures(failures), argv, cause),
                       markup=False, highlight=False, soft_wrap=True)
         return EXIT_FAILED
     return EXIT_STOPPED if stopped else EXIT_COMPLETED

@@ -24,7 +24,7 @@ from .checkpoint.full_state import (
 )
 from .checkpoint.export import Exporter
 from .checkpoint.manager import CheckpointManager
-from .checkpoint.requests import Request
+from .checkpoint.requests import Request, StopRequested
 from .checkpoint.signals import (
     Action,
 )
@@ -128,7 +128,7 @@ class Trainer:
         self._build_model_and_optimizer(start.resume)
         self.exporter = Exporter(cfg, self.dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
                                  self.tokenizer, self.device, self.loss, self._micro_batches, self.data.sizes,
-                                 self.data.weights)
+                                 self.data.weights, self.checkpoints.stop_check)
         context = MonitorContext(self.report, self.dist, self.run_dir, self.model, self.checkpoints,
                                  lambda batch: self.loss(batch, float64_sum=True), self.exporter.export,
                                  lambda path: self.checkpoints.restore(path, rollback=True), self.sampler.steps_per_epoch)
@@ -168,7 +168,9 @@ class Trainer:
     def _forward_backward(self, step: int, batches: MicroBatches, scale: float) -> tuple[torch.Tensor, list[int]]:
         """Forward and backward of this rank's micro-batches (loss scaled by ``scale``), polling for a
         request before the forward and before and after the backward of each. Returns every rank's
-        summed token loss (float64 on the device, by rank) and tokens (collective).
+        summed token loss (float64 on the device, by rank; with a router auxiliary loss
+        (:mod:`.router_loss`) each rank's cross-entropy sum and auxiliary term in turn) and tokens
+        (collective).
 
         Raises:
             StepInterrupted: a checkpoint request was agreed.
@@ -177,20 +179,24 @@ class Trainer:
             if request := self.checkpoints.poll(point, step, m):
                 raise StepInterrupted(request)
 
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # on the device: no sync per micro-batch
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (CE, router term); no sync per micro-batch
         num_tokens, inject = 0, self.monitor.injected(step)
         for m, batch in enumerate(batches):
             poll("before_forward", m)
             mb_loss = self.loss(batch)
             if m == 0 and inject in ("loss", "spike"):  # test hook (.test_hooks.DIVERGE_AT_ENV)
                 mb_loss = mb_loss * (float("nan") if inject == "loss" else 1000.0)
+            aux = self.loss.router_term(batch)
             poll("before_backward", m)
-            (mb_loss * scale).backward()
+            ((mb_loss if aux is None else mb_loss + aux) * scale).backward()
             poll("after_backward", m)
-            loss_sum += mb_loss.detach().double()
+            loss_sum[0] += mb_loss.detach().double()
+            if aux is not None:
+                loss_sum[1] += aux.detach().double()
             if batch is not None:
                 num_tokens += int(batch["num_tokens"])  # collate_packed's host tensor
-        gathered = gather_on_device(loss_sum), [int(t) for t in gather_float(num_tokens)]
+        gathered = (gather_on_device(loss_sum if self.loss.router_coef else loss_sum[0]).reshape(-1),
+                    [int(t) for t in gather_float(num_tokens)])
         if inject == "grad":
             local_tensor(next(p.grad for p in self.model.parameters() if p.grad is not None)).view(-1)[0] = float("nan")
         return gathered
@@ -205,7 +211,7 @@ class Trainer:
             StepInterrupted: a checkpoint request was agreed before the optimizer step.
         """
         cfg = self.cfg
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.checkpoints.waited_s  # a wait for a background write is a save's
         idx = np.asarray(indices, dtype=np.int64)
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
@@ -221,6 +227,7 @@ class Trainer:
         # The step's one host sync before the update: the divergence check needs the loss and the grad norm
         # (after it, a step between full orthogonality checks reads the bound: check_after_step).
         *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
+        router = self.loss.router_fields(losses, total_loss_tokens)
         loss = sum(losses) / total_loss_tokens  # the ranks' sums added in rank order, as global_sums does
         self.monitor.check_step(step, loss, grad_norm, lambda: self._lines(idx))
         lr = self.optimizer.param_groups[0]["lr"]  # what this update uses (also after a resume that changed it)
@@ -235,10 +242,11 @@ class Trainer:
                                               lambda: self.checkpoints.check(wait=True))
         if report and report.violating:
             self.report.warn(f"step {step}: orthogonality violations in {report.violating}")
-        return self.steps.fields(step, time.perf_counter() - start, loss=loss, grad_norm=grad_norm, lr=lr,
+        elapsed = time.perf_counter() - start - (self.checkpoints.waited_s - waited)
+        return self.steps.fields(step, elapsed, loss=loss, grad_norm=grad_norm, lr=lr,
                                  tokens_by_rank=tokens_by_rank, loss_tokens=total_loss_tokens, samples=len(indices),
                                  lengths_by_rank=batches.lengths_by_rank(), violations=report.violations if report else 0,
-                                 max_dev=report.max_dev_deg if report else None, forgetting=forgetting)
+                                 max_dev=report.max_dev_deg if report else None, forgetting=forgetting) | router
 
     def _lines(self, idx: np.ndarray) -> list[int]:
         return [int(self.data[int(i)]["line"]) for i in idx[:20]]
@@ -254,32 +262,36 @@ class Trainer:
         """
         cfg = self.cfg
         step, self.last_loss, self.last_checkpoint = self.start_step, float("nan"), None
-        self.monitor.start(step)
-        with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
-            while step < self.total_steps:
-                self.checkpoints.check()  # a failed background write ends the run here
-                position = self.monitor.position(step + 1)
-                rng_at_start, indices = capture_rng(), self.sampler.indices(position)
-                try:
-                    record = self.train_step(step + 1, indices)
-                except (StepInterrupted, Diverged) as cut:
-                    outcome = self._cut(cut, step, rng_at_start)
-                    if isinstance(outcome, RunEnd):
-                        return outcome
-                    step = outcome  # the step is replayed, or the run rolled back to a checkpoint
-                    continue
-                step += 1
-                self._record(step, position // self.sampler.steps_per_epoch, indices, record, progress)
-                end = self.monitor.after_step(step, final=step == self.total_steps)
-                request = self.checkpoints.poll("after_step", step)
-                self.last_checkpoint = self.checkpoints.save_if_due(step, request) or self.last_checkpoint
-                if request and request.action is Action.CHECKPOINT_AND_EXIT:
-                    return self._stopped(step, request)
-                if end is not None:
-                    return self._end_early(step, end)
-                if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
-                    progress.print(f"exported {self.exporter.export(step)}")
-        export_dir = self.exporter.export(step)
+        try:
+            self.monitor.start(step)
+            with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
+                while step < self.total_steps:
+                    self.checkpoints.check()  # a failed background write ends the run here
+                    position = self.monitor.position(step + 1)
+                    rng_at_start, indices = capture_rng(), self.sampler.indices(position)
+                    try:
+                        record = self.train_step(step + 1, indices)
+                    except (StepInterrupted, Diverged) as cut:
+                        outcome = self._cut(cut, step, rng_at_start)
+                        if isinstance(outcome, RunEnd):
+                            return outcome
+                        step = outcome  # the step is replayed, or the run rolled back to a checkpoint
+                        continue
+                    step += 1
+                    self._record(step, position // self.sampler.steps_per_epoch, indices, record, progress)
+                    end = self.monitor.after_step(step, final=step == self.total_steps)
+                    request = self.checkpoints.poll("after_step", step)
+                    self.last_checkpoint = self.checkpoints.save_if_due(step, request) or self.last_checkpoint
+                    if request and request.action is Action.CHECKPOINT_AND_EXIT:
+                        return self._stopped(step, request)
+                    if end is not None:
+                        return self._end_early(step, end)
+                    if cfg.hf_export_every_steps and step % cfg.hf_export_every_steps == 0 and step != self.total_steps:
+                        progress.print(f"exported {self.exporter.export(step)}")
+            export_dir = self.exporter.export(step)
+        except StopRequested as stop:  # agreed inside an evaluation or an export: that pass abandoned, not recorded
+            self.last_checkpoint = self.checkpoints.save(step, stop.request)
+            return self._stopped(step, stop.request)
         self.report.say(f"export: {export_dir}")
         self.checkpoints.answer_late(step)
         return self._finish(RunEnd(), step, export_dir=export_dir)
@@ -316,6 +328,14 @@ class Trainer:
         if step % self.cfg.logging_steps == 0 or step == self.total_steps:
             progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
                             self.counters["ortho_violations_total"], record["mfu"], self.monitor.console_stats())
+
+    def release(self) -> None:
+        """After a failure in process: free the background writer, give back the signal handlers and
+        the trigger directory, leave the process group (what :meth:`_finish` does at a normal end)."""
+        if self.checkpoints.checkpointer is not None:
+            self.checkpoints.checkpointer.close()
+        self.checkpoints.release()
+        shutdown_distributed()
 
     def _end_early(self, step: int, end: RunEnd) -> RunEnd:
         """End the run after ``step`` steps by an evaluation rule or a divergence: a full-state

@@ -13,15 +13,19 @@ from torch import nn
 
 from .data.tokenize import IGNORE_INDEX
 from .packed_attention import BOUNDS_KWARG
+from .router_loss import router_aux_coef, router_term
 
 
 class MicroBatchLoss:
     """``loss(batch, float64_sum=False)``: the summed token loss of ``batch`` through ``model`` on
     ``device``, each packed sample attending only to itself with ``packed_attention``
-    (:mod:`.packed_attention`)."""
+    (:mod:`.packed_attention`). With a router auxiliary loss (:mod:`.router_loss`: ``router_coef``
+    non-zero) each forward keeps transformers' ``aux_loss`` for :meth:`router_term`."""
 
     def __init__(self, model: nn.Module, device: torch.device, packed_attention: bool) -> None:
         self.model, self.device, self.packed_attention = model, device, packed_attention
+        self.router_coef = router_aux_coef(model.config)
+        self.last_aux_loss: torch.Tensor | None = None
 
     def __call__(self, batch: dict | None, float64_sum: bool = False) -> torch.Tensor:
         """Summed token loss of one packed micro-batch (float32 scalar, on the device; with
@@ -48,6 +52,7 @@ class MicroBatchLoss:
             logits_to_keep=keep.to(self.device),
             **bounds,
         )
+        self.last_aux_loss = getattr(out, "aux_loss", None)
         logits = out.logits
         losses = F.cross_entropy(
             logits.view(-1, logits.shape[-1]).float(),
@@ -55,3 +60,16 @@ class MicroBatchLoss:
             reduction="none" if float64_sum else "sum",
         )
         return losses.double().sum() if float64_sum else losses
+
+    def router_term(self, batch: dict | None) -> torch.Tensor | None:
+        """What the routers' auxiliary loss of the last forward (on ``batch``) adds to its summed
+        token loss (:func:`.router_loss.router_term`); None without one."""
+        return router_term(self.last_aux_loss, self.router_coef, batch)
+
+    def router_fields(self, losses: list[float], loss_tokens: int) -> dict[str, float]:
+        """The step record's ``ce_loss`` and ``router_aux_loss`` from the ranks' (CE sum, router
+        term) pairs in ``losses`` (empty without a router auxiliary loss)."""
+        if not self.router_coef:
+            return {}
+        return {"ce_loss": sum(losses[0::2]) / loss_tokens,
+                "router_aux_loss": sum(losses[1::2]) / loss_tokens / self.router_coef}

@@ -37,6 +37,8 @@ from .osft.plan import ForwardForm, ModulePlan, plan_table
 from .osft.projection import Projector
 from .osft.settings import OSFTSettings
 from .osft.surgery import Bases, OSFTModel, apply_osft, skeleton_osft, target_weights
+from .router_loss import describe as describe_router_loss
+from .router_loss import router_aux_coef
 from .osft.targets import describe_unconstrained, find_target_modules
 from .packed_attention import use_packed_attention
 from .sharding import shard_and_broadcast
@@ -203,6 +205,8 @@ def build_run_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype:
         report.say(why)
     if cfg.freeze_router:
         report.say(f"MoE routers frozen: {len(freeze_routers(model, cfg.model_name_or_path))} parameters")
+    if coef := router_aux_coef(model.config):
+        report.say(describe_router_loss(coef))
     report.say(count_parameters(model, osft).describe())
     if osft and env.rank == 0:
         warning, note = describe_unconstrained(model, [name for name, _ in osft.modules])

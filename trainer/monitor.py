@@ -235,7 +235,8 @@ class RunMonitor:
         print one line."""
         t = self.run
         with evaluation_mode(t.model):
-            results = [evaluate_set(s, t.loss, self.cfg.max_tokens_per_gpu, t.dist) for s in sets]
+            check = t.checkpoints.stop_check("eval", step)  # a stop abandons the pass: nothing recorded
+            results = [evaluate_set(s, t.loss, self.cfg.max_tokens_per_gpu, t.dist, check, step) for s in sets]
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]

@@ -25,6 +25,9 @@ SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
 #: itself) at that safe point of that step and micro-batch (0-based; ignored for after_step), and
 #: waits until the request is recorded, so the request is served exactly there.
 SIGNAL_AT_ENV = "OSFT_TEST_SIGNAL_AT"
+#: "SECONDS@STEP": each micro-batch of the evaluations after that step sleeps that long (a slow
+#: evaluation set: tests/test_evaluation.py, tests/test_resume.py).
+EVAL_DELAY_ENV = "OSFT_TEST_EVAL_DELAY_S"
 
 
 def warns_at(step: int, local_rank: int) -> bool:
@@ -59,3 +62,9 @@ def save_delay(step: int) -> float:
 def signals_at() -> list[list[str]]:
     """The ``[STEP, POINT, MICRO, SIGNAL]`` entries of :data:`SIGNAL_AT_ENV`, in order ([] when unset)."""
     return [spec.split(":") for spec in os.environ.get(SIGNAL_AT_ENV, "").split(",") if spec]
+
+
+def eval_delay(step: int) -> float:
+    """Seconds :data:`EVAL_DELAY_ENV` makes each micro-batch of the evaluations after ``step`` sleep (0.0: none)."""
+    seconds, _, at = (os.environ.get(EVAL_DELAY_ENV) or "0@0").partition("@")
+    return float(seconds) if int(at or 0) == step else 0.0

@@ -15,15 +15,17 @@ held from the first line of :func:`main`, before the training modules are import
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
-import traceback
 
 from rich.console import Console
 
 from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
-from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, Event
+from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, JOB_ID_ENV, Event
+from .failure_report import record_error
+from .rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +59,11 @@ def _main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
+    except Exception as exc:  # before the trainer has its metrics (a tracker that fails to import)
+        record_error(None, RunDir(cfg.output_dir).metrics, os.environ.get(JOB_ID_ENV, ""), exc, EXIT_FAILED)
+        console.print(f"osft worker: failed: {type(exc).__name__}: {exc}", markup=False, highlight=False,
+                      soft_wrap=True)
+        return EXIT_FAILED
     try:
         trainer.prepare()
         result = trainer.run()
@@ -66,8 +73,7 @@ def _main(argv: list[str]) -> int:
         return 2
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) else EXIT_FAILED
-        trainer.metrics.log(Event.ERROR, message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
-                            exit_code=code)
+        record_error(trainer.metrics, trainer.run_dir.metrics, trainer.job_id, exc, code)  # best effort: a full disk
         if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: as Python ends on them
             raise
         # One line here (a peer's death makes every other rank fail too); the launcher reports the

@@ -42,17 +42,21 @@ class Exporter:
         loss: the summed token loss of one packed micro-batch (None: this rank's empty one), run
             for the input Grams' forward passes; ``batches(idx)``: the training samples at positions
             ``idx`` as this run packs them; ``sizes``, ``weights``: samples per training source and
-            the mixture weights (None: drawn as one), for the calibration draw.
+            the mixture weights (None: drawn as one), for the calibration draw; ``stop_check(point,
+            step)``: the poll of a long pass (:meth:`.manager.CheckpointManager.stop_check`), which
+            abandons the input-Gram calibration on a stop (:class:`.requests.StopRequested`).
         report: the run's console and metrics (``subspaces_folded`` records).
     """
 
     def __init__(self, cfg: TrainConfig, dist: DistEnv, job_id: str, run_dir: RunDir, report: Reporter,
                  model: nn.Module, osft: OSFTModel | None, tokenizer, device: torch.device,
                  loss: Callable[[dict | None], torch.Tensor], batches: Callable[[np.ndarray], MicroBatches],
-                 sizes: list[int], weights: list[float] | None) -> None:
+                 sizes: list[int], weights: list[float] | None,
+                 stop_check: Callable[[str, int], Callable[[int], None] | None]) -> None:
         self.cfg, self.dist, self.job_id, self.run_dir, self.report = cfg, dist, job_id, run_dir, report
         self.model, self.osft, self.tokenizer, self.device = model, osft, tokenizer, device
         self.loss, self.batches, self.sizes, self.weights = loss, batches, sizes, weights
+        self.stop_check = stop_check
 
     def export(self, step: int, out: Path | None = None) -> str:
         """Write the dense HF export of the model after ``step`` steps to ``out`` (default
@@ -61,7 +65,7 @@ class Exporter:
         the shards. Returns its path."""
         out = out or self.run_dir.hf_export(step)
         state = full_state_dict(self.model)
-        inputs = self._input_bases(state) if self.osft and self.input_basis_modules()[0] else None
+        inputs = self._input_bases(state, step) if self.osft and self.input_basis_modules()[0] else None
         folds = self._fold_subspaces(state, inputs, step) if self.osft else None
         if self.dist.rank == 0:
             extra = None
@@ -132,7 +136,7 @@ class Exporter:
                       f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
         return folds
 
-    def _input_bases(self, state: dict[str, torch.Tensor]) -> InputBases:
+    def _input_bases(self, state: dict[str, torch.Tensor], step: int) -> InputBases:
         """The input bases of the modules :meth:`input_basis_modules` names, from their layer inputs
         over ``--osft-protect-input-samples`` training samples drawn with the run's seed
         (:func:`.osft.input_grams.calibration_indices`; :func:`.osft.input_grams.input_bases`: eval mode, this run's micro-batch plan, one pass per
@@ -145,8 +149,12 @@ class Exporter:
         def probe() -> None:
             self.loss(next(iter(batches)))
 
+        check = self.stop_check("export", step)
+
         def run(recording) -> None:
-            for batch in batches:
+            for m, batch in enumerate(batches):
+                if check:
+                    check(m)
                 recording(batch is not None)
                 self.loss(batch)
 

@@ -19,6 +19,7 @@ once, to ``frozen_<job_id>-<token>/``, and referenced.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
@@ -56,7 +58,7 @@ from .manifest import (
 )
 from .background import BackgroundWriter
 from .safe_load import SafeFileSystemReader, load_plain
-from .store import apply_retention, versions
+from .store import NO_ROOM_ERRNOS, apply_retention, newest_complete, no_room_line, versions
 from .trainer_state import TRAINER_STATE, TrainerState
 
 # One rank without a process group is a supported case (no_dist=True), not something to warn about.
@@ -113,7 +115,8 @@ class SavedCheckpoint:
     """A complete checkpoint just written: its step and directory, its size (bytes, frozen factors
     excluded), the time from the start of the save to its manifest (s), how long the training
     thread was blocked by it (s; ``seconds`` for a synchronous save, the staging time with
-    ``--async-checkpoint``), the bytes of the frozen factors written with it (0 when reused), and
+    ``--async-checkpoint``; both include the time training waited for the previous background
+    write before this save could begin, wherever it waited), the bytes of the frozen factors written with it (0 when reused), and
     what retention removed after it (rank 0; empty elsewhere)."""
 
     step: int
@@ -129,29 +132,106 @@ class SavedCheckpoint:
 class PendingSave:
     """A checkpoint being written in the background (:meth:`Checkpointer.save_async`): its step,
     its final directory (which exists only once it is complete), how long the training thread was
-    blocked staging it (s), and the write's future (a :class:`SavedCheckpoint`)."""
+    blocked by it (s: the wait for the previous write and the staging), the write's future (a
+    :class:`SavedCheckpoint`) and what is told how long :meth:`result` waited (s)."""
 
     step: int
     path: Path
     blocking_s: float
     future: Future
+    on_wait: Callable[[float], None]
 
     def done(self) -> bool:
         """True once the write has finished, complete or failed (never blocks)."""
         return self.future.done()
 
     def result(self) -> SavedCheckpoint:
-        """Wait for the write to finish.
+        """Wait for the write to finish; the time waited is handed to ``on_wait`` (the training
+        thread's wait, counted in the next save's ``blocking_s`` and kept out of the step's time).
 
         Raises:
             CheckpointWriteError: a rank's write failed; the checkpoint has no manifest.
         """
-        return self.future.result()
+        start = time.perf_counter()
+        try:
+            return self.future.result()
+        finally:
+            self.on_wait(time.perf_counter() - start)
 
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (a rank's file, DCP shard or the manifest failed); it got
-    no manifest, so it is never resumed from. The message names the checkpoint and every rank's error."""
+    no manifest, so it is never resumed from. The message names the checkpoint and every rank's error.
+
+    For lack of space or permission (:data:`.store.NO_ROOM_ERRNOS`) ``headline`` is the one line the
+    failure report starts with (:func:`.store.no_room_line`) and ``fields`` its numbers (``checkpoint``,
+    ``errno``, ``bytes_needed``, ``bytes_free``, ``newest_complete``); else both are empty."""
+
+    def __init__(self, message: str, headline: str | None = None, fields: dict | None = None) -> None:
+        super().__init__(message)
+        self.headline = headline
+        self.fields = fields or {}
+
+
+@dataclass(frozen=True)
+class _RankFailure:
+    """One rank's failed write, as gathered: its message and the errno of the ``OSError`` behind it (or 0)."""
+
+    message: str
+    errno: int
+
+
+def _rank_failure(rank: int, exc: BaseException) -> _RankFailure:
+    """``rank``'s failure from ``exc``; a DCP ``CheckpointException`` (whose text is every rank's
+    traceback) is told by the ``OSError`` behind it when there is one."""
+    found = os_error(exc)
+    shown = found if found is not None and isinstance(exc, CheckpointException) else exc
+    if isinstance(shown, CheckpointException):
+        first = next(iter(shown.failures.values()))[0]
+        shown = first
+    return _RankFailure(f"rank {rank}: {type(shown).__name__}: {shown}", found.errno if found is not None else 0)
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` with an errno in ``exc``, its causes and contexts, and the per-rank
+    failures of a DCP ``CheckpointException`` (None if there is none)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e
+        if isinstance(e, CheckpointException):
+            todo += [pair[0] for pair in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes of the file system of ``path`` (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def _nbytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (nested dicts and lists; a DTensor's local shard)."""
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        t = local_tensor(state)
+        return t.numel() * t.element_size()
+    return 0
 
 
 class Checkpointer:
@@ -179,6 +259,9 @@ class Checkpointer:
         self.frozen_keys = {f"{n}.{k}" for n, _ in osft.modules for k in FROZEN_PARAMS} if osft else set()
         #: name of the frozen store this run references (written at the first save, or the resumed one's)
         self.frozen_dir: str | None = None
+        #: seconds the training thread waited for background writes since the last save began
+        #: (:meth:`PendingSave.result`): the next save counts them in its ``blocking_s`` and ``seconds``
+        self.waited_s = 0.0
 
     # -- model ---------------------------------------------------------------------------------
     def _model_state(self) -> tuple[dict, dict]:
@@ -210,9 +293,13 @@ class Checkpointer:
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         if self.env.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            self._make_dir(tmp, final, _nbytes(frozen))
         barrier()
-        dcp.save(frozen, checkpoint_id=tmp, no_dist=not is_distributed())
+        try:
+            dcp.save(frozen, checkpoint_id=tmp, no_dist=not is_distributed())
+        except CheckpointException as exc:  # raised on every rank alike (DCP gathers the errors)
+            raise CheckpointWriteError(*self._failed(final, tmp, [_rank_failure(self.env.rank, exc)],
+                                                     _nbytes(frozen))) from None
         files = {k: v for e in self._gather(describe_files(tmp, self._my_files(tmp), self.env.rank)) for k, v in e.items()}
         if self.env.rank == 0:
             write_manifest(tmp, files, kind="frozen_osft_factors", job_id=self.job_id, keys=sorted(frozen))
@@ -234,14 +321,15 @@ class Checkpointer:
         Raises:
             CheckpointWriteError: on every rank when a rank's write failed (no manifest is written).
         """
-        start = time.perf_counter()
+        start = time.perf_counter() - self._take_wait()
         rest, frozen_bytes, tmp = self._begin(step)
+        optim = self._optimizer_state()
 
         def write() -> list[str]:
             dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
-            return self._write_rank_files(tmp, self._optimizer_state(), rng, trainer_state)
+            return self._write_rank_files(tmp, optim, rng, trainer_state)
 
-        return self._complete(step, tmp, write, None, start, None, frozen_bytes)
+        return self._complete(step, tmp, write, None, start, None, frozen_bytes, _nbytes(rest) + _nbytes(optim))
 
     def save_async(self, step: int, trainer_state: TrainerState, rng: dict[str, Any]) -> PendingSave:
         """Stage ``step_<step>`` on this thread and write it on the writer's thread (collective,
@@ -254,7 +342,7 @@ class Checkpointer:
 
         The frozen OSFT factors of a run's first save are still written on this thread (once per run).
         """
-        start = time.perf_counter()
+        start = time.perf_counter() - self._take_wait()
         rest, frozen_bytes, tmp = self._begin(step)
         model = self.writer.save_model(rest, tmp / "model")
         staged = self.writer.stage({"optimizer": self._optimizer_state(), "rng": rng})
@@ -265,9 +353,18 @@ class Checkpointer:
             model.result()
             return self._write_rank_files(tmp, staged["optimizer"], staged["rng"], state)
 
+        needed = _nbytes(rest) + _nbytes(staged["optimizer"])
         future = self.writer.submit(lambda: self._complete(step, tmp, write, self.writer.group, start, blocking,
-                                                           frozen_bytes))
-        return PendingSave(step, self.root / f"step_{step}", blocking, future)
+                                                           frozen_bytes, needed))
+        return PendingSave(step, self.root / f"step_{step}", blocking, future, self._add_wait)
+
+    def _add_wait(self, seconds: float) -> None:
+        self.waited_s += seconds
+
+    def _take_wait(self) -> float:
+        """The training thread's wait for the previous write (s), now counted by the save beginning."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
 
     def close(self) -> None:
         """Free what asynchronous saves hold (after the last one has finished)."""
@@ -282,9 +379,22 @@ class Checkpointer:
         tmp = self.root / f"step_{step}.tmp-{self.job_id}"
         if self.env.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "model").mkdir(parents=True)
+            self._make_dir(tmp / "model", self.root / f"step_{step}", _nbytes(rest))
         barrier()
         return rest, frozen_bytes, tmp
+
+    def _make_dir(self, path: Path, final: Path, needed: int) -> None:
+        """Rank 0: create ``path`` (and its parents) for the checkpoint ``final``.
+
+        Raises:
+            CheckpointWriteError: it cannot be created (:meth:`_failed`: one line for lack of space
+                or permission); torchrun then stops the peers waiting at the barrier.
+        """
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            tmp = path.parent if path.name == "model" else path
+            raise CheckpointWriteError(*self._failed(final, tmp, [_rank_failure(0, exc)], needed)) from None
 
     def _optimizer_state(self) -> dict:
         """This rank's AdamW state dict with its local shards of the moments (no DTensors)."""
@@ -310,40 +420,63 @@ class Checkpointer:
         return names
 
     def _complete(self, step: int, tmp: Path, write: Callable[[], list[str]], group: dist.ProcessGroup | None,
-                  start: float, blocking_s: float | None, frozen_bytes: int) -> SavedCheckpoint:
+                  start: float, blocking_s: float | None, frozen_bytes: int, local_bytes: int) -> SavedCheckpoint:
         """Run this rank's ``write`` (returns the names of the files it wrote besides the DCP
         shards), gather every rank's file entries (or error) over ``group``, and, when no rank
         failed, let rank 0 write the manifest, rename ``tmp`` to ``step_<step>`` and apply retention.
+        ``local_bytes``: what this rank's part needs on disk (for the report of a full disk).
 
         Raises:
-            CheckpointWriteError: on every rank, naming each rank's error, when a write failed.
+            CheckpointWriteError: on every rank, naming each rank's error, when a write failed
+                (:meth:`_failed`).
         """
         r = self.env.rank
         final = self.root / f"step_{step}"
         try:
             written = write()  # first: the DCP shards are listed once they are on disk
-            report: dict | str = describe_files(tmp, self._my_files(tmp, "model") + written, r)
-        except Exception as exc:  # every rank learns it below, so none writes a manifest or waits alone
-            report = f"rank {r}: {type(exc).__name__}: {exc}"
-        reports = self._gather(report, group)
-        errors = [e for e in reports if isinstance(e, str)]
-        outcome = [None]
-        if r == 0 and not errors:
+            report: dict | _RankFailure = describe_files(tmp, self._my_files(tmp, "model") + written, r)
+        except (Exception, CheckpointException) as exc:  # every rank learns it below: none writes a manifest or waits alone
+            report = _rank_failure(r, exc)
+        reports = self._gather((report, local_bytes), group)
+        failures = [e for e, _ in reports if isinstance(e, _RankFailure)]
+        outcome: list = [None]
+        if r == 0 and not failures:
             try:
-                self._write_manifest(step, tmp, final, {k: v for e in reports for k, v in e.items()})
+                self._write_manifest(step, tmp, final, {k: v for e, _ in reports for k, v in e.items()})
             except OSError as exc:
-                outcome = [f"rank 0: {type(exc).__name__}: {exc}"]
+                failures = [_rank_failure(0, exc)]
+        if r == 0 and failures:
+            outcome = [self._failed(final, tmp, failures, sum(b for _, b in reports))]
         if is_distributed():
             dist.broadcast_object_list(outcome, src=0, group=group)
-        errors += [outcome[0]] if outcome[0] else []
-        if errors:
-            raise CheckpointWriteError(f"checkpoint {final.name} was not written ({'; '.join(errors)}); it has no "
-                                       f"{MANIFEST}, so it is never resumed from: {tmp} is left for inspection")
-        size = sum(f["size"] for e in reports for f in e.values()) if r == 0 else 0
+        if outcome[0] is not None:
+            raise CheckpointWriteError(*outcome[0])
+        size = sum(f["size"] for e, _ in reports for f in e.values()) if r == 0 else 0
         seconds = time.perf_counter() - start
         removed = tuple(apply_retention(self.root, self.keep_last, self.frozen_dir)) if r == 0 else ()
         return SavedCheckpoint(step, final, size, seconds, seconds if blocking_s is None else blocking_s,
                                frozen_bytes, removed)
+
+    def _failed(self, final: Path, tmp: Path, failures: list[_RankFailure], needed: int) -> tuple[str, str | None, dict]:
+        """Rank 0, a write failed: the :class:`CheckpointWriteError` arguments. For lack of space or
+        permission the partial ``tmp`` is removed (it would keep the disk full) and the error gets
+        its one line with the bytes ``needed`` and free; else ``tmp`` is left for inspection."""
+        errors = "; ".join(f.message for f in failures)
+        no_room = next((f.errno for f in failures if f.errno in NO_ROOM_ERRNOS), 0)
+        if not no_room and _free_bytes(self.root) < needed - _tree_bytes(tmp):
+            no_room = errno.ENOSPC  # a short write with no errno (torch.save's zip writer): what is left does not fit
+        if not no_room:
+            return (f"checkpoint {final.name} was not written ({errors}); it has no {MANIFEST}, so it is never "
+                    f"resumed from: {tmp} is left for inspection", None, {})
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = _free_bytes(self.root)
+        newest, _skipped = newest_complete(self.root)
+        line = no_room_line(final.name, no_room, self.root, needed, free, newest.name if newest else None)
+        fields = {"checkpoint": final.name, "errno": no_room, "bytes_needed": needed, "bytes_free": free,
+                  "newest_complete": str(newest) if newest else None}
+        removed = f"{tmp} was removed" if not tmp.exists() else f"{tmp} could not be removed"
+        return (f"checkpoint {final.name} was not written ({errors}); it has no {MANIFEST}, so it is never "
+                f"resumed from: {removed}", line, fields)
 
     def _write_manifest(self, step: int, tmp: Path, final: Path, files: dict[str, dict]) -> None:
         """Rank 0: the manifest (last, after every rank's files are on disk), then ``tmp`` renamed to ``final``."""

@@ -149,6 +149,17 @@ class CheckpointManager:
         self.report.say(f"resumed from {path} at step {step}")
         return step
 
+    @property
+    def waited_s(self) -> float:
+        """Seconds training has waited for background writes since the last save began (the next
+        save's ``blocking_s``: :attr:`.full_state.Checkpointer.waited_s`)."""
+        return self.checkpointer.waited_s if self.checkpointer is not None else 0.0
+
+    def stop_check(self, point: str, step: int) -> Callable[[int], None] | None:
+        """The poll of a long pass after ``step`` steps (:meth:`.requests.RequestPoller.stop_check`;
+        None without ``--on-demand-checkpointing``)."""
+        return self.poller.stop_check(point, step) if self.poller else None
+
     def poll(self, point: str, step: int, micro: int = 0) -> Request | None:
         """The request agreed at safe point ``point`` (None: none, or no ``--on-demand-checkpointing``)."""
         return self.poller.poll(point, step, micro) if self.poller else None

@@ -30,9 +30,12 @@ The rule (README, "Checkpoints, signals and resume"):
   after that checkpoint with exit code 75; a plain checkpoint request (SIGUSR1,
   ``control/checkpoint``) lets training go on. A request during start-up is served at the first
   safe point (before the forward of the first step): a stop writes a complete checkpoint of the
-  start step (0 for a fresh run) and exits 75. A request that arrives after the last step's
-  safe point (during the final export, or when a resumed run has no step left) is answered by
-  the run completing: exit code 0 and the final export, nothing left to resume; the run says so.
+  start step (0 for a fresh run) and exits 75. A stop agreed inside a long pass (an evaluation or
+  retention pass, an export's input-Gram calibration: :meth:`RequestPoller.stop_check`) abandons
+  the pass and is served by a checkpoint of the last complete step. Any other request that arrives
+  after the last step's safe point (during the final export, or when a resumed run has no step
+  left) is answered by the run completing: exit code 0 and the final export, nothing left to
+  resume; the run says so.
   Every exit code: :mod:`..exit_codes`.
 """
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +72,16 @@ class Request:
     @property
     def signal(self) -> str:
         return signal_name(self.signum)
+
+
+class StopRequested(Exception):
+    """A checkpoint-and-exit request agreed inside a long pass (:meth:`RequestPoller.stop_check`):
+    the pass is abandoned (an evaluation is not recorded, an export not written) and the caller
+    serves ``request`` with a checkpoint of the last complete step."""
+
+    def __init__(self, request: Request) -> None:
+        super().__init__(request.signal)
+        self.request = request
 
 
 class RequestPoller:
@@ -115,6 +129,21 @@ class RequestPoller:
             return None
         self._seen = ([t.path for t in triggers], [(path, mtime) for path, _action, mtime in controls])
         return Request(Action(code // 256), code % 256, point)
+
+    def stop_check(self, point: str, step: int) -> Callable[[int], None]:
+        """The poll of a long pass (an evaluation or retention pass, the input-Gram calibration of an
+        export; docs/architecture.md, "Long passes"): ``check(micro)`` polls at ``point`` (every rank
+        at the same micro-batch ``micro`` of the pass after ``step`` steps: collective) and raises
+        :class:`StopRequested` when a checkpoint-and-exit request is agreed, so the pass is
+        abandoned and the stop served by a checkpoint of ``step`` within one micro-batch. A plain
+        checkpoint request stays pending (its files are kept) until the next safe point of training."""
+
+        def check(micro: int) -> None:
+            request = self.poll(point, step, micro)
+            if request is not None and request.action is Action.CHECKPOINT_AND_EXIT:
+                raise StopRequested(request)
+
+        return check
 
     def claim(self) -> Seen:
         """Hand the requests this rank saw when the last request was agreed to a checkpoint written

@@ -13,7 +13,9 @@ Layout (docs/architecture.md section 5)::
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -155,6 +157,61 @@ def check_shared(root: Path, rank: int, hostname: str) -> None:
             f"checkpoint directory {root} is not visible from {', '.join(blind)}: it must be on storage shared by "
             "every node (a file rank 0 wrote there could not be read)"
         )
+
+
+#: Errors of a save that mean the checkpoint root has no room for it (space, quota) or cannot be
+#: written (read-only, permission): the partial checkpoint is removed and one line says so.
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def megabytes(n: int | None) -> str:
+    """``51.2 MB`` (``?`` for None)."""
+    return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def no_room_line(name: str, code: int, root: Path, needed: int, free: int | None, newest: str | None) -> str:
+    """The one line a save that failed for lack of space or permission gives, e.g. ``checkpoint
+    step_3 not written: no space left on device (errno 28, ENOSPC) in <root>: about 51.2 MB needed,
+    17.9 MB free; newest complete: step_2``."""
+    what = os.strerror(code)
+    return (f"checkpoint {name} not written: {what[:1].lower()}{what[1:]} (errno {code}, {errno.errorcode[code]}) "
+            f"in {root}: about {megabytes(needed)} needed, {megabytes(free)} free; newest complete: {newest or 'none'}")
+
+
+def remove_orphans(root: Path) -> list[tuple[str, int]]:
+    """Remove the partial checkpoints under ``root`` (``step_<N>.tmp-<job>``, ``step_<N>.replaced-<job>``,
+    ``frozen_*.tmp``) that a job left when it died; called before the next job of the run starts
+    (the run directory is then owned by no live job: :mod:`..ownership`). Returns ``(name, bytes)``
+    of each, in name order."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and (".tmp-" in p.name or ".replaced-" in p.name or (p.name.startswith("frozen_")
+                                                                          and p.name.endswith(".tmp"))):
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append((p.name, size))
+    return removed
+
+
+def room_problem(root: Path) -> str | None:
+    """Why a run that checkpoints to ``root`` cannot start: its free space is below the size of
+    the newest checkpoint there with a manifest (what the next save needs: retention removes old
+    ones only after it); None when there is room or no checkpoint to size it by."""
+    for _step, newest in step_dirs(root):
+        try:
+            needed = sum(f["size"] for f in read_manifest(newest).files.values())
+            break
+        except CheckpointError:
+            continue
+    else:
+        return None
+    free = shutil.disk_usage(root).free
+    if free >= needed:
+        return None
+    return (f"no space left for a checkpoint in {root}: {megabytes(free)} free, a checkpoint of this run needs "
+            f"about {megabytes(needed)} (as {newest.name}); free space there, then start again")
 
 
 def versions() -> dict[str, str]:

@@ -32,7 +32,7 @@ from . import template_text
 from .shapes import detect_shape
 from .sources import json_lines, location_unit, read_rows, source_kind
 from .template_text import BEFORE_ASSISTANT, SYSTEM_PROMPT
-from .tokenize import DataReport, SpanFinder, _apply_policy, _label_batch, _samples
+from .labels import DataReport, SpanFinder, _apply_policy, _label_batch, _samples
 from .validate import Problem, scan_row, template_requires_alternation
 
 #: Target size of one JSON Lines shard (bytes of the source).
