@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def demo_assets(demo_dir: str | Path | None):
-    """SmolLM2-135M-Instruct and the chit-chat data (``osft.trainer.demo_assets.DemoAssets``).
+    """SmolLM2-135M-Instruct and the chit-chat data (``osft.trainer.tools.demo_assets.DemoAssets``).
 
     Looked up in ``demo_dir``, else ``$OSFT_DEMO_DIR``, else the test suite's cache
     (``.pytest_cache/d/osft-demo``) when complete, else ``fetch_demo()``'s default location; fetched
@@ -18,7 +18,7 @@ def demo_assets(demo_dir: str | Path | None):
     Raises:
         DemoFetchError: the assets are missing and cannot be downloaded.
     """
-    from osft.trainer.demo_assets import fetch_demo
+    from osft.trainer.tools.demo_assets import fetch_demo
 
     if demo_dir is None and not os.environ.get("OSFT_DEMO_DIR"):
         cached = REPO / ".pytest_cache" / "d" / "osft-demo"  # where the test suite keeps them

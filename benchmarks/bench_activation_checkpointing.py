@@ -14,7 +14,7 @@ the worker, fp32 on CPU:
 - ``step_time_s``: wall time of the step (the first step of the process: forward, backward with
   the recompute, projections, AdamW).
 - ``loss`` and ``grad_norm``: equal with and without (the recompute changes no value).
-- ``flops_per_s`` and ``mfu``: the step record's model FLOP/s and MFU (``osft.trainer.flops``, PaLM
+- ``flops_per_s`` and ``mfu``: the step record's model FLOP/s and MFU (``osft.trainer.observe.flops``, PaLM
   appendix B; the recompute's FLOPs are not model FLOPs) against the fp32 GEMM peak the trainer
   measured in the same worker at start-up (``gemm_peak_flops_per_s``).
 
@@ -72,7 +72,7 @@ def worker_main(spec_path: str) -> int:
 
     from osft.trainer.config import TrainConfig
     from osft.trainer.data.packing import plan_micro_batches
-    from osft.trainer.loop import Trainer
+    from osft.trainer.run.loop import Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = TrainConfig(spec["model_dir"], spec["data_path"], spec["run_dir"], max_seq_len=spec["tokens"],

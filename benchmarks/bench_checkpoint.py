@@ -89,7 +89,7 @@ def tiny_model(directory: Path, hidden: int, layers: int) -> Path:
 
 def demo_model() -> Path | None:
     """The demo model directory when it has been fetched already (never downloads)."""
-    from osft.trainer.demo_assets import DEMO_DIR_ENV, MODEL_DIRNAME, default_demo_dir
+    from osft.trainer.tools.demo_assets import DEMO_DIR_ENV, MODEL_DIRNAME, default_demo_dir
 
     model = Path(os.environ.get(DEMO_DIR_ENV) or default_demo_dir()) / MODEL_DIRNAME
     return model if (model / "model.safetensors").is_file() else None
@@ -97,7 +97,7 @@ def demo_model() -> Path | None:
 
 def train(model: Path, data: Path, out: Path, *flags: str) -> tuple[list[dict], float]:
     """Run ``osft-train`` (one rank) and return its metrics records and its start time (unix s)."""
-    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "4", "--max-seq-len", "256", "--max-tokens-per-gpu", "1024",
            "--osft-unfreeze-rank-ratio", str(URR), "--save-dtype", "float32", *flags]
     start = time.time()

@@ -36,7 +36,7 @@ import json, resource, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
 from osft.trainer.data.cache import tokenize_chat_file_cached
-from osft.trainer.model_loading import load_tokenizer
+from osft.trainer.model.loading import load_tokenizer
 path, model, cache, max_seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tok = load_tokenizer(model)
 t1 = time.perf_counter()
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--work-dir", type=Path, default=None, help="where the repeated files go (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_data.json")
     args = parser.parse_args(argv)
-    from osft.trainer.demo_assets import fetch_demo
+    from osft.trainer.tools.demo_assets import fetch_demo
 
     demo = fetch_demo()
     work = Path(tempfile.mkdtemp(prefix="bench-data-", dir=args.work_dir))

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from osft.trainer.data.cache import tokenize_source
     from osft.trainer.data.fingerprint import run_inputs
     from osft.trainer.data.mixture import tokenize_for_run
-    from osft.trainer.model_loading import load_tokenizer
+    from osft.trainer.model.loading import load_tokenizer
 
     demo = demo_assets(args.demo_dir)
     tokenizer = load_tokenizer(demo.model_dir)

@@ -62,7 +62,7 @@ def launch_phases(tree: Path, model: Path, data: Path, out: Path) -> dict[str, f
     Raises:
         RuntimeError: the run failed or printed none of the lines a phase ends on.
     """
-    cmd = [str(tree / ".venv/bin/python"), "-m", "osft.trainer.cli", "--model-name-or-path", str(model),
+    cmd = [str(tree / ".venv/bin/python"), "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model),
            "--data-path", str(data), "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64",
            "--max-seq-len", "64", "--max-steps", "2", "--nproc-per-node", "2", "--overwrite-output-dir"]
     start = time.time()

@@ -34,7 +34,7 @@ def packed_batch(assets, tokens: int) -> dict:
     """One packed micro-batch of the demo's training rows, at most ``tokens`` tokens."""
     from osft.trainer.data.collate import collate_packed
     from osft.trainer.data.tokenize import tokenize_chat_file
-    from osft.trainer.model_loading import load_tokenizer
+    from osft.trainer.model.loading import load_tokenizer
 
     data = tokenize_chat_file(assets.train_path, load_tokenizer(assets.model_dir), 256)
     chosen, total = [], 0
@@ -55,7 +55,7 @@ def loss_all_positions(model, batch) -> torch.Tensor:
 
 
 def loss_trained_positions(model, batch) -> torch.Tensor:
-    """The head only on the trained positions (what ``osft.trainer.micro_batch_loss.MicroBatchLoss`` does)."""
+    """The head only on the trained positions (what ``osft.trainer.run.micro_batch_loss.MicroBatchLoss`` does)."""
     keep = (batch["labels"][0] != -100).nonzero().squeeze(1)
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                    logits_to_keep=keep).logits
@@ -63,7 +63,7 @@ def loss_trained_positions(model, batch) -> torch.Tensor:
 
 
 def main() -> None:
-    from osft.trainer.demo_assets import fetch_demo
+    from osft.trainer.tools.demo_assets import fetch_demo
     from rich.console import Console
     from transformers import AutoModelForCausalLM
 

@@ -3,7 +3,7 @@
 Runs ``osft-train`` for a few steps (tiny random model and SmolLM2-135M-Instruct from the demo
 assets; 1 and 2 ranks; OSFT and ``--no-osft``), samples every 0.05 s the RSS of each worker process
 (the ranks, ``osft.trainer.worker``), and compares the largest with
-:func:`osft.trainer.memory_plan.estimate` for the same settings (relative error; the goal is 15 %).
+:func:`osft.trainer.tools.memory_plan.estimate` for the same settings (relative error; the goal is 15 %).
 
     python benchmarks/bench_memory_plan.py --out benchmarks/results/memory_plan.json
 """
@@ -44,7 +44,7 @@ def peak_rank_rss(cmd: list[str], env: dict) -> tuple[int, int]:
         for child in children:
             try:
                 cmdline = child.cmdline()
-                if "osft.trainer.worker" in cmdline and "osft.trainer.agent" not in " ".join(cmdline):
+                if "osft.trainer.worker" in cmdline and "osft.trainer.launch.agent" not in " ".join(cmdline):
                     peak = max(peak, child.memory_info().rss)
             except psutil.Error:
                 pass
@@ -60,8 +60,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from helpers import QA, chat, save_tiny_model, write_jsonl
 
-    from osft.trainer.demo_assets import fetch_demo
-    from osft.trainer.memory_plan import estimate
+    from osft.trainer.tools.demo_assets import fetch_demo
+    from osft.trainer.tools.memory_plan import estimate
 
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
         for case in args.cases:
             name, world, method = case.split(":")
             world, osft = int(world), method == "osft"
-            cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(models[name]),
+            cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(models[name]),
                    "--data-path", str(data), "--output-dir", str(tmp / case.replace(":", "_")), "--max-steps",
                    str(args.steps), "--batch-size", "8", "--max-seq-len", str(SEQ), "--max-tokens-per-gpu", str(TOKENS),
                    "--nproc-per-node", str(world), "--device", "cpu", "--no-data-cache",

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
-from osft.trainer.plot import plot_run
-from osft.trainer.outcome import read_outcome
+from osft.trainer.observe.plot import plot_run
+from osft.trainer.observe.outcome import read_outcome
 from osft.trainer.rundir import RunDir
 run = sys.argv[1]
 t1, c1 = time.perf_counter(), time.process_time()

@@ -4,7 +4,7 @@ change must not make start-up slower).
 Measured per checkout, with Python's bytecode cache warm (a first import writes it):
 
 - ``import osft.tui.app`` (what ``osft-tui`` imports before its first frame), ``import
-  osft.trainer.cli`` and ``osft-train --help``;
+  osft.trainer.launch.cli`` and ``osft-train --help``;
 - **instructions executed** (valgrind's cachegrind, ``I refs``; hash seed fixed): the same on a busy
   or a quiet machine to about 0.01 %, so a change of 1 % is visible where wall times on this shared
   2-core machine spread by 50 %; skipped when valgrind is not installed;
@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "bench_startup.json"
 #: What is measured: name -> the interpreter's arguments.
 COMMANDS = {"import osft.tui.app": ["-c", "import osft.tui.app"],
-            "import osft.trainer.cli": ["-c", "import osft.trainer.cli"],
-            "osft-train --help": ["-m", "osft.trainer.cli", "--help"]}
+            "import osft.trainer.launch.cli": ["-c", "import osft.trainer.launch.cli"],
+            "osft-train --help": ["-m", "osft.trainer.launch.cli", "--help"]}
 
 
 def _env() -> dict[str, str]:

@@ -15,7 +15,7 @@ Every method runs in its own worker subprocess (so its peak RSS is its own). The
 after the other (each: load, decompose, :data:`WARMUP_STEPS` warm-up steps), then the timed steps run interleaved in
 rounds, A B C D E A B C D E ..., so that noise on a shared machine hits all of them alike. Ratios are taken
 against ``full_ft`` from medians of the same run. Each method's achieved model FLOP/s and MFU
-(``osft.trainer.flops``: the same PaLM formula for every method) are taken against the fp32 GEMM
+(``osft.trainer.observe.flops``: the same PaLM formula for every method) are taken against the fp32 GEMM
 peak measured in this process just before and after the rounds, with the workers' thread count
 (the higher of the two: on a loaded machine the least disturbed measurement).
 
@@ -99,7 +99,7 @@ class TrainerRunner:
         from rich.console import Console
 
         from osft.trainer.config import TrainConfig
-        from osft.trainer.loop import Trainer
+        from osft.trainer.run.loop import Trainer
 
         cfg = TrainConfig(**_train_config_kwargs(spec), osft=osft)
         self.trainer = Trainer(cfg, console=Console(stderr=True), job_id=f"bench-{spec['method']}")
@@ -171,8 +171,8 @@ class PlainHFRunner:
 
         from osft.trainer.config import TrainConfig
         from osft.trainer.data.mixture import tokenize_for_run
-        from osft.trainer.loop import seed_everything
-        from osft.trainer.model_loading import load_tokenizer
+        from osft.trainer.run.loop import seed_everything
+        from osft.trainer.model.loading import load_tokenizer
 
         cfg = TrainConfig(**_train_config_kwargs(spec), osft=False)
         seed_everything(cfg.seed)
@@ -413,11 +413,11 @@ def prepare_smollm2(root: Path, demo_dir: str | None, data_lines: int) -> tuple[
 
 
 def gemm_peak(threads: int | None) -> float:
-    """The fp32 GEMM peak of this process (FLOP/s, :func:`osft.trainer.matmul_peak.measure_matmul_peak`),
+    """The fp32 GEMM peak of this process (FLOP/s, :func:`osft.trainer.observe.matmul_peak.measure_matmul_peak`),
     with ``threads`` torch threads (the workers' setting; None: torch's default)."""
     import torch
 
-    from osft.trainer.matmul_peak import measure_matmul_peak
+    from osft.trainer.observe.matmul_peak import measure_matmul_peak
 
     if threads:
         torch.set_num_threads(int(threads))
@@ -531,8 +531,8 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path, console) -> dict
                                                 sample_lengths=ready["lengths"], indices=ready["indices"]),
                    load_avg_1min_at_round_start=round_load, methods={}, ratios_vs_full_ft={},
                    gemm_peak_flops_per_s=max(peaks), gemm_peak_samples_flops_per_s=peaks)
-    from osft.trainer.flops import flop_model, mfu
-    from osft.trainer.model_loading import load_config
+    from osft.trainer.observe.flops import flop_model, mfu
+    from osft.trainer.model.loading import load_config
 
     flops = flop_model(load_config(model_dir))
     step_flops = flops.step_flops(ready["lengths"])

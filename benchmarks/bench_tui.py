@@ -75,7 +75,7 @@ DRAIN_TIMEOUT_S = 300.0
 
 
 def step_fields(step: int, node: int, per_s: float) -> dict:
-    """The numbers of one ``step`` record, in the order ``osft.trainer.loop`` writes them (as
+    """The numbers of one ``step`` record, in the order ``osft.trainer.run.loop`` writes them (as
     ``tests/fake_trainer.py``); ``node_tokens_per_s`` changes every step, so a stale value shows."""
     step_time = 1.0 / per_s
     node_tokens = 1000 + 7 * (step % 50) + 100 * node

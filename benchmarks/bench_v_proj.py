@@ -166,7 +166,7 @@ def run_proj(args) -> dict:
 
 def run_e2e(args) -> dict:
     """Part 2: SmolLM2 OSFT on 2 ranks with each mode; tokens/s from the metrics."""
-    from osft.trainer.demo_assets import fetch_demo
+    from osft.trainer.tools.demo_assets import fetch_demo
 
     assets = fetch_demo(Path(args.demo_dir) if args.demo_dir else None)
     flags = {"gram": ["--osft-v-projection", "gram"], "factored": ["--no-osft-cache-v-high"], "cached": ["--osft-cache-v-high"]}

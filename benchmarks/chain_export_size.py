@@ -28,7 +28,7 @@ SHAPES = {
 
 def chain(model_dir: str, runs: int, urr: float, cap: float) -> dict:
     """Per run: directions added and bytes added (float32, float16) over every target, and the model's bf16 bytes."""
-    from osft.trainer.model_build import meta_model, target_shapes
+    from osft.trainer.model.build import meta_model, target_shapes
     from osft.trainer.osft.plan import plan_module
     from osft.trainer.osft.protect import fold_cap
 
@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from transformers import LlamaConfig
 
-    from osft.trainer.demo_assets import default_demo_dir
+    from osft.trainer.tools.demo_assets import default_demo_dir
 
     models = {}
     smol = default_demo_dir() / "smollm2-135m-instruct"

@@ -134,7 +134,7 @@ def prepare_data(args, work: Path, console) -> dict:
     from assets import demo_assets
     from continual_learning import foldoc, trivia, wordnet
 
-    from osft.trainer.retention_set import chat_prompts
+    from osft.trainer.tools.retention_set import chat_prompts
 
     data_dir = args.data_dir or Path(platformdirs.user_cache_dir("osft")) / "continual"
     assets = demo_assets(args.demo_dir)
@@ -173,8 +173,8 @@ def make_probes(data: dict, base_dir: Path, work: Path, args):
     from continual_learning.evaluate import Probes, choice_samples, text_samples
 
     from osft.trainer.data.tokenize import tokenize_chat_file
-    from osft.trainer.model_loading import load_tokenizer
-    from osft.trainer.retention_set import make_retention_set
+    from osft.trainer.model.loading import load_tokenizer
+    from osft.trainer.tools.retention_set import make_retention_set
 
     made = make_retention_set(base_dir, work / "r1.jsonl", data["r1_prompts"], args.r1_max_new_tokens,
                               args.gen_batch, seed=0)
@@ -197,7 +197,7 @@ def measure(model_dir: Path, probes, parts: tuple[str, ...], args) -> dict:
     import torch
     from continual_learning.evaluate import evaluate
 
-    from osft.trainer.model_loading import load_model, load_tokenizer
+    from osft.trainer.model.loading import load_model, load_tokenizer
 
     start = time.perf_counter()
     model = load_model(model_dir, torch.float32, "cpu")

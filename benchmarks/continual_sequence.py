@@ -148,8 +148,8 @@ def evaluate(model_dir: Path, specs, files: dict, args) -> dict:
     from continual_learning.evaluate import sample_nll
     from continual_learning.trivia import is_compliant
     from osft.trainer.data.tokenize import tokenize_chat_file
-    from osft.trainer.model_loading import load_model, load_tokenizer
-    from osft.trainer.retention_set import greedy_replies
+    from osft.trainer.model.loading import load_model, load_tokenizer
+    from osft.trainer.tools.retention_set import greedy_replies
 
     model = load_model(model_dir, torch.float32, "cpu").eval()
     tokenizer = load_tokenizer(model_dir)

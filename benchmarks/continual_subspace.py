@@ -55,7 +55,7 @@ def run_urr(urr: float, args, data_path: Path, model_dir: Path, work: Path) -> d
     from rich.console import Console
 
     from osft.trainer.config import TrainConfig
-    from osft.trainer.loop import Trainer
+    from osft.trainer.run.loop import Trainer
 
     cfg = TrainConfig(model_name_or_path=str(model_dir), data_path=str(data_path), output_dir=str(work / f"urr{urr}"),
                       max_seq_len=args.max_seq_len, overlong="truncate", batch_size=args.batch, max_tokens_per_gpu=1024,

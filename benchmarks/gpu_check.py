@@ -11,7 +11,7 @@ small tokenizer and synthetic chats. Then, with ``osft-train`` processes on the 
    equal the reference bit for bit: losses, gradient norms and ``state_sha256`` (every parameter
    and AdamW tensor, CUDA generator states restored);
 3. full fine-tuning (``--no-osft``) for 10 steps;
-4. ``osft-train estimate-memory``'s peak per rank (:func:`osft.trainer.memory_plan.estimate`) for the
+4. ``osft-train estimate-memory``'s peak per rank (:func:`osft.trainer.tools.memory_plan.estimate`) for the
    OSFT and full fine-tuning runs, against their peak ``gpu_mem_bytes`` (relative error; goal 15 %).
 
 (A served request leaving the trajectory unchanged, and stops with exit code 75, are checked on CPU
@@ -74,7 +74,7 @@ from machine import machine_info  # noqa: E402
 def find_model(root: Path, smoke: bool) -> tuple[Path, Path, str]:
     """(model dir, chat jsonl, description): the prepared demo assets if complete, else a random model."""
     if not smoke:
-        from osft.trainer.demo_assets import default_demo_dir, fetch_demo
+        from osft.trainer.tools.demo_assets import default_demo_dir, fetch_demo
 
         for d in (os.environ.get("OSFT_DEMO_DIR"), default_demo_dir(), REPO / ".pytest_cache" / "d" / "osft-demo"):
             if d and (Path(d) / ".complete").exists():  # fetch_demo then only returns the paths
@@ -94,7 +94,7 @@ def train(args: list[str], out: Path, env: dict, stop_after: int | None = None) 
     step's record is written. Returns (exit code, step records)."""
     from osft.trainer.contract import read_records
 
-    cmd = [sys.executable, "-m", "osft.trainer.cli", *args, "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", *args, "--output-dir", str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     metrics = out / "metrics" / "node0.jsonl"
     while stop_after is not None and proc.poll() is None:
@@ -119,7 +119,7 @@ def summary(records: list[dict]) -> dict:
 def memory_estimates(model_dir: Path, smoke: bool, runs: dict[str, list[dict]], tokens: int) -> dict:
     """Per method: the estimator's peak per rank, the measured peak ``gpu_mem_bytes`` (None on CPU)
     and the relative error of the estimate."""
-    from osft.trainer.memory_plan import estimate
+    from osft.trainer.tools.memory_plan import estimate
 
     out = {}
     for method, records in runs.items():

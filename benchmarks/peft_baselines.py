@@ -90,10 +90,10 @@ class PeftTrainer:
 
         from osft.trainer.data.sampler import GlobalBatchSampler
         from osft.trainer.data.mixture import tokenize_for_run
-        from osft.trainer.loop import seed_everything
-        from osft.trainer.run_start import shifted_loss_tokens
-        from osft.trainer.model_loading import load_model, load_tokenizer
-        from osft.trainer.packed_attention import use_packed_attention
+        from osft.trainer.run.loop import seed_everything
+        from osft.trainer.run.start import shifted_loss_tokens
+        from osft.trainer.model.loading import load_model, load_tokenizer
+        from osft.trainer.model.packed_attention import use_packed_attention
 
         self.cfg = cfg
         seed_everything(cfg.seed)
@@ -130,7 +130,7 @@ class PeftTrainer:
         from osft.trainer.data.collate import collate_packed
         from osft.trainer.data.packing import plan_micro_batches
         from osft.trainer.data.tokenize import IGNORE_INDEX
-        from osft.trainer.packed_attention import BOUNDS_KWARG
+        from osft.trainer.model.packed_attention import BOUNDS_KWARG
 
         start = time.perf_counter()
         idx = np.asarray(indices, dtype=np.int64)

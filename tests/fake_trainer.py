@@ -8,7 +8,7 @@ get a live run within a fraction of a second, on any machine.
 Contract followed (docs/architecture.md):
 
 - section 3, run directory: ``run.json`` / ``run.node<N>.json`` written through
-  :class:`osft.trainer.rundir.RunDir` with the fields of ``osft.trainer.cli._train`` (state
+  :class:`osft.trainer.rundir.RunDir` with the fields of ``osft.trainer.launch.cli._train`` (state
   starting → running → checkpointing → stopped | failed | completed, exit code);
   ``metrics/node<N>.jsonl`` written by each node's local rank 0, ``metrics/rank<R>.jsonl`` for
   the other ranks' ``run_started``/``warning``/``error``; per-rank ``stdout.log``/``stderr.log``
@@ -18,7 +18,7 @@ Contract followed (docs/architecture.md):
 - section 4, metrics records: every record has ``ts``, ``event``, ``node_rank``, ``rank``,
   ``local_rank``, ``world_size``, ``hostname``, ``job_id``; ``step``, ``run_started``,
   ``checkpoint_requested``, ``checkpoint_saved``, ``resumed``, ``warning``, ``error`` and
-  ``run_finished`` carry the same fields, in the same order, as ``osft.trainer.loop`` writes.
+  ``run_finished`` carry the same fields, in the same order, as ``osft.trainer.run.loop`` writes.
 - section 6, signals and control files: the launcher and (with ``--on-demand-checkpointing``)
   every rank install handlers for the seven checkpoint signals that only record the request in
   the job's :class:`~osft.trainer.checkpoint.signals.TriggerDir`; ``control/checkpoint`` and
@@ -155,7 +155,7 @@ def config_dict(args: argparse.Namespace) -> dict:
 
 
 def job_id_for(args: argparse.Namespace) -> str:
-    """``$OSFT_JOB_ID``, else as ``osft.trainer.cli._job_id``: fresh for one node, derived from
+    """``$OSFT_JOB_ID``, else as ``osft.trainer.launch.cli._job_id``: fresh for one node, derived from
     the output directory and rendezvous endpoint for several (so every node agrees)."""
     if os.environ.get("OSFT_JOB_ID"):
         return os.environ["OSFT_JOB_ID"]
@@ -418,7 +418,7 @@ class Launcher:
 
 
 class Metrics:
-    """Appends records as ``osft.trainer.metrics.MetricsLogger`` does (same file choice and gate)."""
+    """Appends records as ``osft.trainer.observe.metrics.MetricsLogger`` does (same file choice and gate)."""
 
     def __init__(self, output_dir: Path, node: int, rank: int, local: int, world: int, job_id: str) -> None:
         self.base = dict(node_rank=node, rank=rank, local_rank=local, world_size=world,

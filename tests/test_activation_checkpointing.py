@@ -9,8 +9,8 @@ from helpers import QA, chat, save_tiny_model, write_jsonl
 
 from osft.trainer.config import TrainConfig, build_parser, config_from_args
 from osft.trainer.config_file import parse_with_config_file
-from osft.trainer.loop import Trainer
-from osft.trainer.state_hash import state_sha256
+from osft.trainer.run.loop import Trainer
+from osft.trainer.run.state_hash import state_sha256
 from osft.trainer.osft.decomposition import OSFTLinear
 
 

@@ -1,4 +1,4 @@
-"""The Python API (`osft.trainer.api.train`): outcomes of one-rank and launched runs, the CLI's
+"""The Python API (`osft.trainer.launch.api.train`): outcomes of one-rank and launched runs, the CLI's
 errors, the caller's signal handlers kept, and the example of docs/python-api.md run as written."""
 
 import json
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from helpers import QA, chat, write_jsonl
-from osft.trainer.api import InputError, TrainConfig, train
+from osft.trainer.launch.api import InputError, TrainConfig, train
 from osft.trainer.test_hooks import SIGNAL_AT_ENV as TEST_SIGNAL_ENV
 from osft.trainer.checkpoint.signals import CHECKPOINT_SIGNALS
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 TINY = {"batch_size": 4, "max_tokens_per_gpu": 96, "max_seq_len": 64, "max_steps": 3}
@@ -128,7 +128,7 @@ def test_a_call_from_another_thread_is_refused_before_anything_is_written(tiny_m
     worker.join()
     (exc,) = caught
     assert isinstance(exc, InputError), exc
-    assert str(exc) == ("osft.trainer.api.train must be called from the main thread: it installs the checkpoint "
+    assert str(exc) == ("osft.trainer.launch.api.train must be called from the main thread: it installs the checkpoint "
                         "signal handlers, which Python allows only there; from a worker thread, run osft-train "
                         "in a subprocess instead")
     assert not (tmp_path / "r").exists() and kept(handlers)

@@ -105,7 +105,7 @@ def test_bench_startup_compares_this_checkout_with_a_baseline(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["revisions"]["this"] == result["revisions"]["baseline"]
-    assert set(result["commands"]) == {"import osft.tui.app", "import osft.trainer.cli", "osft-train --help"}
+    assert set(result["commands"]) == {"import osft.tui.app", "import osft.trainer.launch.cli", "osft-train --help"}
     for name, row in result["commands"].items():
         assert row["this"]["instructions"] is None and set(row["ratio"]) == {"wall_s", "cpu_s"}, name
         assert row["this"]["cpu_s"] > 0 and 0.2 < row["ratio"]["cpu_s"] < 5, name

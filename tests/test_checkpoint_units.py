@@ -43,7 +43,7 @@ from osft.trainer.checkpoint.store import (
     newest_complete,
     verify_checkpoint,
 )
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 
 
 @pytest.fixture()
@@ -160,12 +160,12 @@ def test_a_failure_before_training_on_one_rank_gives_the_same_report(tiny_model_
     """One rank, a failure while the trainer is built (a tracker that is installed but cannot be
     imported, injected): exit 1, the "training failed" paragraph and an ``error`` record, as a
     worker group reports it; no traceback on the console."""
-    import osft.trainer.loop
+    import osft.trainer.run.loop
 
     def broken(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'google.protobuf'")
 
-    monkeypatch.setattr(osft.trainer.loop, "open_trackers", broken)
+    monkeypatch.setattr(osft.trainer.run.loop, "open_trackers", broken)
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]])
     out = tmp_path / "run"
     capsys.readouterr()
@@ -186,7 +186,7 @@ def test_the_failure_paragraph_names_the_failed_ranks_last_error_line_from_its_l
     """A rank that died before it could write an ``error`` record (its traceback only in its
     ``stderr.log``): the paragraph quotes the last error line of its log; a line that only repeats
     the recorded message is not quoted again."""
-    from osft.trainer.failure_report import failure_paragraph
+    from osft.trainer.launch.failure_report import failure_paragraph
     from osft.trainer.rundir import RunDir
 
     run_dir = RunDir(tmp_path / "run")
@@ -343,7 +343,7 @@ def test_generator_states_round_trip_through_a_weights_only_file(tmp_path):
 FULL_DISK_SCRIPT = """
 import json, os, shutil, sys
 from pathlib import Path
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 argv, out, keep, room = sys.argv[1:-3], Path(sys.argv[-3]), Path(sys.argv[-2]), int(sys.argv[-1])
 filler = out.parent / "filler"
 stat = os.statvfs(out.parent)

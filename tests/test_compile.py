@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_llama
-from osft.trainer.activation_checkpointing import enable_activation_checkpointing
-from osft.trainer.compile import compile_blocks
+from osft.trainer.model.activation_checkpointing import enable_activation_checkpointing
+from osft.trainer.model.compile import compile_blocks
 from osft.trainer.osft.settings import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from helpers import QA, chat, write_jsonl
 from osft.trainer import worker
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 from osft.trainer.config import TrainConfig, build_parser, config_from_args
 from osft.trainer.config_file import ConfigFileError, parse_with_config_file, read_config_file
 
@@ -168,7 +168,7 @@ def test_missing_file_and_empty_file(tmp_path, capsys):
 def test_demo_takes_a_config_file(tmp_path, capsys, monkeypatch):
     assets = SimpleNamespace(model_dir=tmp_path / "model", train_path=tmp_path / "train.jsonl",
                              eval_path=tmp_path / "eval.jsonl")
-    monkeypatch.setattr("osft.trainer.cli._fetch_demo", lambda argv, console: assets)
+    monkeypatch.setattr("osft.trainer.launch.cli._fetch_demo", lambda argv, console: assets)
     path = write(tmp_path, "max_steps: 5\nlearning_rate: 1e-4\n")
     assert main(["demo", "--config", str(path), "--batch-size", "2", "--print-config"]) == 0
     data = yaml.safe_load(capsys.readouterr().out)
@@ -195,7 +195,7 @@ def test_a_run_writes_its_config_and_relaunches_from_it(tiny_model_dir, tmp_path
 
 def test_the_worker_group_reads_its_launchers_config_unchanged(tmp_path, monkeypatch):
     from osft.trainer.config_file import worker_config_yaml
-    from osft.trainer.launcher import torchrun_command
+    from osft.trainer.launch.launcher import torchrun_command
     from osft.trainer.rundir import RunDir
 
     monkeypatch.delenv("OSFT_CACHE_V", raising=False)

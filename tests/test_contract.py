@@ -9,7 +9,7 @@ import signal
 from osft.trainer.checkpoint.signals import CONTROL_ACTIONS, Action
 from osft.trainer.contract import ALWAYS_RECORDED, CONTROL_FILES, RECORD_FIELDS, Event, parse_lines, read_records
 from osft.trainer.distributed import DistEnv
-from osft.trainer.metrics import MetricsLogger
+from osft.trainer.observe.metrics import MetricsLogger
 from osft.tui.tail import JsonlTail
 
 #: A metrics file as a killed writer leaves it: a blank line, two malformed complete lines and a

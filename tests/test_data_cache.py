@@ -62,7 +62,7 @@ def test_a_source_left_without_samples_is_refused_naming_it_in_every_cache_mode(
     training with the file, the count and the reason; nothing empty is cached."""
     from osft.trainer.config import TrainConfig
     from osft.trainer.data.cache import tokenize_source
-    from osft.trainer.startup import load_data
+    from osft.trainer.launch.startup import load_data
 
     tok = tiny_chat_tokenizer()
     short = write_jsonl(tmp_path / "a.jsonl", [chat("hi", "ok")] * 4)

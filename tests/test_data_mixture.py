@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from helpers import QA, chat, save_tiny_model, write_jsonl
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 from osft.trainer.config import build_parser, config_from_args
 from osft.trainer.config_file import parse_with_config_file
 from osft.trainer.data.sampler import GlobalBatchSampler, MixtureSampler, make_sampler

@@ -8,11 +8,11 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from helpers import QA, chat, save_tiny_model, tiny_chat_tokenizer, write_jsonl
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 from osft.trainer.config import TrainConfig
 from osft.trainer.data.positions import PositionLimit, position_limit
 from osft.trainer.data.validate import DataValidationError
-from osft.trainer.launcher import preflight
+from osft.trainer.launch.launcher import preflight
 
 LONG = " ".join(["The capital of France is Paris."] * 60)  # about 400 tokens of the tiny tokenizer
 FLAGS = ["--batch-size", "2", "--max-tokens-per-gpu", "8192", "--max-seq-len", "8192", "--max-steps", "1",

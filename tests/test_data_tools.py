@@ -10,7 +10,7 @@ from osft.trainer.config import TrainConfig, build_parser, check_config, config_
 from osft.trainer.data import DataValidationError, tokenize_chat_file
 from osft.trainer.data.tokenize import IGNORE_INDEX
 from osft.trainer.data.validate import validate_chat_file
-from osft.trainer.model_loading import load_tokenizer
+from osft.trainer.model.loading import load_tokenizer
 
 END = "<|im_end|>"
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]

@@ -176,7 +176,7 @@ def test_problem_is_frozen():
 
 
 def test_lone_surrogates_in_any_field_are_located_in_one_pass(tiny_model_dir, tmp_path, capsys):
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     lines = [
         json.dumps(GOOD),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from osft.trainer.demo_assets import (
+from osft.trainer.tools.demo_assets import (
     DemoFetchError,
     chitchat_turns,
     chitchat_windows,
@@ -83,7 +83,7 @@ def test_split_is_deterministic_and_about_two_percent():
     evals = [i for i in ids if split_of(i) == "eval"]
     # Pinned: changing the rule reshuffles train/eval for everyone.
     assert len(evals) == 20 and evals[:3] == ["conv-26", "conv-34", "conv-53"]
-    code = "from osft.trainer.demo_assets import split_of; print(split_of('conv-26'), split_of('conv-0'))"
+    code = "from osft.trainer.tools.demo_assets import split_of; print(split_of('conv-26'), split_of('conv-0'))"
     for seed in ("1", "2"):  # independent of Python's salted str hash
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from osft.trainer.cli import DEMO_DEFAULTS, main
+from osft.trainer.launch.cli import DEMO_DEFAULTS, main
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.demo
@@ -117,7 +117,7 @@ def test_demo_on_two_ranks_checkpoints_on_sigusr1_stops_on_sigterm_and_resumes_e
     import sys
 
     def demo(out, *flags, env=None):
-        cmd = [sys.executable, "-m", "osft.trainer.cli", "demo", "--dir", str(demo_assets.model_dir.parent),
+        cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "demo", "--dir", str(demo_assets.model_dir.parent),
                "--output-dir", str(out), "--nproc-per-node", "2", "--max-steps", "4", "--batch-size", "4",
                "--max-seq-len", "128", "--max-tokens-per-gpu", "256", "--on-demand-checkpointing",
                "--osft-protect-input-samples", "8", *flags]

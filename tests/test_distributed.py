@@ -11,9 +11,9 @@ import torch
 from helpers import QA, chat, float64_grad_norm, write_jsonl
 from safetensors.torch import load_file
 
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 from osft.trainer.config import build_parser, config_from_args
-from osft.trainer.loop import Trainer
+from osft.trainer.run.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_two_nodes_train_together(tiny, tmp_path):
     model, data = tiny
     out = tmp_path / "nodes"
     endpoint = f"127.0.0.1:{free_port()}"
-    base = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+    base = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
             "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "96", "--max-seq-len", "64",
             "--max-steps", "3", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint]
     nodes = [subprocess.Popen(base + ["--node-rank", str(i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 from helpers import QA, chat, write_jsonl
 
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 from osft.trainer.data.collate import collate_packed
 from osft.trainer.data.tokenize import IGNORE_INDEX, tokenize_chat_file
 from osft.trainer.data.validate import DataValidationError
-from osft.trainer.divergence import DivergenceCheck, DivergenceState, data_position
+from osft.trainer.run.divergence import DivergenceCheck, DivergenceState, data_position
 from osft.trainer.data.mixture import TrainingData
-from osft.trainer.eval_sets import retention_names, spread_indices, split_training_data, tokenize_files
-from osft.trainer.evaluation import EvalResult
-from osft.trainer.forgetting import EvalRules, EvalState
+from osft.trainer.run.eval_sets import retention_names, spread_indices, split_training_data, tokenize_files
+from osft.trainer.run.evaluation import EvalResult
+from osft.trainer.run.forgetting import EvalRules, EvalState
 
 STEPS = 6
 #: Evaluations of the evaluated runs: step 0, the control/evaluate request served after step 1,
@@ -39,7 +39,7 @@ EVAL_STEPS = [0, 1, 2, 4, 6]
 def test_spread_indices_and_split_are_deterministic_and_disjoint(tiny_model_dir, tmp_path):
     assert spread_indices(10, 4).tolist() == [0, 2, 5, 7]
     assert spread_indices(3, 5).tolist() == [0, 1, 2]
-    from osft.trainer.model_loading import load_tokenizer
+    from osft.trainer.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     data = tokenize_chat_file(write_jsonl(tmp_path / "d.jsonl", [chat(q, a) for q, a in QA] * 2), tokenizer, 64)
@@ -58,7 +58,7 @@ def test_spread_indices_and_split_are_deterministic_and_disjoint(tiny_model_dir,
 
 
 def test_problems_of_every_evaluation_file_are_reported_together(tiny_model_dir, tmp_path):
-    from osft.trainer.model_loading import load_tokenizer
+    from osft.trainer.model.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     bad1 = tmp_path / "bad1.jsonl"
@@ -108,7 +108,7 @@ def test_divergence_check_and_skipped_positions():
 def files(tmp_path_factory, tiny_model_dir):
     """Training data (24 rows: 6 steps of 4), an evaluation file, a retention file, and a retention
     set of the base model's own greedy replies (``make-retention-set``)."""
-    from osft.trainer.retention_set import make_retention_set
+    from osft.trainer.tools.retention_set import make_retention_set
 
     root = tmp_path_factory.mktemp("evaluation")
     train = write_jsonl(root / "train.jsonl", [chat(q, a) for q, a in QA[:4]] * 6)
@@ -173,7 +173,7 @@ def dense_eval_loss(files) -> float:
     """Token-mean loss of the base model on the evaluation file, computed with plain transformers."""
     from transformers import AutoModelForCausalLM
 
-    from osft.trainer.model_loading import load_tokenizer
+    from osft.trainer.model.loading import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32).eval()
     data = tokenize_chat_file(files["eval"], load_tokenizer(files["model"]), 64)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import tiny_llama
-from osft.trainer.flops import FlopModel, Utilization, flop_model, mfu
-from osft.trainer.matmul_peak import measure_matmul_peak
+from osft.trainer.observe.flops import FlopModel, Utilization, flop_model, mfu
+from osft.trainer.observe.matmul_peak import measure_matmul_peak
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -8,7 +8,7 @@ import torch
 from helpers import QA, chat, dense_forgetting, save_tiny_model, write_jsonl
 from safetensors.torch import load_file
 
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 from osft.trainer.osft.indicators import INDICATOR_FIELDS
 
 #: Target projections of the tiny Llama (its default OSFT targets).
@@ -68,7 +68,7 @@ def test_freeze_trains_only_targets_and_resumes_bit_identically(tiny_model_dir, 
 
 def test_optimizer_gets_only_the_targets_trainable_factors(tiny_model_dir, data, tmp_path):
     from osft.trainer.config import TrainConfig
-    from osft.trainer.loop import Trainer
+    from osft.trainer.run.loop import Trainer
 
     cfg = TrainConfig(str(tiny_model_dir), str(data), str(tmp_path / "r"), max_seq_len=64, max_tokens_per_gpu=96,
                       freeze_non_target=True, max_steps=1)

@@ -11,7 +11,7 @@ import pytest
 from helpers import QA, chat, float64_grad_norm, write_jsonl
 
 from osft.trainer.config import build_parser, config_from_args
-from osft.trainer.loop import Trainer
+from osft.trainer.run.loop import Trainer
 
 #: float32 rounding of a sum over about 1e5 gradient entries, with margin.
 REL = 1e-6

@@ -85,7 +85,7 @@ def test_a_gram_larger_than_the_budget_is_an_input_error_before_training(tiny_mo
     """One rank: the trainer refuses it at set-up; two ranks: the launcher before any rank starts."""
     from helpers import QA, chat, write_jsonl
 
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA])
     code = main(["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data), "--output-dir", str(tmp_path / "r"),

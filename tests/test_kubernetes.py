@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 from osft.trainer.exit_codes import EXIT_STOPPED
-from osft.trainer.cli import main
-from osft.trainer.cluster import CACHE_ENV
+from osft.trainer.launch.cli import main
+from osft.trainer.cluster.generator import CACHE_ENV
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kubernetes" / "osft-indexed-job.yaml"
 TRAIN = ["--model-name-or-path", "/workspace/m", "--data-path", "/workspace/train.jsonl",

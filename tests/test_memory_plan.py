@@ -3,8 +3,8 @@
 import pytest
 from transformers import LlamaConfig
 
-from osft.trainer.cli import main
-from osft.trainer.memory_plan import CPU_RUNTIME_BYTES, MemoryPlan, estimate
+from osft.trainer.launch.cli import main
+from osft.trainer.tools.memory_plan import CPU_RUNTIME_BYTES, MemoryPlan, estimate
 
 
 @pytest.fixture

@@ -2,11 +2,11 @@
 
 import json
 
-from osft.trainer import metrics_file
+from osft.trainer.observe import metrics_file
 from osft.trainer.contract import read_records
-from osft.trainer.metrics_file import decimate, iter_records, tail_records
-from osft.trainer.outcome import read_outcome
-from osft.trainer.plot import run_series
+from osft.trainer.observe.metrics_file import decimate, iter_records, tail_records
+from osft.trainer.observe.outcome import read_outcome
+from osft.trainer.observe.plot import run_series
 from osft.trainer.rundir import RunDir
 
 

@@ -10,7 +10,7 @@ from helpers import CHATML_TEMPLATE, tiny_chat_tokenizer, tiny_llama, write_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from osft.trainer.checkpoint.hf_export import save_hf_model
-from osft.trainer.model_loading import load_model, load_tokenizer
+from osft.trainer.model.loading import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ def check_export(source: Path, export: Path) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(MATRIX))
 def test_targets_decomposition_one_step_and_export(model_type, data, tmp_path):
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     source, model = save_model(model_type, tmp_path / "model")
     original = {k: v.clone() for k, v in model.state_dict().items()}

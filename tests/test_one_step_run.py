@@ -7,8 +7,8 @@ import pytest
 from transformers import GenerationConfig
 
 from helpers import QA, chat, save_tiny_model, write_jsonl
-from osft.trainer.cli import main
-from osft.trainer.plot import draw_run, run_series
+from osft.trainer.launch.cli import main
+from osft.trainer.observe.plot import draw_run, run_series
 
 #: The source model's generation config: two stop ids (eos and <|endoftext|>) and sampling defaults.
 GENERATION = dict(eos_token_id=[2, 0], pad_token_id=0, do_sample=True, temperature=0.7, top_p=0.8,

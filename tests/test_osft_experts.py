@@ -139,7 +139,7 @@ def test_partial_patterns_over_an_experts_module_are_refused():
 
 
 def train(model_dir, data, out, *flags):
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     return main(["--model-name-or-path", str(model_dir), "--data-path", str(data), "--output-dir", str(out),
                  "--batch-size", "4", "--max-tokens-per-gpu", "128", "--max-seq-len", "64", "--learning-rate", "5e-3",
@@ -359,7 +359,7 @@ def test_bank_bases_that_do_not_fit_the_bank_name_it(tmp_path):
 
 
 def test_the_router_auxiliary_loss_applies_only_where_the_config_asks_for_it():
-    from osft.trainer.router_loss import router_aux_coef
+    from osft.trainer.run.router_loss import router_aux_coef
 
     assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)) == 0.5
     assert router_aux_coef(AutoConfig.for_model("mixtral", output_router_logits=False, router_aux_loss_coef=0.5)) == 0
@@ -376,9 +376,9 @@ def test_the_router_auxiliary_loss_is_trained_as_transformers_computes_it(tmp_pa
     ``output_router_logits: false``, it is the plain cross-entropy: the test above)."""
     from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
 
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
     from osft.trainer.data.tokenize import tokenize_chat_file
-    from osft.trainer.model_loading import load_tokenizer
+    from osft.trainer.model.loading import load_tokenizer
 
     tokenizer = tiny_chat_tokenizer()
     model = moe_model("mixtral", vocab_size=len(tokenizer), output_router_logits=True, router_aux_loss_coef=coef)

@@ -95,7 +95,7 @@ def test_step_records_carry_the_indicators_of_the_export(tiny_model_dir, tmp_pat
 
     from helpers import QA, chat, dense_forgetting, write_jsonl
 
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 4)
     out = tmp_path / "run"

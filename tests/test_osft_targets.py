@@ -39,7 +39,7 @@ def test_weights_outside_osft_inside_the_blocks_are_warned_before_training(tmp_p
     from transformers import MixtralConfig
 
     from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     tokenizer = tiny_chat_tokenizer()
     config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,

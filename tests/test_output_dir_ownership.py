@@ -19,8 +19,8 @@ import yaml
 from helpers import QA, chat, write_jsonl
 
 from osft.trainer.exit_codes import EXIT_STOPPED
-from osft.trainer.cli import main
-from osft.trainer.ownership import STALE_S, OutputDirInUse, check_output_dir
+from osft.trainer.launch.cli import main
+from osft.trainer.launch.ownership import STALE_S, OutputDirInUse, check_output_dir
 from osft.trainer.rundir import RunDir, write_json_atomic
 
 
@@ -47,7 +47,7 @@ def test_a_second_run_is_refused_while_the_first_runs_and_needs_resume_or_overwr
                                                                                             capsys):
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA])
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "osft.trainer.cli", *_flags(tiny_model_dir, data, out),
+    first = subprocess.Popen([sys.executable, "-m", "osft.trainer.launch.cli", *_flags(tiny_model_dir, data, out),
                               "--max-steps", "100000", "--on-demand-checkpointing", "--checkpoint-every-steps", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

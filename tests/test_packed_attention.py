@@ -1,4 +1,4 @@
-"""Per-sample causal attention of a packed row (osft.trainer.packed_attention) against transformers'
+"""Per-sample causal attention of a packed row (osft.trainer.model.packed_attention) against transformers'
 own SDPA with its block-diagonal mask: the same logits and gradients to fp32 rounding, and calls
 without sample bounds handed to transformers unchanged (bit for bit)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 from osft.trainer.data.collate import collate_packed
-from osft.trainer.packed_attention import BOUNDS_KWARG, NAME, use_packed_attention
+from osft.trainer.model.packed_attention import BOUNDS_KWARG, NAME, use_packed_attention
 
 VOCAB = 97
 

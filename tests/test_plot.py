@@ -4,8 +4,8 @@ import json
 import struct
 import sys
 
-from osft.trainer.cli import main
-from osft.trainer.plot import run_series
+from osft.trainer.launch.cli import main
+from osft.trainer.observe.plot import run_series
 
 
 def record(event, node, **fields):

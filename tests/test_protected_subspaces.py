@@ -328,7 +328,7 @@ def test_four_chained_runs_of_a_tiny_model_and_the_logits_on_a_calibration_input
     4.0 % and 316 %; A itself moved the base model's logits by 99 %)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from osft.trainer.api import train as api_train
+    from osft.trainer.launch.api import train as api_train
 
     model, data = job
     rows = [chat(q, a) for q, a in QA] * 2
@@ -397,7 +397,7 @@ def job(tmp_path_factory):
 
 
 def osft_train(model, data, out, *flags, env=None):
-    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "4", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
            "--learning-rate", "5e-3", "--save-dtype", "float32", "--max-steps", str(STEPS),
            "--osft-unfreeze-rank-ratio", "0.5", *flags]
@@ -492,7 +492,7 @@ def test_a_chained_run_reads_the_subspaces_and_leaves_them_untouched(job, runs, 
 
 
 def test_a_full_fine_tuning_run_on_an_export_with_subspaces_says_they_are_dropped(job, runs, tmp_path, capsys):
-    from osft.trainer.cli import main
+    from osft.trainer.launch.cli import main
 
     code = main(["--model-name-or-path", str(exported(runs[0])), "--data-path", str(job[1]), "--output-dir",
                  str(tmp_path / "full"), "--no-osft", "--max-steps", "1", "--batch-size", "2", "--max-seq-len", "64",

@@ -1,4 +1,4 @@
-"""How the launcher and torchrun's agent exit (:mod:`osft.trainer.quick_exit`), and that
+"""How the launcher and torchrun's agent exit (:mod:`osft.trainer.launch.quick_exit`), and that
 ``osft-train`` is the entry point that does it."""
 
 import subprocess
@@ -16,7 +16,7 @@ def test_exit_without_final_gc_keeps_the_exit_code_atexit_and_unflushed_writes(t
     """The collector's objects are frozen, yet ``atexit`` handlers run, a file left open is flushed
     when the interpreter tears the modules down, and the exit code is the one given."""
     code = ("import atexit, gc, sys\n"
-            "from osft.trainer.quick_exit import exit_without_final_gc\n"
+            "from osft.trainer.launch.quick_exit import exit_without_final_gc\n"
             "atexit.register(lambda: print('atexit, frozen', gc.get_freeze_count() > 0))\n"
             f"log = open({str(tmp_path / 'left-open.txt')!r}, 'w')\n"
             "log.write('buffered, never flushed')\n"
@@ -29,4 +29,4 @@ def test_exit_without_final_gc_keeps_the_exit_code_atexit_and_unflushed_writes(t
 
 def test_the_osft_train_command_exits_through_run():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["osft-train"] == "osft.trainer.cli:run"
+    assert scripts["osft-train"] == "osft.trainer.launch.cli:run"

@@ -21,7 +21,7 @@ def records(out, event):
 
 
 def train(model, data, out, *flags, env=None):
-    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
            "--max-steps", "4", "--nproc-per-node", "2", "--on-demand-checkpointing", "--save-dtype", "float32",
            "--osft-rank-schedule", "importance", "--osft-importance-samples", "12",

@@ -47,7 +47,7 @@ def test_trains_with_read_only_install_and_home_with_and_without_a_data_cache_di
     read_only = [*_package_dirs(), Path(tiny_model_dir).resolve(), home]
     common = ["--model-name-or-path", str(tiny_model_dir), "--data-path", str(data), "--batch-size", "2",
               "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--max-steps", "2"]
-    train = [sys.executable, "-m", "osft.trainer.cli", *common]
+    train = [sys.executable, "-m", "osft.trainer.launch.cli", *common]
     script = "\n".join([
         "set -e",
         *(f"mount --bind -o ro {shlex.quote(str(d))} {shlex.quote(str(d))}" for d in read_only),

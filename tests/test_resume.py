@@ -52,7 +52,7 @@ def train(job, out, *flags, env=None, wait=True, data=None):
     """Start `osft-train` (the launcher) on 2 ranks; 5 samples per step over 2-3 micro-batches per rank
     (``data``: another training file than the job's)."""
     model, data = job[0], data or job[1]
-    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
            "--learning-rate", "2e-3", "--weight-decay", "0.1", "--save-dtype", "float32", "--max-steps", str(STEPS),
            "--nproc-per-node", "2", "--on-demand-checkpointing", *SCHEDULE, *flags]
@@ -374,7 +374,7 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
     # Field case B13: another world size is refused with both numbers.
     model, data = job
     code = subprocess.run(
-        [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+        [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
          "--output-dir", str(tmp_path / "one"), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
          "--resume-from-full-state-checkpoint", str(root / "step_4")], capture_output=True, text=True)
     assert code.returncode == 2

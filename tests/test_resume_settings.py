@@ -12,8 +12,8 @@ import torch
 from helpers import QA, chat, write_jsonl
 from safetensors.torch import load_file
 
-from osft.trainer.cli import main
-from osft.trainer.schedule import lr_multiplier
+from osft.trainer.launch.cli import main
+from osft.trainer.run.schedule import lr_multiplier
 
 BASE = ("--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64", "--save-dtype", "float32",
         "--checkpoint-every-steps", "2")

@@ -11,9 +11,9 @@ import torch
 from helpers import chat, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from osft.trainer.cli import EXIT_BAD_INPUT, EXIT_COMPLETED, main
+from osft.trainer.launch.cli import EXIT_BAD_INPUT, EXIT_COMPLETED, main
 from osft.trainer.data.validate import validate_chat_file
-from osft.trainer.retention_set import chat_prompts
+from osft.trainer.tools.retention_set import chat_prompts
 
 PROMPTS = ["hello", "What do you like to do on the weekend?", "the capital of France is", "seven ate nine"]
 

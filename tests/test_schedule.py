@@ -1,4 +1,4 @@
-"""Learning-rate schedules (trainer/schedule.py) against transformers' own, value for value, and
+"""Learning-rate schedules (trainer/run/schedule.py) against transformers' own, value for value, and
 warmups that cover the whole run (field case B55)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import QA, chat, write_jsonl
 
-from osft.trainer.cli import main
-from osft.trainer.schedule import build_scheduler, check_warmup, lr_multiplier
+from osft.trainer.launch.cli import main
+from osft.trainer.run.schedule import build_scheduler, check_warmup, lr_multiplier
 
 
 def _lrs(scheduler, optimizer, steps):

@@ -16,8 +16,8 @@ import psutil
 import pytest
 from helpers import QA, chat, write_jsonl
 from osft.trainer.exit_codes import EXIT_STOPPED
-from osft.trainer.cli import main
-from osft.trainer.slurm import parse_time_limit
+from osft.trainer.launch.cli import main
+from osft.trainer.cluster.slurm import parse_time_limit
 
 #: Steps of the two-node run: the stop request, sent after step 1, is served within a step or two.
 STEPS = 16
@@ -230,7 +230,7 @@ def test_a_value_with_a_line_break_is_refused_before_anything_is_printed(capsys,
 def test_torchrun_agent_survives_the_signals_srun_forwards_to_every_process():
     """srun and ``scancel --signal`` signal every process of a job step, torchrun's agent included,
     which has no handler for SIGUSR1, SIGUSR2 or SIGXCPU: the launcher starts it with them ignored."""
-    from osft.trainer.launcher import AGENT_IGNORED_SIGNALS, _ignore_agent_signals
+    from osft.trainer.launch.launcher import AGENT_IGNORED_SIGNALS, _ignore_agent_signals
 
     proc = subprocess.Popen(["sleep", "30"], preexec_fn=_ignore_agent_signals)
     try:
@@ -342,7 +342,7 @@ def test_sigterm_to_every_process_of_a_node_still_stops_with_a_checkpoint(tiny_m
     osft-train exits with code 75, not with the agent's failure."""
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 5)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(tiny_model_dir),
            "--data-path", str(data), "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "96",
            "--max-seq-len", "64", "--max-steps", "200", "--nproc-per-node", "2", "--on-demand-checkpointing"]
     with open(tmp_path / "out.log", "w") as stdout:

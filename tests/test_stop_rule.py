@@ -95,7 +95,7 @@ def test_a_stop_during_a_checkpoint_is_served_by_it_and_no_step_is_saved_twice(j
 def one_rank(job, out, *flags):
     """``osft-train`` in process (one rank), started without waiting."""
     model, data = job
-    cmd = [sys.executable, "-m", "osft.trainer.cli", "--model-name-or-path", str(model), "--data-path", str(data),
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
            "--output-dir", str(out), "--batch-size", "5", "--max-tokens-per-gpu", "64", "--max-seq-len", "64",
            "--max-steps", "2", "--on-demand-checkpointing", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -175,7 +175,7 @@ def test_a_rank_that_aborts_in_native_code_leaves_its_python_stack_in_its_log(tm
     Python stack) to the stderr that torchrun keeps as the rank's log."""
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")
-    script = ("import os, osft.trainer.loop as loop\n"
+    script = ("import os, osft.trainer.run.loop as loop\n"
               "def abort_in_native_code(self, *args, **kwargs):\n"
               "    os.abort()\n"
               "loop.Trainer.__init__ = abort_in_native_code\n"
@@ -193,7 +193,7 @@ def test_the_agent_names_a_rank_killed_by_a_signal_before_peers_that_failed_with
     """How the failure paragraph picks the cause (``agent.cause_first``): seen in the same second,
     a rank killed by SIGKILL comes before the rank whose collective failed because of it (exit 1);
     the agent's own SIGTERM to the remaining ranks marks a follower; an earlier failure comes first."""
-    from osft.trainer.agent import cause_first
+    from osft.trainer.launch.agent import cause_first
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     def failure(local_rank, exitcode, timestamp):

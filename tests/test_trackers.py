@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 from helpers import QA, chat, write_jsonl
-from osft.trainer import trackers
-from osft.trainer.cli import main
+from osft.trainer.observe import trackers
+from osft.trainer.launch.cli import main
 from osft.trainer.config import TrainConfig, build_parser, config_from_args, config_to_argv
 from osft.trainer.contract import read_records
-from osft.trainer.plot import run_series
+from osft.trainer.observe.plot import run_series
 
 
 @pytest.fixture()

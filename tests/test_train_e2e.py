@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl, write_tiny_gguf
-from osft.trainer.cli import main
+from osft.trainer.launch.cli import main
 
 STEP_FIELDS = {
     "ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id", "step", "epoch", "lr",
@@ -96,7 +96,7 @@ def test_bad_flag_values_give_one_clear_line(tiny_model_dir, chat_file, tmp_path
 
 
 def test_help_names_every_other_command():
-    from osft.trainer.cli import NOT_TRAINING
+    from osft.trainer.launch.cli import NOT_TRAINING
     from osft.trainer.config import build_parser
 
     description = build_parser().description
@@ -169,7 +169,7 @@ def test_optimizer_flags_and_lr_schedule_are_honoured(tiny_model_dir, chat_file,
 
 def test_trainer_builds_adamw_from_the_flags(tiny_model_dir, chat_file, tmp_path):
     from osft.trainer.config import TrainConfig
-    from osft.trainer.loop import Trainer
+    from osft.trainer.run.loop import Trainer
 
     cfg = TrainConfig(str(tiny_model_dir), str(chat_file), str(tmp_path / "r"), max_seq_len=64, max_tokens_per_gpu=96,
                       learning_rate=3e-4, beta1=0.7, beta2=0.8, eps=1e-7, weight_decay=0.2, lr_scheduler="cosine", max_steps=4)

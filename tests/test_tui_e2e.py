@@ -9,7 +9,7 @@ import json
 
 import pytest
 from helpers import QA, chat, tiny_chat_tokenizer, tiny_llama, write_jsonl
-from osft.trainer.plot import run_series
+from osft.trainer.observe.plot import run_series
 from osft.tui.app import OsftTui
 from osft.tui.components.charts import MetricChart
 from osft.tui.components.checkpoints import CheckpointTable

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from .data.shapes import DATA_FORMATS
-from .schedule import SCHEDULES
+from .run.schedule import SCHEDULES
 from .setting import (
     DataPaths,
     HelpFormatter,
@@ -37,7 +37,7 @@ from .setting import (
     setting_of,
     value_error,
 )
-from .trackers import REPORT_TO_CHOICES, check_available
+from .observe.trackers import REPORT_TO_CHOICES, check_available
 
 INF = float("inf")
 #: argparse types of an integer >= 1 and >= 0 (``argparse.ArgumentTypeError`` on other text).
@@ -350,7 +350,7 @@ FIELDS = dataclasses.fields(TrainConfig)
 RESUME_SETTINGS = tuple(f.name for f in FIELDS if setting_of(f).resume is Resume.SAME)
 #: Settings that may change on resume: the resumed run uses this run's values from its first step
 #: (AdamW's hyperparameters through :func:`.checkpoint.full_state.with_run_hyperparameters`, the schedule
-#: through :func:`.schedule.restore_position`, the clipping threshold and length read every step), with a
+#: through :func:`osft.trainer.run.schedule.restore_position`, the clipping threshold and length read every step), with a
 #: warning that the trajectory then differs from an uninterrupted run.
 RESUME_WARN_SETTINGS = tuple(f.name for f in FIELDS if setting_of(f).resume is Resume.WARN)
 #: Fields that are one-time actions of a launch, not settings of the run: never written to a config

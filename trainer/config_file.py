@@ -5,7 +5,7 @@ A config file is a YAML mapping from training flag names, with underscores (the
 to values. Each value goes through the parser's own ``type`` function and ``choices``, as on the
 command line; command-line flags override the file. :func:`config_to_yaml` writes the fully
 resolved config in the same format, so that it reads back into an equal ``TrainConfig``.
-:func:`convert_settings` checks a mapping given in code (the Python API, :mod:`.api`) the same way.
+:func:`convert_settings` checks a mapping given in code (the Python API, :mod:`osft.trainer.launch.api`) the same way.
 
 YAML merge keys work (``<<: *common`` or ``<<: {batch_size: 2}``) as ``yaml.safe_load`` merges
 them: the file's own keys override merged ones, a later mapping of a merge list an earlier one, and top-level keys starting with :data:`HELPER_PREFIX` are

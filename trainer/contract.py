@@ -103,7 +103,7 @@ LAUNCHER_PID_ENV = "OSFT_LAUNCHER_PID"
 JOB_START_ENV = "OSFT_JOB_START"
 #: The checkpoint the launcher verified with checksums before the ranks started (they skip that).
 VERIFIED_CHECKPOINT_ENV = "OSFT_VERIFIED_CHECKPOINT"
-#: Where ``osft.trainer.agent`` writes the failures of the worker group (JSON) for the launcher.
+#: Where ``osft.trainer.launch.agent`` writes the failures of the worker group (JSON) for the launcher.
 AGENT_FAILURES_ENV = "OSFT_AGENT_FAILURES"
 
 

@@ -1,6 +1,6 @@
 """The DTensor helpers: what a rank holds of a tensor that FSDP2 may have sharded.
 
-Under FSDP2 (:mod:`.sharding`) every parameter, gradient and AdamW moment is a
+Under FSDP2 (:mod:`osft.trainer.model.sharding`) every parameter, gradient and AdamW moment is a
 ``torch.distributed.tensor.DTensor`` sharded by rows (``Shard(0)``); on one rank they are plain
 tensors. These helpers take either, so the code that uses them runs unchanged on one rank and many.
 """

@@ -1,5 +1,5 @@
 """Every exit code ``osft-train`` (and its torchrun worker ``osft.trainer.worker``) ends with, and
-what the generated SLURM script (:mod:`.slurm`) and Kubernetes Job (:mod:`.kubernetes`) do on it.
+what the generated SLURM script (:mod:`osft.trainer.cluster.slurm`) and Kubernetes Job (:mod:`osft.trainer.cluster.kubernetes`) do on it.
 
 One table for code, README and the generated jobs; a new exit code is added here first.
 """

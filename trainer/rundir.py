@@ -47,7 +47,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
 class LauncherRecord:
     """One launcher's state file, ``run.json`` (node 0) or ``run.node<N>.json``: each field is a key
     of the file, None where the file has none yet. Written piecewise by :meth:`RunDir.update_run_json`
-    (``trainer/cli.py::run_training``, the launcher), read by the ownership check and the dashboard.
+    (``trainer/launch/cli.py::run_training``, the launcher), read by the ownership check and the dashboard.
     Units: unix seconds."""
 
     argv: list[str] | None = None  # the launcher's command line, program first (the dashboard relaunches it)
@@ -114,7 +114,7 @@ class RunDir:
     @property
     def heartbeat(self) -> Path:
         """``.heartbeat.node<N>.json``: rewritten by this node's running launcher every few seconds
-        (:class:`.ownership.Heartbeat`), so a launcher on another host can tell it runs."""
+        (:class:`osft.trainer.launch.ownership.Heartbeat`), so a launcher on another host can tell it runs."""
         return self.root / f".heartbeat.node{self.node_rank}.json"
 
     @property

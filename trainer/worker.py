@@ -24,7 +24,7 @@ from .checkpoint.signals import hold_signals, release_held_signals
 from .config import build_parser, check_config, config_from_args
 from .config_file import ConfigFileError, config_to_yaml, parse_with_config_file
 from .contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, JOB_ID_ENV, Event
-from .failure_report import record_error
+from .launch.failure_report import record_error
 from .rundir import RunDir
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     from .data.validate import DataValidationError
-    from .loop import Trainer
+    from .run.loop import Trainer
 
     console = Console(stderr=True)
     try:

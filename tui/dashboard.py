@@ -69,7 +69,7 @@ class Dashboard(Screen):
 
     Args:
         run_dir: the run directory to watch.
-        launcher: the command that runs ``osft-train`` (the launcher), e.g. ``[python, -m, osft.trainer.cli]``.
+        launcher: the command that runs ``osft-train`` (the launcher), e.g. ``[python, -m, osft.trainer.launch.cli]``.
         readonly: remove every control that signals a run.
         poll_s: seconds between polls of the run directory and the processes.
         runs: the directory of runs this dashboard's run was chosen from (``escape`` goes back to

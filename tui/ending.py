@@ -1,4 +1,4 @@
-"""The signals that end ``osft-tui``: held by its entry point (:mod:`.cli`) from the first line, before
+"""The signals that end ``osft-tui``: held by its entry point (:mod:`osft.trainer.launch.cli`) from the first line, before
 Textual is imported, and handled by the app (:mod:`.app`) once it runs. A module of its own so that
 both import it without importing each other (tests/test_import_graph.py)."""
 

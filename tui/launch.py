@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from osft.trainer.contract import JOB_ID_ENV
-from osft.trainer.demo_assets import DATA_DIRNAME, MODEL_DIRNAME, default_demo_dir
+from osft.trainer.tools.demo_assets import DATA_DIRNAME, MODEL_DIRNAME, default_demo_dir
 from osft.trainer.rundir import RunDir
 
 #: How the dashboard runs the launcher: this interpreter's ``osft-train``.
-DEFAULT_LAUNCHER = [sys.executable, "-m", "osft.trainer.cli"]
+DEFAULT_LAUNCHER = [sys.executable, "-m", "osft.trainer.launch.cli"]
 #: Flags that choose what to resume from; a relaunch replaces them.
 RESUME_FLAGS = ("--resume", "--resume-from-full-state-checkpoint")
 #: The flag that lets a new run start over in a directory an earlier run left outputs in.

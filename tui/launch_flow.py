@@ -236,7 +236,7 @@ class LaunchFlow(Flow):
                       "or choose another output dir", severity="error")
             self.new_run(spec=spec)
             return
-        from osft.trainer.ownership import OutputDirInUse, check_output_dir  # imported when first needed: start-up
+        from osft.trainer.launch.ownership import OutputDirInUse, check_output_dir  # imported when first needed: start-up
 
         try:
             check_output_dir(RunDir(root), spec.has_flag(*launching.RESUME_FLAGS), spec.has_flag(launching.OVERWRITE_FLAG))

@@ -14,7 +14,7 @@ CURVE_POINTS = 256
 class Curve:
     """Values of one metric by ascending optimizer step, over the whole run (plain data: it pickles).
 
-    Resume-aware like ``osft-train plot`` (:class:`osft.trainer.plot.NodeTimeline`): a resumed run
+    Resume-aware like ``osft-train plot`` (:class:`osft.trainer.observe.plot.NodeTimeline`): a resumed run
     appends to the same metrics files, so a step at or below the last one kept, or a resume from
     step K (:meth:`cut`), replaces the points after it instead of adding to them.
 

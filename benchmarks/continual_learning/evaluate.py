@@ -126,7 +126,7 @@ def evaluate(model, tokenizer, probes: Probes, parts: tuple[str, ...], max_token
         measurement name -> ``{"nll": [...], "tokens": [...]}`` (nats and tokens per item) or a list
         of 0/1 per item.
     """
-    from osft.trainer.retention_set import greedy_replies
+    from osft.trainer.tools.retention_set import greedy_replies
 
     from .trivia import is_compliant
 

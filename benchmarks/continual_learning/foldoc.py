@@ -22,7 +22,7 @@ dictd format (``dictd(8)``, ``dictfmt(1)``):
 A question's definition is the first sentence of the entry's first paragraph, markup removed;
 entries whose definition is a redirect (``See {X}.``), holds a URL or is shorter than
 :data:`MIN_WORDS` words are skipped. The split is by headword (SHA-256 bucket,
-:func:`osft.trainer.demo_assets.split_of`).
+:func:`osft.trainer.tools.demo_assets.split_of`).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def build_foldoc(data_dir: Path, foldoc_dir: Path | None = None, eval_percent: i
         DebianPackageError: the package is not installed and cannot be downloaded.
         FoldocError: the database is malformed.
     """
-    from osft.trainer.demo_assets import split_of
+    from osft.trainer.tools.demo_assets import split_of
     from osft.trainer.rundir import write_text_atomic
 
     from .debian import package_dir

@@ -128,7 +128,7 @@ def _train_config(spec: Spec, phase: Phase, model_dir: Path, run_dir: Path, cach
 def _trainer_phase(cfg, job: str) -> dict:
     from rich.console import Console
 
-    from osft.trainer.loop import Trainer
+    from osft.trainer.run.loop import Trainer
     from osft.trainer.contract import read_records
     from osft.trainer.rundir import RunDir
 

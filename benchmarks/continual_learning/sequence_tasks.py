@@ -21,7 +21,7 @@ cue and format, written under the data directory at run time (nothing committed)
   convention: hyphenated tens, no "and"), metric ``exact``;
 - ``roman``: ``Roman numeral of 1994?`` -> ``MCMXCIV`` (1-3999), metric ``exact``.
 
-The two generated tasks split by SHA-256 of the number (:func:`osft.trainer.demo_assets.split_of`),
+The two generated tasks split by SHA-256 of the number (:func:`osft.trainer.tools.demo_assets.split_of`),
 as the package-built ones split by question.
 """
 
@@ -118,7 +118,7 @@ def _row(user: str, assistant: str) -> dict:
 
 
 def _write_generated(out: Path, name: str, numbers: range, prompt, reply) -> TaskSpec:
-    from osft.trainer.demo_assets import split_of
+    from osft.trainer.tools.demo_assets import split_of
     from osft.trainer.rundir import write_text_atomic
 
     rows = {"train": [], "eval": []}

@@ -16,7 +16,7 @@ the repository; nothing derived from them is committed.
 - Questions that contain a URL (picture rounds: "What flag is this? https://...") are dropped:
   the answer cannot be known from the text.
 - A question that appears in several lists is kept once (first list in file-name order).
-- The split is by question text (SHA-256 bucket, :func:`osft.trainer.demo_assets.split_of`), so a
+- The split is by question text (SHA-256 bucket, :func:`osft.trainer.tools.demo_assets.split_of`), so a
   question is in train or in eval, never in both, and the split is the same on every machine.
 """
 
@@ -131,7 +131,7 @@ def build_trivia(data_dir: Path, eval_percent: int = EVAL_PERCENT) -> TriviaData
     Raises:
         TriviaError: download failed (pip's error quoted) or a list is malformed.
     """
-    from osft.trainer.demo_assets import DemoFetchError, pip_download, split_of
+    from osft.trainer.tools.demo_assets import DemoFetchError, pip_download, split_of
     from osft.trainer.rundir import write_text_atomic
 
     out = Path(data_dir) / "trivia_quiz"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from osft.trainer import loop
+from osft.trainer.run import loop
 from osft.trainer.distributed import exit_rank, shutdown_distributed
 from osft.trainer.worker import main
 

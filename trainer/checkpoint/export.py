@@ -23,7 +23,7 @@ from ..config import TrainConfig
 from ..contract import Event
 from ..data.micro_batches import MicroBatches
 from ..distributed import DistEnv, barrier, map_over_ranks
-from ..metrics import Reporter
+from ..observe.metrics import Reporter
 from ..osft.chain import chain_budget
 from ..osft.input_grams import InputBases, calibration_indices, input_bases, input_basis_modules
 from ..osft.protect import ModuleFold, fold_bank, fold_module, no_bases

@@ -48,7 +48,7 @@ from .. import test_hooks
 from ..distributed import DistEnv, agree, barrier, is_distributed
 from ..dtensor import local_tensor
 from ..osft.surgery import OSFTModel
-from ..schedule import restore_position
+from ..run.schedule import restore_position
 from .manifest import (
     MANIFEST,
     CheckpointError,

@@ -70,7 +70,7 @@ def source_generation_config(model_path: str | os.PathLike) -> Any:
     ``from_pretrained`` does for such a source."""
     from transformers import GenerationConfig
 
-    from ..model_loading import resolve_model_path
+    from ..model.loading import resolve_model_path
 
     directory, gguf_file = resolve_model_path(model_path)
     if gguf_file is not None or not (directory / "generation_config.json").is_file():

@@ -31,7 +31,7 @@ from ..config import TrainConfig
 from ..contract import LAUNCHER_PID_ENV, Event
 from ..data.sampler import GlobalBatchSampler, MixtureSampler
 from ..distributed import DistEnv, barrier
-from ..metrics import Reporter
+from ..observe.metrics import Reporter
 from ..osft.surgery import OSFTModel
 from ..rundir import RunDir
 from .background import BackgroundWriter

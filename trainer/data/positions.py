@@ -33,7 +33,7 @@ class PositionLimit:
 def position_limit(model_path: str | os.PathLike) -> PositionLimit | None:
     """``max_position_embeddings`` (GPT-2's ``n_positions``) of the model's config, None when it has
     none; rotary when the config has rotary settings (``rope_parameters``, ``rope_theta``)."""
-    from ..model_loading import load_config
+    from ..model.loading import load_config
 
     config = load_config(model_path)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

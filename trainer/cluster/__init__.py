@@ -1,0 +1,1 @@
+"""Cluster jobs: SLURM scripts and Kubernetes manifests for multi-node runs."""

@@ -1,0 +1,1 @@
+"""One rank's run: the training loop, its monitor, evaluation, forgetting, divergence and the LR schedule."""

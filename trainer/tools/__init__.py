@@ -1,0 +1,1 @@
+"""Helper commands beside training: the demo assets and make-retention-set."""
