@@ -168,7 +168,7 @@ class OSFTConfig:
 class ProtectionConfig:
     """Protected subspaces of earlier OSFT runs (sequential OSFT): what is read and what the export adds."""
 
-    TITLE: ClassVar[str] = "protected subspaces (chained OSFT runs; see README 'Chaining runs')"
+    TITLE: ClassVar[str] = "protected subspaces (chained OSFT runs; see docs/osft.md, Chaining runs)"
     osft_protect_subspaces: bool = setting(
         True, "do not protect the subspaces of earlier runs stored in the model directory "
         "(osft_subspaces.safetensors); by default they are frozen", resume=SAME)
@@ -266,7 +266,7 @@ class CheckpointConfig:
 class EvaluationConfig:
     """Evaluation and retention sets, the forgetting budget, early stopping and divergence (units: nats per token)."""
 
-    TITLE: ClassVar[str] = "evaluation, forgetting budget, early stopping, divergence (see README 'Evaluation')"
+    TITLE: ClassVar[str] = "evaluation, forgetting budget, early stopping, divergence (see docs/evaluation.md)"
     eval_data_path: str | None = setting(
         None, "evaluation data (chat jsonl, validated like the training data); its loss is the exact token mean "
         "over all ranks, without gradients", metavar="FILE")

@@ -6,7 +6,7 @@ host creates ``control/checkpoint`` or ``control/checkpoint-and-exit``). Safe po
 forward and before and after the backward of each micro-batch, and after the optimizer step. Every
 rank polls at each of them and all agree on the strongest request with one ``all_reduce(MAX)``.
 
-The rule (README, "Checkpoints, signals and resume"):
+The rule (docs/checkpoints.md, "The rule for every request"):
 
 - **Pending**: a request is pending from the moment it is recorded until a checkpoint serves it.
   Signals are recorded by whichever process of the job receives them (launcher or rank, at any

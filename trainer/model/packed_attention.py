@@ -1,4 +1,4 @@
-"""Causal attention over a packed row, one sample at a time (issue 19 item 2).
+"""Causal attention over a packed row, one sample at a time.
 
 A packed micro-batch is one row of T tokens holding samples of lengths L_1 .. L_n back to back
 (:mod:`.data.collate`). transformers' SDPA path gives such a row a block-diagonal causal mask

@@ -6,7 +6,7 @@ cross-entropy + coefficient × auxiliary loss, as transformers computes it for o
 global batch each micro-batch's auxiliary loss (transformers' ``aux_loss`` of that packed row) is
 weighted by its share of the batch's loss tokens, so the loss does not depend on the rank count
 beyond float rounding; the two parts are logged apart (``ce_loss``, ``router_aux_loss`` in the
-``step`` record). Any other model trains on plain cross-entropy (README, "MoE models", next to
+``step`` record). Any other model trains on plain cross-entropy (docs/osft.md, Targets, next to
 ``--freeze-router``; tests/test_osft_experts.py::test_the_router_auxiliary_loss_is_trained_as_transformers_computes_it).
 """
 
