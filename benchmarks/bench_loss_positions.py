@@ -1,6 +1,7 @@
-"""The training loss computed only where a label is trained (issue 19 item 2): the LM head and the
-cross-entropy on the trained positions of a packed micro-batch (``logits_to_keep`` with the
-positions) against the head on every position, side by side in one process.
+"""The training loss computed only where a label is trained (docs/training.md, "Loss and gradient
+norm"): the LM head and the cross-entropy on the trained positions of a packed micro-batch
+(``logits_to_keep`` with the positions) against the head on every position, side by side in one
+process.
 
 Model: SmolLM2-135M-Instruct from the demo assets (``$OSFT_DEMO_DIR`` or the default demo
 directory), full fine-tuning in float32 on CPU; data: chit-chat training rows packed into one

@@ -1,5 +1,5 @@
-"""Start-up cost of the two commands, this checkout against another one (issue 17: the architecture
-change must not make start-up slower).
+"""Start-up cost of the two commands, this checkout against another one (a change to the
+architecture must not make start-up slower).
 
 Measured per checkout, with Python's bytecode cache warm (a first import writes it):
 

@@ -64,7 +64,7 @@ METHOD_LABELS = {"osft": "OSFT (ours)", "full_ft": "full FT (ours, --no-osft)", 
 BASELINE_METHOD = "osft_baseline"
 MODELS = ("tiny", "smollm2")
 
-#: Goals reported (never asserted), issue 19: OSFT step time at most this multiple of our full fine-tuning,
+#: Goals reported (never asserted; benchmarks/README.md): OSFT step time at most this multiple of our full fine-tuning,
 GOAL_STEP_RATIO = 1.05
 #: ... and at most this multiple of PEFT's OSF;
 GOAL_VS_PEFT = 0.85

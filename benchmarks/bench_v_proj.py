@@ -18,10 +18,11 @@ SmolLM2-135M's 210 target shapes (30 blocks × q, k, v, o, gate, up, down at URR
 orthonormal bases, random factors and gradients), each variant timed in interleaved rounds:
 ``per_module`` is the trainer's projection of gradients and parameters (``project_gradients``,
 ``project_parameters``), ``batched`` the same as one ``torch.bmm`` pair per group of same-shaped
-modules (bases stacked once at set-up, factors stacked and copied back per call; the candidate of
-issue 19, kept here only: not faster on CPU), ``check`` the full orthogonality check, ``indicators`` the forgetting indicators (both on the
-steps of a full check) and ``bound`` :meth:`Projector.deviation_bound` (the other steps), each after
-the per-module projection. Reported: median seconds, medians of the per-round ratios (batched /
+modules (bases stacked once at set-up, factors stacked and copied back per call; a candidate for
+the trainer, kept here only: not faster on CPU), ``check`` the full orthogonality check,
+``indicators`` the forgetting indicators (both on the steps of a full check) and ``bound``
+:meth:`Projector.deviation_bound` (the other steps), each after the per-module projection.
+Reported: median seconds, medians of the per-round ratios (batched /
 per-module projection; projection + bound over projection + check, and over projection + check +
 indicators: the OSFT work of a step between full checks against one with them; bound / check), the one-time cost of the bound's basis Gram matrices, the bound and the measured deviation
 (degrees), and the largest difference of the batched results from the per-module ones. Also the

@@ -1,8 +1,9 @@
 """Why OSFT can forget the task it learned just before: the subspace check behind the README's
 continual-learning explanation.
 
-Trains the previous ``continual.py``'s task A (chit-chat windows of the demo, its settings before
-issue 14) with OSFT at each URR, then, for every target module, compares the SVD of the dense
+Trains the previous ``continual.py``'s task A (chit-chat windows of the demo, with the settings it
+had before chained runs kept protected subspaces: docs/osft.md, "Chaining runs: protected
+subspaces") with OSFT at each URR, then, for every target module, compares the SVD of the dense
 weight after A with the split it started from:
 
 - ``low_part_below_frozen``: modules whose trained low part U_low·diag(S_low)·V_low has a largest

@@ -1,4 +1,4 @@
-"""Where a training step's CPU time goes (issue 19 item 2): ``torch.profiler`` over real steps.
+"""Where a training step's CPU time goes: ``torch.profiler`` over real steps.
 
 Each method of ``bench_step.py`` (our full fine-tuning, OSFT, the plain transformers steps) runs its
 runner in this process, one method after the other, on the same batch: two warm-up steps (OSFT's

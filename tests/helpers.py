@@ -298,9 +298,10 @@ def dense_forgetting(model_dir: Path, export_dir: Path, urr: float, targets: tup
 
 
 def float64_grad_norm(trainer, indices) -> float:
-    """Field case B51's reference: the global gradient norm of one optimizer step of ``trainer`` (a
-    prepared one-rank :class:`osft.trainer.run.loop.Trainer`, before the step) on the samples
-    ``indices``, computed in float64 in this process, independently of the trainer's step.
+    """The gradient-norm reference (tests/test_grad_norm.py): the global gradient norm of one
+    optimizer step of ``trainer`` (a prepared one-rank :class:`osft.trainer.run.loop.Trainer`,
+    before the step) on the samples ``indices``, computed in float64 in this process, independently
+    of the trainer's step.
 
     A float64 copy of the model runs each sample alone (no packing); the loss is the sum of the
     token losses over the number of loss tokens of the batch, as the trainer normalises it. OSFT

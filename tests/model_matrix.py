@@ -1,4 +1,4 @@
-"""The tested model matrix (issue 18 item 6): one tiny random configuration per architecture the
+"""The tested model matrix (tests/test_model_matrix.py): one tiny random configuration per architecture the
 README lists, with the OSFT targets expected in each decoder block. Shared by
 ``test_model_matrix.py`` (one rank, in-process) and ``dist/model_matrix_run.py`` (two ranks)."""
 

@@ -1,7 +1,8 @@
-"""`--activation-checkpointing` (issue 18 item 5): one optimizer step of the trainer's own step code
-with and without it gives bit-identical gradients, parameters and RNG state on CPU, under OSFT and
-full fine-tuning, with attention dropout on (the recompute must draw the same dropout mask). Two
-ranks with FSDP2 and exact resume: tests/test_resume.py (the flag in resumed segments)."""
+"""`--activation-checkpointing` (docs/training.md, "Activation checkpointing"): one optimizer step
+of the trainer's own step code with and without it gives bit-identical gradients, parameters and RNG
+state on CPU, under OSFT and full fine-tuning, with attention dropout on (the recompute must draw
+the same dropout mask). Two ranks with FSDP2 and exact resume: tests/test_resume.py (the flag in
+resumed segments)."""
 
 import pytest
 import torch

@@ -43,8 +43,9 @@ def test_errors_are_not_cached(tmp_path):
 
 
 def test_an_unwritable_cache_is_named_and_the_data_tokenized_without_it(tmp_path):
-    """Field case B33: a cache directory that cannot be created (here under a regular file; a
-    read-only home in the field) warns once, naming it and the flag, and never stops the run."""
+    """An unwritable cache (tests/test_readonly_fs.py for a whole read-only run): a cache directory
+    that cannot be created (here under a regular file; a read-only home in the field) warns once,
+    naming it and the flag, and never stops the run."""
     tok = tiny_chat_tokenizer()
     path = write_jsonl(tmp_path / "a.jsonl", [chat("hi", "ok"), chat("what is 2+2?", "4")])
     (tmp_path / "file").write_text("")

@@ -1,5 +1,6 @@
-"""Item 3 of issue 18: several datasets with weights (replay), drawn deterministically per step,
-counted per dataset in the metrics, and resumed bit-exactly from every dataset's position."""
+"""Mixtures (docs/data.md, "Several sources and mixtures (replay)"): several datasets with weights
+(replay), drawn deterministically per step, counted per dataset in the metrics, and resumed
+bit-exactly from every dataset's position."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Samples against the model's position limit, before any rank starts (field case B63)."""
+"""Samples against the model's position limit, before any rank starts (docs/data.md, "The model's position limit")."""
 
 import json
 

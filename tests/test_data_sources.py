@@ -1,5 +1,6 @@
-"""Item 2 of issue 18: every accepted source type and row shape becomes the same validated
-``messages`` rows, with problems located by file, line or row, and the original field."""
+"""Data sources (docs/data.md, "Files and row formats"): every accepted source type and row shape
+becomes the same validated ``messages`` rows, with problems located by file, line or row, and the
+original field."""
 
 import json
 import os
@@ -128,8 +129,9 @@ def test_unsupported_sources_are_refused_before_anything_loads(tmp_path):
 
 
 def test_parquet_conversion_goes_to_the_data_cache_or_a_temporary_directory(tmp_path, monkeypatch):
-    """B33: datasets' Arrow conversion never needs a writable home: it goes to --data-cache-dir's
-    sources folder, or, read-only or --no-data-cache, to a temporary directory that is removed."""
+    """Read-only home (tests/test_readonly_fs.py): datasets' Arrow conversion never needs a writable
+    home: it goes to --data-cache-dir's sources folder, or, read-only or --no-data-cache, to a
+    temporary directory that is removed."""
     path = _sources(tmp_path, ROWS)[2]
     tok = tiny_chat_tokenizer()
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "never"))

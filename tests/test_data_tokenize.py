@@ -1,4 +1,6 @@
-"""Tokenization, label masks and the overlong policies (field cases B15, B19)."""
+"""Tokenization, label masks and the overlong policies (docs/data.md, "Which tokens are trained" and
+"Overlong samples"): a row left with no trained token after truncation, and what drop, error and
+truncate report."""
 
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ B15_ROWS = [
 ]
 
 
-def test_b15_both_lines_reported_in_one_pass(tmp_path):
+def test_both_lines_reported_in_one_pass(tmp_path):
     path = write_jsonl(tmp_path / "b15.jsonl", B15_ROWS)
     with pytest.raises(DataValidationError) as info:
         tokenize_chat_file(path, tiny_chat_tokenizer(default_system=False), 16, overlong="truncate")
@@ -156,7 +158,7 @@ def test_b15_both_lines_reported_in_one_pass(tmp_path):
     assert f"{path}:2: 0 trainable tokens after truncation to 16" in str(info.value)
 
 
-def test_b15_no_trainable_tokens_after_truncation(tmp_path):
+def test_no_trainable_tokens_after_truncation(tmp_path):
     tok = tiny_chat_tokenizer(default_system=False)
     path = write_jsonl(tmp_path / "b15.jsonl", B15_ROWS[:2])
 
@@ -173,7 +175,7 @@ def test_b15_no_trainable_tokens_after_truncation(tmp_path):
     assert all(n > 0 for n in data.dataset["num_loss_tokens"])
 
 
-def _b19_file(tmp_path, tok, max_len):
+def _overlong_file(tmp_path, tok, max_len):
     """3 rows; row 3 tokenizes to exactly 3 * max_len tokens, with the answer at the end."""
     rows = [chat("hi", "ok"), chat("What is the capital of France?", "Paris.")]
     base = tok.apply_chat_template(chat("", "The answer is Paris.")["messages"], tokenize=False)
@@ -185,9 +187,9 @@ def _b19_file(tmp_path, tok, max_len):
     return path
 
 
-def test_b19_drop_policy_reports_line_and_length(tmp_path):
+def test_drop_policy_reports_line_and_length(tmp_path):
     tok = tiny_chat_tokenizer()
-    path = _b19_file(tmp_path, tok, 32)
+    path = _overlong_file(tmp_path, tok, 32)
     data = tokenize_chat_file(path, tok, 32)  # drop is the default
     rep = data.report
     assert (rep.rows, rep.kept, rep.dropped_overlong) == (3, 2, [(3, 96)])
@@ -198,9 +200,9 @@ def test_b19_drop_policy_reports_line_and_length(tmp_path):
     assert rep.total_loss_tokens == sum(data.dataset["num_loss_tokens"])
 
 
-def test_b19_error_policy_names_line_and_length(tmp_path):
+def test_error_policy_names_line_and_length(tmp_path):
     tok = tiny_chat_tokenizer()
-    path = _b19_file(tmp_path, tok, 32)
+    path = _overlong_file(tmp_path, tok, 32)
     with pytest.raises(OverlongSampleError) as info:
         tokenize_chat_file(path, tok, 32, overlong="error")
     (p,) = info.value.problems
@@ -209,9 +211,9 @@ def test_b19_error_policy_names_line_and_length(tmp_path):
     assert info.value.report.dropped_overlong == [(3, 96)]
 
 
-def test_b19_truncate_never_silently_removes_every_answer_token(tmp_path):
+def test_truncate_never_silently_removes_every_answer_token(tmp_path):
     tok = tiny_chat_tokenizer()
-    path = _b19_file(tmp_path, tok, 32)
+    path = _overlong_file(tmp_path, tok, 32)
     rep = tokenize_chat_file(path, tok, 32, overlong="truncate").report
     assert (rep.kept, rep.dropped_no_trainable, rep.truncated) == (2, [3], [])
     assert "0 trainable tokens after truncation to 32" in "\n".join(rep.summary_lines())
@@ -232,7 +234,7 @@ def test_truncate_keeps_the_first_tokens_and_counts_kept_loss(tmp_path):
 
 def test_report_json_round_trip(tmp_path):
     tok = tiny_chat_tokenizer()
-    path = _b19_file(tmp_path, tok, 32)
+    path = _overlong_file(tmp_path, tok, 32)
     rep = tokenize_chat_file(path, tok, 32).report
     loaded = json.loads(rep.to_json())
     assert loaded == rep.to_dict()
@@ -250,7 +252,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_an_empty_reasoning_block_the_template_inserts_is_not_trained_and_is_reported(tmp_path):
-    """B47: Qwen3-style templates open the last assistant turn with `<think>\\n\\n</think>\\n\\n` when
+    """Qwen3-style templates open the last assistant turn with `<think>\\n\\n</think>\\n\\n` when
     the data has no reasoning; only the content and the end-of-turn token are trained."""
     tok = tiny_chat_tokenizer(chat_template=REASONING_CHATML_TEMPLATE)
     reasoned = {"messages": [{"role": "user", "content": "Why?"},
@@ -282,7 +284,7 @@ def test_an_empty_reasoning_block_the_template_inserts_is_not_trained_and_is_rep
 
 
 def test_a_default_system_prompt_the_template_inserts_is_reported_once(tmp_path):
-    """B52: SmolLM2-style templates insert a system turn when a conversation has none."""
+    """SmolLM2-style templates insert a system turn when a conversation has none."""
     tok = tiny_chat_tokenizer()  # SmolLM2-like: "You are a helpful assistant." by default
     rows = [chat("hi", "ok"), chat("hello", "hello world"), chat("hi", "ok", system="Be brief.")]
     data = tokenize_chat_file(write_jsonl(tmp_path / "s.jsonl", rows), tok, 512)

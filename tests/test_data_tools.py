@@ -1,5 +1,6 @@
-"""Item 1 of issue 18: tool calls, tool results, per-row tools and reasoning, with a Qwen3-style
-template that renders earlier turns differently; what is trained is checked on decoded tokens."""
+"""Tool calls and reasoning (docs/data.md, "Tool calls and reasoning"): tool calls, tool results,
+per-row tools and reasoning, with a Qwen3-style template that renders earlier turns differently;
+what is trained is checked on decoded tokens."""
 
 import json
 

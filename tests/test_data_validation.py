@@ -1,4 +1,6 @@
-"""Pre-flight validation of chat JSONL files (field cases B15, B16, B17) and every rule's message."""
+"""Pre-flight validation of chat JSONL files (docs/data.md, "Validation"): a BOM, truncated JSON,
+rows that are not objects, role alternation, unknown roles, missing content, and every rule's
+message."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from osft.trainer.data.validate import (
 GOOD = chat("What is the capital of France?", "Paris.")
 
 
-def test_b16_bom_truncated_json_and_array(tmp_path):
+def test_bom_truncated_json_and_array(tmp_path):
     truncated = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}'
     path = tmp_path / "b16.jsonl"
     lines = [json.dumps(GOOD)] * 3 + [truncated, "[1, 2, 3]"]
@@ -43,7 +45,7 @@ def test_b16_bom_truncated_json_and_array(tmp_path):
     assert f"{path}:4:{col}:" in text and f"{path}:5:" in text
 
 
-def test_b17_alternation_unknown_role_missing_content(tmp_path):
+def test_alternation_unknown_role_missing_content(tmp_path):
     rows = [
         GOOD,
         {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},

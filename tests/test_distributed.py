@@ -157,8 +157,9 @@ def test_fewer_samples_than_ranks_fails_at_start(tiny, tmp_path, capsys):
 
 @pytest.mark.torchrun
 def test_uneven_last_batch_keeps_every_rank_in_step(tiny, tmp_path):
-    """Field case B25: 5 samples, world size 2, batch 2, last batch kept: 3 steps on every rank,
-    the last with one sample (one rank runs an empty micro-batch instead of skipping collectives)."""
+    """An uneven last batch: 5 samples, world size 2, batch 2, last batch kept: 3 steps on every
+    rank, the last with one sample (one rank runs an empty micro-batch instead of skipping
+    collectives)."""
     model, _ = tiny
     data = write_jsonl(tmp_path / "five.jsonl", [chat(q, a) for q, a in QA])
     out = tmp_path / "r"
@@ -206,7 +207,7 @@ def test_v_bases_are_cached_on_cpu_ranks_unless_set_and_the_setting_reaches_the_
 
 @pytest.mark.torchrun
 def test_two_ranks_grad_norm_equals_a_float64_reference(tiny, two_ranks, tmp_path):
-    """Field case B51 on two ranks (OSFT on): step 1's reported gradient norm against the float64
+    """The gradient norm on two ranks (OSFT on): step 1's reported gradient norm against the float64
     reference of the same batch, computed in this process (tests/test_grad_norm.py: one rank)."""
     model, data = tiny
     argv = ["--model-name-or-path", str(model), "--data-path", str(data), "--output-dir", str(tmp_path / "ref"),

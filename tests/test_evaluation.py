@@ -1,4 +1,4 @@
-"""Evaluation during training (issue 16): evaluation and retention sets, forgetting, the forgetting
+"""Evaluation during training (docs/evaluation.md): evaluation and retention sets, forgetting, the forgetting
 budget, best export, early stopping, divergence (stop, rollback), ``control/evaluate``, and that
 none of it changes the training trajectory. Tiny random Llama, in-process one-rank runs, and one
 two-rank worker group compared with a one-rank run."""

@@ -1,4 +1,5 @@
-"""The reported (and clipped) gradient norm against a float64 reference (field case B51).
+"""The reported (and clipped) gradient norm against a float64 reference (docs/training.md, "Loss and
+gradient norm").
 
 One rank here, in process, OSFT on and off; two ranks ride on test_distributed.py's two-rank run.
 The reference (:func:`helpers.float64_grad_norm`) runs every sample alone in float64; the trainer

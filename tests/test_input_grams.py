@@ -1,6 +1,7 @@
-"""The ``inputs`` variant's layer-input Gram matrices under a memory budget (issue 14): modules that
-read the same input share one Gram, and a budget that splits the collection into several passes
-gives the bases of one pass. A tiny random Llama under OSFT."""
+"""The ``inputs`` variant's layer-input Gram matrices under a memory budget (docs/osft.md, "What an
+export adds: the two variants"): modules that read the same input share one Gram, and a budget that
+splits the collection into several passes gives the bases of one pass. A tiny random Llama under
+OSFT."""
 
 import pytest
 import torch

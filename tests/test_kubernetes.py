@@ -46,7 +46,7 @@ def test_manifest_values_agree(capsys):
     env = {e["name"]: e for e in container["env"]}
     index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == index
-    # every cache is on the run volume (field case B33: home and install directory may be read-only)
+    # every cache is on the run volume (home and install directory may be read-only: tests/test_readonly_fs.py)
     caches = {name: e["value"] for name, e in env.items() if name != "NODE_RANK"}
     assert set(caches) == set(CACHE_ENV) and {"NUMBA_CACHE_DIR", "OSFT_DATA_CACHE", "HF_HOME"} <= set(caches)
     assert all(value.startswith("/workspace/runs/x/cache/") for value in caches.values())
@@ -85,7 +85,8 @@ def kubernetes_expands(value: str) -> bool:
 
 
 def test_values_are_yaml_strings_and_never_expanded(capsys):
-    """Field case B43 for the manifest: quotes, ``#``, ``:`` and ``$(...)`` in the values stay data."""
+    """Values are data in the manifest too (tests/test_slurm.py for the script): quotes, ``#``,
+    ``:`` and ``$(...)`` in the values stay data."""
     out = '/work space/runs/a"b: #c $(HOME) $$(X) \\'
     argv = ["--model-name-or-path", "/work space/m", "--data-path", "/work space/d", "--output-dir", out,
             "--nodes", "1", "--gpus-per-node", "0", "--image", 'reg/x:1 #"y', "--mount-path", "/work space",

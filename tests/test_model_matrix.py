@@ -1,4 +1,4 @@
-"""The tested model matrix (issue 18 item 6): every architecture the README lists, as a tiny random
+"""The tested model matrix (the README's list of architectures): every architecture the README lists, as a tiny random
 model built from its config (:mod:`model_matrix`): its targets found, the decomposition
 reconstructing every weight, one training step, and an export that reloads under the original
 names and generates; on one rank in-process, and on two gloo ranks for a subset in one torchrun

@@ -1,5 +1,5 @@
-"""A one-step run of a tiny model with its own generation config: what the export and the plot show
-(field cases B53, B60)."""
+"""A one-step run of a tiny model with its own generation config: the export carries that config
+unchanged, and the plot shows the run's one point in every panel (docs/metrics.md, "Plots")."""
 
 import json
 

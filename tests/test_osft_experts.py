@@ -1,4 +1,4 @@
-"""MoE experts under OSFT (issue 18 item 4): the fused 3-D expert tensors of Mixtral, Qwen3-MoE and
+"""MoE experts under OSFT (docs/osft.md, "MoE expert banks"): the fused 3-D expert tensors of Mixtral, Qwen3-MoE and
 gpt-oss (transformers 5) split into per-expert banks, decomposed by batched SVDs, projected batched
 over the experts, trained, exported under their original names and resumed bit-exactly. Tiny
 random models built from their configs."""

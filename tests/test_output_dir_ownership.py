@@ -1,6 +1,7 @@
-"""Field case B59: one run per output directory. A second job into a directory that a live job
-owns is refused before it writes anything; a finished or stopped run's directory needs --resume or
---overwrite-output-dir; nothing of the other job's checkpoints is removed."""
+"""One run per output directory (docs/checkpoints.md, "One run per output directory"). A second job
+into a directory that a live job owns is refused before it writes anything; a finished or stopped
+run's directory needs --resume or --overwrite-output-dir; nothing of the other job's checkpoints is
+removed."""
 
 from __future__ import annotations
 

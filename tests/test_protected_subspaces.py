@@ -1,6 +1,7 @@
-"""Protected subspaces across chained OSFT runs (sequential OSFT, issue 14): the split of
-W′ = (I − PPᵀ)W(I − QQᵀ), the fold of a run's update into P/Q, and chained `osft-train` runs on 1
-and 2 gloo ranks, with a resume and a reload of the exported bases."""
+"""Protected subspaces across chained OSFT runs (sequential OSFT, docs/osft.md, "Chaining runs:
+protected subspaces"): the split of W′ = (I − PPᵀ)W(I − QQᵀ), the fold of a run's update into P/Q,
+and chained `osft-train` runs on 1 and 2 gloo ranks, with a resume and a reload of the exported
+bases."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Field case B33: a run where the install directory and ``$HOME`` are read-only (a container with
+"""A read-only install and home: a run where the install directory and ``$HOME`` are read-only (a container with
 ``readOnlyRootFilesystem``, OpenShift's random user with ``HOME=/``) trains; no cache is required to
 start. The read-only view is a private mount namespace (``unshare -rm``) with read-only bind mounts
 of the installed package, the virtual environments, the model and a fresh home directory."""

@@ -1,6 +1,8 @@
 """Full-state checkpoints and bit-exact resume: real `osft-train` launchers, real torchrun worker
-groups (2 ranks, gloo), real signals, real DCP files (docs/architecture.md sections 5 and 6; field cases
-B01-B04, B08, B10, B12, B13, B24)."""
+groups (2 ranks, gloo), real signals, real DCP files (docs/architecture.md sections 5 and 6;
+docs/checkpoints.md): stops at every safe point, slow and cut-off saves, a broken newest checkpoint,
+a missing shard, a checkpoint directory not shared between nodes, and the settings a resume
+refuses."""
 
 from __future__ import annotations
 
@@ -130,7 +132,7 @@ def exit_and_resume(job, tmp_path, point, micro, sig, *flags, env=None):
     finished = records(out, "run_finished")[-1]
     assert (finished["reason"], finished["exit_code"]) == ("stopped", EXIT_STOPPED)
     assert json.loads((out / "run.json").read_text())["state"] == "stopped"
-    # The same job id on the same node at once (field case B03): no stale request fires again.
+    # The same job id on the same node at once: no stale request fires again.
     code, output = train(job, out, "--resume", *flags, env=job_env)
     assert code == 0, output
     assert [r["from_step"] for r in records(out, "resumed")] == [saved_step]
@@ -152,14 +154,13 @@ STOPS = [
 
 def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_never_fires(job, reference, tmp_path):
     """Each segment of the chain checks what one stop-and-resume pair checked before: exit code 75
-    with one new complete checkpoint at the right step, the request recorded once at its safe
-    point, ``run.json`` stopped, the resume (same job id, field case B03: no stale request fires
-    again) continuing bit for bit with the uninterrupted run, the schedule going on, and each
-    rank's generators saved apart (field case B13). The fourth stop arrives inside the evaluation
-    after step 6 (every segment evaluates): the pass is abandoned, not recorded, and the stop served
-    by a checkpoint of step 6. Before the first segment a SIGTERM request
-    of a killed earlier run lies in the job's trigger directory: it is removed with a warning
-    and never served."""
+    with one new complete checkpoint at the right step, the request recorded once at its safe point,
+    ``run.json`` stopped, the resume (same job id: no stale request fires again) continuing bit for
+    bit with the uninterrupted run, the schedule going on, and each rank's generators saved apart.
+    The fourth stop arrives inside the evaluation after step 6 (every segment evaluates): the pass
+    is abandoned, not recorded, and the stop served by a checkpoint of step 6. Before the first
+    segment a SIGTERM request of a killed earlier run lies in the job's trigger directory: it is
+    removed with a warning and never served."""
     out = tmp_path / "run"
     job_id = uuid.uuid4().hex[:12]
     trigger = TriggerDir(job_id)
@@ -198,7 +199,7 @@ def test_stops_at_every_safe_point_resume_bit_identically_and_a_stale_trigger_ne
         assert json.loads((out / "run.json").read_text())["state"] == "stopped"
         assert [r["from_step"] for r in records(out, "resumed")] == resumed_from[:-1]
         ckpt = out / "full_state_checkpoints" / f"step_{saved}"
-        # Field case B13: each rank's generators are saved apart (they drew different amounts).
+        # Each rank's generators are saved apart (they drew different amounts).
         rng = [torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1)]
         assert not torch.equal(rng[0]["torch"], rng[1]["torch"])
         if n == 0:  # the stale SIGTERM was removed at start and never served
@@ -288,7 +289,7 @@ def assert_same_steps_upto(run, reference, last):
 def test_full_fine_tuning_resumes_bit_identically(job, tmp_path):
     ref = tmp_path / "ref"
     assert train(job, ref, "--no-osft")[0] == 0
-    # A slow save (field case B02) still completes inside the grace period.
+    # A slow save still completes inside the grace period.
     # With --activation-checkpointing (two ranks, FSDP2, attention dropout): the same steps bit for bit.
     out, saved_step = exit_and_resume(job, tmp_path, "after_backward", 0, "SIGXCPU", "--no-osft",
                                       "--activation-checkpointing", env={"OSFT_TEST_SAVE_DELAY_S": "4"})
@@ -320,7 +321,7 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
         state = json.loads((root / f"step_{step}" / "trainer_state.json").read_text())
         assert state["model"]["vocab_size"] == base_vocab + 1  # resized at start for the added token
 
-    # Field case B04: newest directory broken, odd entries around; --resume picks step_4.
+    # Newest directory broken, odd entries around; --resume picks step_4.
     b04 = tmp_path / "b04"
     shutil.copytree(root, b04 / "full_state_checkpoints")
     broken = b04 / "full_state_checkpoints" / "step_8"
@@ -347,13 +348,13 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
     assert not (b04 / "full_state_checkpoints" / "step_4").exists()
     assert broken.exists()  # a broken directory is never taken for complete, and left for inspection
 
-    # Field case B08: a deleted optimizer shard is an error naming the rank and the file.
+    # A deleted optimizer shard is an error naming the rank and the file.
     (root / "step_6" / "optimizer_rank1.pt").unlink()
     code, output = train(job, tmp_path / "b08", "--resume-from-full-state-checkpoint", str(root / "step_6"))
     assert code == 2
     assert "rank 1's file optimizer_rank1.pt is missing" in output
 
-    # Field case B12: another micro-batch budget (another accumulation) is refused before any rank starts.
+    # Another micro-batch budget (another accumulation) is refused before any rank starts.
     code, output = train(job, tmp_path / "b12", "--resume-from-full-state-checkpoint", str(root / "step_4"),
                          "--max-tokens-per-gpu", "128")
     assert code == 2 and not (tmp_path / "b12" / "logs").exists()
@@ -371,7 +372,7 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
             " ".join(output.split())), output
     assert {p.relative_to(root): p.read_bytes() for p in (root / "step_4").rglob("*") if p.is_file()} == before
 
-    # Field case B13: another world size is refused with both numbers.
+    # Another world size is refused with both numbers.
     model, data = job
     code = subprocess.run(
         [sys.executable, "-m", "osft.trainer.launch.cli", "--model-name-or-path", str(model), "--data-path", str(data),
@@ -382,8 +383,8 @@ def test_periodic_checkpoints_retention_vocab_and_bad_checkpoints(job, tmp_path)
 
 
 def test_stop_cut_off_by_the_grace_period_leaves_no_usable_checkpoint(job, tmp_path):
-    """Field cases B02 and B04: a save slower than the grace period is killed part way; the
-    half-written directory is never resumed from, and the previous checkpoint is still there."""
+    """A cut-off save: a save slower than the grace period is killed part way; the half-written
+    directory is never resumed from, and the previous checkpoint is still there."""
     out = tmp_path / "run"
     env = {"OSFT_TEST_SIGNAL_AT": "3:after_step:0:SIGTERM", "OSFT_TEST_SAVE_DELAY_S": "120@3"}
     code, output = train(job, out, "--checkpoint-grace-seconds", "8", "--checkpoint-every-steps", "2",
@@ -399,7 +400,8 @@ def test_stop_cut_off_by_the_grace_period_leaves_no_usable_checkpoint(job, tmp_p
 
 
 def test_checkpoint_directory_not_shared_between_nodes_fails_at_start(job, tmp_path):
-    """Field case B10: two nodes whose output directories are different local folders."""
+    """A checkpoint directory not shared between nodes: two nodes whose output directories are
+    different local folders."""
     from test_distributed import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"

@@ -1,7 +1,7 @@
-"""What the user changes on resume happens (field case B46): every optimisation setting given to
-the resumed run is the one its first step uses, and the step records and the checkpoints it writes
-show it. In-process one-rank runs with real full-state checkpoints; the two-rank bit-exact resume
-with unchanged settings is tests/test_resume.py."""
+"""What the user changes on resume happens (docs/checkpoints.md, "What may change on resume"): every
+optimisation setting given to the resumed run is the one its first step uses, and the step records
+and the checkpoints it writes show it. In-process one-rank runs with real full-state checkpoints;
+the two-rank bit-exact resume with unchanged settings is tests/test_resume.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ BASE = ("--batch-size", "4", "--max-tokens-per-gpu", "96", "--max-seq-len", "64"
         "--checkpoint-every-steps", "2")
 #: The first run: constant lr 1e-3, AdamW defaults but weight decay 0.1.
 FIRST = ("--learning-rate", "1e-3", "--weight-decay", "0.1", "--lr-scheduler", "constant")
-#: Every optimisation setting changed on resume (field case B46 and its variant: another schedule).
+#: Every optimisation setting changed on resume (and, as a variant, another schedule).
 CHANGED = {"learning_rate": ("--learning-rate", "1e-2", 1e-2), "lr_scheduler": ("--lr-scheduler", "linear", "linear"),
            "warmup_steps": ("--warmup-steps", "3", 3), "weight_decay": ("--weight-decay", "0.05", 0.05),
            "beta1": ("--beta1", "0.8", 0.8), "beta2": ("--beta2", "0.99", 0.99), "eps": ("--eps", "1e-6", 1e-6),

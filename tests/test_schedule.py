@@ -1,5 +1,5 @@
 """Learning-rate schedules (trainer/run/schedule.py) against transformers' own, value for value, and
-warmups that cover the whole run (field case B55)."""
+warmups that cover the whole run (docs/training.md, "Learning-rate schedule")."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_warmup_then_constant_and_bad_name():
 
 
 def test_check_warmup_warns_when_the_peak_is_never_reached_and_refuses_a_run_at_lr_0():
-    """Field case B55 (the rule, for any run length and resume point)."""
+    """The warmup rule, for any run length and resume point: a warning when the peak is never
+    reached, a refusal when every step would train at learning rate 0."""
     assert check_warmup(0, 1) is None and check_warmup(4, 5) is None  # the last step reaches the peak
     assert check_warmup(5, 2) == ("--warmup-steps 5 >= the run's 2 optimizer steps: the learning rate never reaches "
                                   "its peak (--learning-rate); the last step uses 0.2 × the peak")
@@ -65,8 +66,8 @@ def _train(model, data, out, *flags):
 
 def test_a_run_whose_every_step_would_have_lr_0_is_refused_before_training(tiny_model_dir, eight_rows, tmp_path,
                                                                               capsys):
-    """Field case B55: `--max-steps 1 --warmup-steps 1` used to train its only step at lr 0 and end
-    `done`. In process and before a worker group starts (the unit tier fails any subprocess)."""
+    """`--max-steps 1 --warmup-steps 1` used to train its only step at lr 0 and end `done`. In
+    process and before a worker group starts (the unit tier fails any subprocess)."""
     for flags in (["--max-steps", "1"], ["--max-steps", "1", "--nproc-per-node", "2"]):
         out = tmp_path / f"run{len(flags)}"
         assert _train(tiny_model_dir, eight_rows, out, *flags, "--warmup-steps", "1", "--lr-scheduler", "linear") == 2
@@ -76,8 +77,8 @@ def test_a_run_whose_every_step_would_have_lr_0_is_refused_before_training(tiny_
 
 
 def test_a_warmup_longer_than_the_run_is_named_at_start_up(tiny_model_dir, eight_rows, tmp_path, capsys):
-    """Field case B55: `--max-steps 2 --warmup-steps 5 --lr-scheduler cosine`, and the same run
-    length from `--num-epochs` (8 rows, 4 per step: 2 steps)."""
+    """`--max-steps 2 --warmup-steps 5 --lr-scheduler cosine`, and the same run length from
+    `--num-epochs` (8 rows, 4 per step: 2 steps)."""
     for flags in (["--max-steps", "2"], ["--num-epochs", "1"]):
         out = tmp_path / flags[0].strip("-")
         assert _train(tiny_model_dir, eight_rows, out, *flags, "--warmup-steps", "5", "--lr-scheduler", "cosine",

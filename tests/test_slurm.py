@@ -185,8 +185,9 @@ STAND_INS = {
 @pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["exp#1;$(id)", 'a"b`id`$(id)\'c', "x%j 100% $HOME"])
 def test_values_are_quoted_in_the_script_and_the_sbatch_lines_and_never_run(capsys, tmp_path, name):
-    """Field case B43: the output dir, a job name with a space, a partition with quotes are data in
-    every place the script embeds them; the failure branch names the directory literally."""
+    """Values are data, never shell: the output dir, a job name with a space, a partition with
+    quotes are data in every place the script embeds them; the failure branch names the directory
+    literally."""
     out = f"{tmp_path}/runs/{name}"
     script = generate(capsys, "--model-name-or-path", "/m", "--data-path", "/d", "--output-dir", out, "--nodes", "1",
                       "--gpus-per-node", "0", "--time", "30", "--job-name", "my job #2", "--partition", 'p "q" \\r')

@@ -1,7 +1,8 @@
-"""How a run ends (issue 15, part 1): a stop request is never lost, also while a checkpoint is
-written (field case B42); a signal during start-up is held and served (B49); a dead rank ends
-with one paragraph, not a traceback, and a resume with no step left says so (B50). Real
-launchers, real torchrun worker groups (gloo), real signals, real DCP files."""
+"""How a run ends (docs/checkpoints.md, "The rule for every request"; docs/architecture.md,
+section 6): a stop request is never lost, also while a checkpoint is written; a signal during
+start-up is held and served; a dead rank ends with one paragraph, not a traceback, and a resume
+with no step left says so. Real launchers, real torchrun worker groups (gloo), real signals, real
+DCP files."""
 
 from __future__ import annotations
 
@@ -62,9 +63,9 @@ def finish(proc):
 
 
 def test_a_stop_during_a_checkpoint_is_served_by_it_and_no_step_is_saved_twice(job, tmp_path):
-    """B42: SIGUSR1 to the launcher at step 2, then SIGUSR2 while step_2 is written: exit 75
-    right after that checkpoint. Resumed, SIGTERM while the periodic step-4 checkpoint is
-    written: exit 75 with step_4 saved once."""
+    """A stop during a checkpoint: SIGUSR1 to the launcher at step 2, then SIGUSR2 while step_2 is
+    written: exit 75 right after that checkpoint. Resumed, SIGTERM while the periodic step-4
+    checkpoint is written: exit 75 with step_4 saved once."""
     out = tmp_path / "run"
     root = out / "full_state_checkpoints"
     proc = train(job, out, "--checkpoint-every-steps", "4", wait=False,
@@ -102,10 +103,10 @@ def one_rank(job, out, *flags):
 
 
 def test_signals_during_start_up_are_held_and_a_resume_with_no_step_left_says_so(job, tmp_path):
-    """B49 (in-process rank): SIGUSR2 the moment osft-train can take it, long before torch is
-    loaded: a complete checkpoint of step 0 and exit 75. Resumed, SIGUSR1 during start-up is served
-    by the checkpoint it resumed from (not saved again) and training goes on. B50: a resume with
-    no step left says so, not 'last loss nan'."""
+    """Signals held at start-up (in-process rank): SIGUSR2 the moment osft-train can take it, long
+    before torch is loaded: a complete checkpoint of step 0 and exit 75. Resumed, SIGUSR1 during
+    start-up is served by the checkpoint it resumed from (not saved again) and training goes on. A
+    resume with no step left says so, not 'last loss nan'."""
     out = tmp_path / "run"
     proc = one_rank(job, out)
     assert not signal_as_soon_as_caught(proc.pid, signal.SIGUSR2), "handler installed after torch was loaded"
@@ -132,10 +133,10 @@ def test_signals_during_start_up_are_held_and_a_resume_with_no_step_left_says_so
 
 
 def test_a_dead_rank_ends_with_one_paragraph_and_a_worker_holds_start_up_signals(job, tmp_path):
-    """B49 (torchrun worker): SIGUSR1 to rank 1 the moment it can take it is served at step 0 and
-    training goes on. B50: rank 1 killed with SIGKILL while the step-4 checkpoint is written: exit 1
-    and one paragraph naming the rank, the signal, the step, the newest complete checkpoint and
-    the resume command; no traceback."""
+    """Signals held at start-up (torchrun worker): SIGUSR1 to rank 1 the moment it can take it is
+    served at step 0 and training goes on. A dead rank: rank 1 killed with SIGKILL while the step-4
+    checkpoint is written: exit 1 and one paragraph naming the rank, the signal, the step, the
+    newest complete checkpoint and the resume command; no traceback."""
     out = tmp_path / "run"
     root = out / "full_state_checkpoints"
     proc = train(job, out, "--checkpoint-every-steps", "2", wait=False, env={"OSFT_TEST_SAVE_DELAY_S": "30@4"})

@@ -634,9 +634,9 @@ def test_quit_choices_leave_no_process_of_the_run(tmux, tmp_path, choice):
 
 
 def test_at_80x24_launch_watch_checkpoint_resume_and_read_the_logs_without_leaving_the_dashboard(tmux, tmp_path):
-    """Issue 20's "done when": on an 80 x 24 terminal, a run is launched from the form, watched,
-    checkpointed with ``c``, resumed from that checkpoint with ``r`` (the live run is stopped first)
-    and its rank logs read with ``l``, all inside one dashboard."""
+    """The whole job cycle in a small terminal: on an 80 x 24 terminal, a run is launched from the
+    form, watched, checkpointed with ``c``, resumed from that checkpoint with ``r`` (the live run is
+    stopped first) and its rank logs read with ``l``, all inside one dashboard."""
     term = tmux.open("small", [OSFT_TUI, "--launcher", LAUNCHER], tmp_path, size=(80, 24))
     out = tmp_path / "rundir"
     try:

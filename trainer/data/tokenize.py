@@ -112,7 +112,7 @@ def tokenize_chat_file(path, tokenizer, max_seq_len: int, overlong: str = "drop"
         for line, n in report.dropped_overlong] if overlong == "error" else []
     if problems:
         # Invalid rows stop the run; the rows that would be dropped for lack of trained tokens are
-        # listed in the same pass (tests/test_data_tokenize.py::test_b15_both_lines_reported_in_one_pass), so one run of the validator shows everything.
+        # listed in the same pass (tests/test_data_tokenize.py::test_both_lines_reported_in_one_pass), so one run of the validator shows everything.
         untrainable = [Problem(str(path), line, None, "messages", "no_trainable_tokens",
                                no_trainable_message(max_seq_len, truncated=overlong == "truncate"), report.unit)
                        for line in report.dropped_no_trainable]
