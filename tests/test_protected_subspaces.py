@@ -297,7 +297,8 @@ def test_chain_budget_reports_and_warns_below_the_stated_share():
     assert budget.folds["b"].summary()["next_k_low"] == 12 and budget.folds["b"].summary()["basis"] == "inputs"
     line = budget.line()
     assert "p_L 4-12" in line and "k_low 12-20, median 67 % of a fresh run's (lowest 50 %)" in line
-    assert "cap bound in 1 of 2 modules" in line and "update 0.700 (lowest), inputs 0.800" in line
+    assert "cap bound in 1 of 2 modules (update side 1, input side 1)" in line
+    assert "update 0.700 (lowest), inputs 0.800" in line
     warning = budget.warning()
     assert warning.startswith("chain budget: in 1 of 2 modules") and "below 60%" in warning and "b: 12 of 24" in warning
     assert chain_budget([("a", plan)], {"a": folds["a"]}, "keep").warning() is None

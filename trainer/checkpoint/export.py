@@ -132,7 +132,7 @@ class Exporter:
                          added_right=sum(f.added_right for f in folds.values()), cap_bound_energy=capped, **passes)
         if capped:
             self.report.say(f"protected subspaces: the rank cap (--osft-protect-max-rank-ratio {cfg.osft_protect_max_rank_ratio}) "
-                      f"bound in {len(capped)} modules; energy kept there {min(capped.values()):.3f}-"
+                      f"bound on the update side in {len(capped)} modules; energy kept there {min(capped.values()):.3f}-"
                       f"{max(capped.values()):.3f} (target {cfg.osft_protect_energy})")
         return folds
 

@@ -81,6 +81,8 @@ class ChainBudget:
 
         ratios = [x.ratio for x in b]
         capped = [f for f in self.folds.values() if f.update.cap_bound or (f.inputs and f.inputs.cap_bound)]
+        on_inputs = sum(bool(f.inputs and f.inputs.cap_bound) for f in self.folds.values())
+        on_update = sum(f.update.cap_bound for f in self.folds.values())
         inputs = [f.inputs.energy for f in self.folds.values() if f.inputs is not None]
         kept = f"energy kept: update {min(f.update.energy for f in self.folds.values()):.3f} (lowest)"
         if inputs:
@@ -89,7 +91,7 @@ class ChainBudget:
                 f"{span(x.rank for x in b)}, k_high {span(x.k_high for x in b)}, k_low {span(x.k_low for x in b)}; "
                 f"a next run (--osft-frozen-rank {self.frozen_rank}) k_low {span(x.next_k_low for x in b)}, median "
                 f"{100 * statistics.median(ratios):.0f} % of a fresh run's (lowest {100 * min(ratios):.0f} %); cap bound in "
-                f"{len(capped)} of {len(b)} modules; {kept}")
+                f"{len(capped)} of {len(b)} modules (update side {on_update}, input side {on_inputs}); {kept}")
 
     def warning(self) -> str | None:
         """The modules whose next k_low is below :data:`K_LOW_WARN_RATIO` of a fresh run's, or None."""
