@@ -45,6 +45,7 @@ def test_held_c_on_two_nodes_is_one_signal_one_checkpoint_one_toast_and_s_still_
         assert len(records(out, event="checkpoint_saved")) == 1 and written(app) == ["checkpoint"]
         assert not [n for n in app._notifications if "already requested" in n.message]
 
+        await pilot.pause(REPEAT_S)  # a new press, not the hold's auto-repeat (ignored whole)
         await after_a_step()
         await pilot.press("c")
         await wait_until(pilot, lambda: dash.controls.requests.pending.steps, 5, "the request pending")
