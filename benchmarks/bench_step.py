@@ -171,7 +171,7 @@ class PlainHFRunner:
 
         from osft.trainer.config import TrainConfig
         from osft.trainer.data.mixture import tokenize_for_run
-        from osft.trainer.run.loop import seed_everything
+        from osft.trainer.run.components import seed_everything
         from osft.trainer.model.loading import load_tokenizer
 
         cfg = TrainConfig(**_train_config_kwargs(spec), osft=False)

@@ -90,7 +90,7 @@ class PeftTrainer:
 
         from osft.trainer.data.sampler import GlobalBatchSampler
         from osft.trainer.data.mixture import tokenize_for_run
-        from osft.trainer.run.loop import seed_everything
+        from osft.trainer.run.components import seed_everything
         from osft.trainer.run.start import shifted_loss_tokens
         from osft.trainer.model.loading import load_model, load_tokenizer
         from osft.trainer.model.packed_attention import use_packed_attention

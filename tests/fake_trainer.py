@@ -591,7 +591,7 @@ class Rank:
         os._exit(EXIT_CRASH)
 
     def step_numbers(self, elapsed: float) -> dict:
-        """The numbers of one ``step`` record, in the order ``Trainer.train_step`` returns them."""
+        """The numbers of one ``step`` record, in the order ``osft.trainer.run.step.TrainStep`` returns them."""
         args, s = self.args, self.step
 
         def node_rate(n: int) -> float:

@@ -160,12 +160,12 @@ def test_a_failure_before_training_on_one_rank_gives_the_same_report(tiny_model_
     """One rank, a failure while the trainer is built (a tracker that is installed but cannot be
     imported, injected): exit 1, the "training failed" paragraph and an ``error`` record, as a
     worker group reports it; no traceback on the console."""
-    import osft.trainer.run.loop
+    import osft.trainer.run.components
 
     def broken(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'google.protobuf'")
 
-    monkeypatch.setattr(osft.trainer.run.loop, "open_trackers", broken)
+    monkeypatch.setattr(osft.trainer.run.components, "open_trackers", broken)
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]])
     out = tmp_path / "run"
     capsys.readouterr()

@@ -83,7 +83,7 @@ def control_group() -> dist.ProcessGroup | None:
     (:func:`.osft.surgery.apply_osft`), which NCCL, CUDA tensors only, cannot carry. Under NCCL it
     is a gloo group, so a control collective costs no CUDA synchronisation and waits only for the
     other ranks' host threads (the training step reads the
-    device only for its loss, grad norm and orthogonality bound: :meth:`osft.trainer.run.loop.Trainer.train_step`); on CPU it is the default (gloo) group: None,
+    device only for its loss, grad norm and orthogonality bound: :class:`osft.trainer.run.step.TrainStep`); on CPU it is the default (gloo) group: None,
     as ``group=`` of ``torch.distributed`` takes it."""
     return _control
 

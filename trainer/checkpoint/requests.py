@@ -73,6 +73,11 @@ class Request:
     def signal(self) -> str:
         return signal_name(self.signum)
 
+    @property
+    def stops(self) -> bool:
+        """Whether it asks the run to stop after its checkpoint (checkpoint-and-exit)."""
+        return self.action is Action.CHECKPOINT_AND_EXIT
+
 
 class StopRequested(Exception):
     """A checkpoint-and-exit request agreed inside a long pass (:meth:`RequestPoller.stop_check`):
@@ -140,7 +145,7 @@ class RequestPoller:
 
         def check(micro: int) -> None:
             request = self.poll(point, step, micro)
-            if request is not None and request.action is Action.CHECKPOINT_AND_EXIT:
+            if request is not None and request.stops:
                 raise StopRequested(request)
 
         return check
