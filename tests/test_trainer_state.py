@@ -125,3 +125,32 @@ def test_inputs_of_another_content_are_refused_naming_them_an_identical_copy_is_
                               f"the evaluation set (--eval-data-path): {held} differs in content")
     assert warning.endswith("; reset: the best evaluation (loss 1.5000 at step 4), the early-stopping patience counter")
     assert state.monitor == monitor  # the state read from the checkpoint is left as it was
+
+
+def test_a_start_reads_each_source_once_and_an_edited_source_again(tmp_path, monkeypatch):
+    """The data cache key and the fingerprint of one start share one read of each source (a warm
+    start's fingerprint costs no second pass over the data); a source edited since is read again."""
+    import hashlib
+    import os
+
+    from helpers import QA, chat, tiny_chat_tokenizer, write_jsonl
+    from osft.trainer.data import fingerprint
+    from osft.trainer.data.cache import tokenize_source
+
+    reads, original = [], fingerprint.hash_source
+    monkeypatch.setattr(fingerprint, "hash_source", lambda h, path: reads.append(path) or original(h, path))
+    tok = tiny_chat_tokenizer()
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA])
+    cfg = TrainConfig("model", [str(data)], str(tmp_path / "out"), data_cache_dir=str(tmp_path / "cache"))
+    assert [tokenize_source(cfg, str(data), tok, print)[1] for _ in range(2)] == [False, True]  # cold, then warm
+    inputs = fingerprint.run_inputs(cfg, tok, [(str(data), None)])
+    assert reads == [data.resolve()]
+    assert inputs["training"][0]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+
+    answer = QA[0][1]
+    data.write_text(data.read_text().replace(answer, answer[::-1], 1))  # the same size, another content, saved later
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
+    edited = fingerprint.run_inputs(cfg, tok, [(str(data), None)])
+    assert reads == [data.resolve()] * 2
+    assert edited["training"][0]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest() != inputs["training"][0]["sha256"]
+    assert tokenize_source(cfg, str(data), tok, print)[1] is False  # a new cache entry for the new content

@@ -2,9 +2,10 @@
 determines the result, so a rerun on the same source skips validation and tokenization.
 
 An entry is ``report.json`` (the :class:`.tokenize.DataReport`) and ``dataset/`` with one Arrow
-file per shard (:mod:`.prepare`), memory-mapped when read. Key = SHA-256 over: the source's bytes
-(a file's, or every file's of a ``save_to_disk`` directory with its relative name), the tokenizer
-(its serialized fast tokenizer and chat template),
+file per shard (:mod:`.prepare`), memory-mapped when read. Key = SHA-256 over: the SHA-256 of the source's bytes
+(a file's, or every file's of a ``save_to_disk`` directory with its relative name:
+:func:`.fingerprint.content_sha256`, shared with the run's fingerprint), the tokenizer (the SHA-256
+of its serialized fast tokenizer, and its chat template),
 ``max_seq_len``, the overlong policy, the labelling options (``train_on_all``, the row shape, ...)
 and :data:`CACHE_FORMAT`. Only successful results are stored; an entry is written to a temporary
 directory and renamed, so a half-written entry is never read. ``datasets``' own Arrow conversion of
@@ -24,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .fingerprint import hash_source
+from .fingerprint import content_sha256, tokenizer_sha256
 from .prepare import load_shards
 from .tokenize import DataReport, TokenizedChat, tokenize_chat_file
 
@@ -48,8 +49,8 @@ def cache_key(path, tokenizer, max_seq_len: int, overlong: str, **options) -> st
     """Hex SHA-256 identifying one tokenization result (see the module docstring); ``options`` are
     the keyword arguments of :func:`.tokenize.tokenize_chat_file` that change the result."""
     h = hashlib.sha256()
-    hash_source(h, path)
-    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update(content_sha256(path).encode())
+    h.update(tokenizer_sha256(tokenizer).encode())
     h.update(str(tokenizer.chat_template).encode())
     h.update(json.dumps([max_seq_len, overlong, sorted(options.items()), CACHE_FORMAT]).encode())
     return h.hexdigest()

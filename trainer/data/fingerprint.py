@@ -7,7 +7,7 @@ copy at another path has the same fingerprint):
 
 | key | what is hashed (SHA-256) |
 | --- | --- |
-| ``training`` | each ``--data-path`` source in order: its bytes (:func:`hash_source`, as the data cache key hashes them), with its mixture weight |
+| ``training`` | each ``--data-path`` source in order: its bytes (:func:`content_sha256`, the digest the data cache key is made from), with its mixture weight |
 | ``tokenizer`` | the serialized fast tokenizer (vocabulary, merges, added and special tokens) |
 | ``chat_template`` | the chat template's text (after ``--chat-template``) |
 | ``evaluation`` | the ``--eval-data-path`` file's bytes and ``--eval-max-samples`` (None without one; an ``--eval-split`` set is part of the training data) |
@@ -20,7 +20,9 @@ Standard library only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +52,48 @@ def hash_source(h, path) -> None:
                 h.update(block)
 
 
-def content_sha256(path) -> str:
-    """Hex SHA-256 of the content of the source ``path`` (:func:`hash_source`)."""
+def _stat_key(path: Path) -> tuple:
+    """What stands for a source's content within one process without reading it: each file's
+    name relative to it, size, modification time (ns) and inode."""
+    return tuple((str(f.relative_to(path)) if path.is_dir() else "", st.st_size, st.st_mtime_ns, st.st_ino)
+                 for f in source_files(path) for st in (f.stat(),))
+
+
+@functools.lru_cache(maxsize=256)
+def _content_digest(path: Path, stat_key: tuple) -> str:
     h = hashlib.sha256()
     hash_source(h, path)
     return h.hexdigest()
 
 
+def content_sha256(path) -> str:
+    """Hex SHA-256 of the content of the source ``path`` (:func:`hash_source`). Read once per
+    process while the files' sizes, modification times and inodes stay the same: the data cache
+    key and the fingerprint of one start share one read.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    path = Path(path).resolve()
+    return _content_digest(path, _stat_key(path))
+
+
 def _text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+#: tokenizer -> (its length, its chat template, the SHA-256 of its serialization)
+_TOKENIZER_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """Hex SHA-256 of the serialized fast tokenizer (vocabulary, merges, added and special tokens),
+    serialized once per tokenizer object while its length and chat template stay the same."""
+    seen = _TOKENIZER_DIGESTS.get(tokenizer)
+    if seen is None or seen[:2] != (len(tokenizer), tokenizer.chat_template):
+        seen = (len(tokenizer), tokenizer.chat_template, _text_sha256(tokenizer.backend_tokenizer.to_str()))
+        _TOKENIZER_DIGESTS[tokenizer] = seen
+    return seen[2]
 
 
 def run_inputs(cfg, tokenizer, training: list[tuple[str, float | None]]) -> dict[str, Any]:
@@ -74,7 +109,7 @@ def run_inputs(cfg, tokenizer, training: list[tuple[str, float | None]]) -> dict
 
     return {
         "training": [entry(path, weight=weight) for path, weight in training],
-        "tokenizer": _text_sha256(tokenizer.backend_tokenizer.to_str()),
+        "tokenizer": tokenizer_sha256(tokenizer),
         "chat_template": _text_sha256(str(tokenizer.chat_template)),
         "evaluation": entry(cfg.eval_data_path, max_samples=cfg.eval_max_samples) if cfg.eval_data_path else None,
         "retention": [entry(path, max_samples=cfg.eval_max_samples) for path in cfg.retention_data_path or []],
