@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from osft.trainer.contract import LIVE_STATES, Event, parse_lines
+from osft.trainer.contract import LIVE_STATES, Event, RunState, parse_lines
 from osft.trainer.rundir import LauncherRecord, RunDir, read_launcher_record
 
 from .processes import ProcessView, this_host
@@ -24,6 +24,8 @@ STALE_S = 600.0
 #: States the browser lists a run in that ``run.json`` calls live: its launcher is gone from this
 #: host (``dead``, as the dashboard says), or a run of another host has been silent for :data:`STALE_S`.
 DEAD, STALE = "dead", "stale"
+#: The state the browser lists a run in whose ``run.json`` cannot be read.
+UNREADABLE = "unreadable run.json"
 
 
 class RunSummary(NamedTuple):
@@ -80,7 +82,7 @@ def summarize(path: Path, now: float | None = None) -> RunSummary:
         record = read_launcher_record(run.run_json)
         state = str(record.state or "unknown")
     except (OSError, ValueError):
-        record, state = LauncherRecord(), "unreadable run.json"
+        record, state = LauncherRecord(), UNREADABLE
     step = last_step_record(run.node_metrics(0)) or {}
     times = [t for t in (record.updated_at, step.get("ts")) if t]
     age = (time.time() if now is None else now) - max(times) if times else None
@@ -99,3 +101,60 @@ def _checked(path: Path, record: LauncherRecord, age: float | None, state: str) 
         model.set_launcher(0, record)
         return state if ProcessView(model).launcher(0) is not None else DEAD
     return STALE if age is not None and age > STALE_S else state
+
+
+#: The browser's state filters, in the order ``f`` steps through them: name -> states shown (None: all).
+STATE_FILTERS: dict[str, frozenset[str] | None] = {
+    "all": None,
+    "live": frozenset(LIVE_STATES),
+    "failed": frozenset({RunState.FAILED, DEAD, STALE, UNREADABLE, "launch failed"}),
+    "ended": frozenset({RunState.COMPLETED, RunState.STOPPED}),
+}
+#: The browser's age windows, in the order ``a`` steps through them: name -> seconds (None: any age).
+AGE_WINDOWS: dict[str, float | None] = {"any age": None, "1 h": 3600.0, "1 day": 86400.0, "1 week": 7 * 86400.0}
+#: How the browser's states sort: live first, then the ones to look at, then the ended well.
+STATE_ORDER = (RunState.STARTING, RunState.RUNNING, RunState.CHECKPOINTING, STALE, DEAD, RunState.FAILED, UNREADABLE,
+               RunState.STOPPED, RunState.COMPLETED)
+#: The browser's columns, each with how its rows sort (a missing step, loss or age sorts last).
+SORT_KEYS = {
+    "run": lambda s: (0, s.path.name.lower()),
+    "state": lambda s: (0, STATE_ORDER.index(s.state) if s.state in STATE_ORDER else len(STATE_ORDER), s.state),
+    "step": lambda s: (s.step is None, s.step or 0),
+    "last loss": lambda s: (s.loss is None, s.loss or 0.0),
+    "age": lambda s: (s.age_s is None, s.age_s or 0.0),
+}
+
+
+class Listing(NamedTuple):
+    """What the browser shows of its runs: sorted by ``sort`` (a :data:`SORT_KEYS` column,
+    ``descending`` or not), only the states of ``states`` (a :data:`STATE_FILTERS` name), only the
+    runs whose last sign of life is within ``age`` (an :data:`AGE_WINDOWS` name), only names
+    holding ``text`` (any case)."""
+
+    sort: str = "run"
+    descending: bool = False
+    states: str = "all"
+    age: str = "any age"
+    text: str = ""
+
+    def apply(self, summaries: list[RunSummary]) -> list[RunSummary]:
+        """The rows shown, in order (runs without a step, loss or age last, whichever the direction)."""
+        shown_states, window = STATE_FILTERS[self.states], AGE_WINDOWS[self.age]
+        kept = [s for s in summaries
+                if (shown_states is None or s.state in shown_states)
+                and (window is None or (s.age_s is not None and s.age_s <= window))
+                and self.text.lower() in s.path.name.lower()]
+        key = SORT_KEYS[self.sort]
+        known = sorted((s for s in kept if not key(s)[0]), key=key, reverse=self.descending)
+        return known + [s for s in kept if key(s)[0]]
+
+    def describe(self) -> str:
+        """One line: the sort and every filter in force."""
+        parts = [f"sorted by {self.sort} {'▼' if self.descending else '▲'}"]
+        if self.states != "all":
+            parts.append(f"state: {self.states}")
+        if self.age != "any age":
+            parts.append(f"active within {self.age}")
+        if self.text:
+            parts.append(f"name holds {self.text!r}")
+        return " · ".join(parts)
