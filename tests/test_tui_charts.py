@@ -82,6 +82,25 @@ def test_a_curve_replaces_replayed_steps_and_keeps_a_long_run_in_bounded_points(
     assert long.steps == sorted(set(long.steps)) and len(long.steps) > CURVE_POINTS // 2
 
 
+def test_a_step_window_shows_every_recent_step_of_a_long_run_and_the_kept_points_before():
+    long = Curve()
+    for step in range(1, 10_001):
+        long.add(step, float(step))
+    assert long.window(None) is long
+    last100 = long.window(100)
+    assert last100.steps == list(range(9_901, 10_001)) and last100.values == [float(s) for s in last100.steps]
+    assert last100.stride == 1  # at every step, though the whole curve keeps every 64th
+    recent = [s for s, _ in long.recent]
+    assert CURVE_POINTS <= len(recent) <= 2 * CURVE_POINTS and recent == list(range(recent[0], 10_001))
+    last1000 = long.window(1_000)  # older than the recent points: the kept ones, then every recent step
+    assert last1000.steps == [s for s in long.steps if 9_000 < s < recent[0]] + recent
+    assert last1000.stride == long.stride and last1000.steps == sorted(set(last1000.steps))
+    long.cut(9_950)  # a resume from step 9,950 forgets the later recent points too
+    assert long.window(100).steps[-1] == 9_950 and [s for s, _ in long.recent][-1] == 9_950
+    long.add(9_951, 0.0)
+    assert long.window(3).steps == [9_949, 9_950, 9_951]
+
+
 def test_smoothing_is_a_debiased_moving_average():
     curve = Curve([1, 2, 3], [0.0, 10.0, 10.0])
     assert curve.smoothed(0.0) is curve
@@ -149,6 +168,15 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
             assert smooth.values == Curve(loss.steps, loss.values).smoothed(0.6).values != loss.values
             await pilot.press("m", "m")  # 0.9, then none
             assert metric.curves[0][1].values == loss.values
+            await pilot.press("w", "w", "w")  # 10,000 steps, 1,000, then the last 100: the same 12 steps
+            assert "last 100 steps" in str(metric.border_title) and metric.curves[0][1].steps == loss.steps
+            metric.window = 5  # a range shorter than the run: its last 5 steps
+            metric.show(dash.run)
+            assert metric.curves[0][1].steps == list(range(8, 13))
+            metric.window = 100
+            await pilot.press("w")  # all steps again
+            assert metric.window is None and metric.curves[0][1].steps == loss.steps
+            assert "steps" not in str(metric.border_title).split("(")[0]
             table = dash.query_one(NodeTable)
             await wait_until(pilot, lambda: "node1" in table.rows, 10, "node 1's row")
             assert str(table.get_cell("node0", "node")) == "0" and str(table.get_cell("node1", "node")) == "[b red]1 slow[/]"

@@ -375,6 +375,11 @@ class Dashboard(Screen):
         if self.charts:
             self.notify(f"smoothing: {self.charts[0].next_smoothing(self.run):g}", timeout=2)
 
+    def step_window(self) -> None:
+        """``w``: the metric chart's next step range (all steps, the last 10,000, 1,000, 100)."""
+        if self.charts:
+            self.notify(f"chart: {self.charts[0].next_window(self.run)}", timeout=2)
+
     def level(self) -> None:
         """``v``: the next level filter of the event pane (all, warnings and errors, errors)."""
         self.notify(f"events: {self.query_one(LineView).next_level()}", timeout=2)

@@ -71,6 +71,8 @@ CONTROLS = (
             "the metric chart: loss (and evaluation losses), learning rate, grad norm, forgetting", "view"),
     Control("m", "smooth", "smooth", "Smooth chart",
             "the metric chart's smoothing: none, 0.6, 0.9 (an exponential moving average)", "view"),
+    Control("w", "step_window", "steps", "Step range",
+            "the metric chart's step range: all steps, the last 10,000, 1,000 or 100", "view"),
     Control("slash", "search", "search", "Search events", "events: show only the lines holding a text", "view"),
     Control("v", "level", "level", "Event level", "events: all, warnings and errors, or errors only", "view"),
     Control("question_mark", "help", "help", "Help", "the keys and what each does (this screen)", "screens"),

@@ -22,11 +22,14 @@ class Curve:
         steps: optimizer steps of the points kept, ascending.
         values: the metric at each of them.
         stride: the points kept are the steps divisible by it, and the latest step.
+        recent: ``(step, value)`` of the latest points at every step (at most 2 × :data:`CURVE_POINTS`,
+            at least :data:`CURVE_POINTS` once there are that many), for :meth:`window`.
     """
 
     steps: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     stride: int = 1
+    recent: list[tuple[int, float]] = field(default_factory=list)
 
     def add(self, step: int, value: float) -> None:
         """Take in ``value`` at ``step``: points at ``step`` and later are replaced (a replay)."""
@@ -37,6 +40,9 @@ class Curve:
             self.values.pop()
         self.steps.append(step)
         self.values.append(value)
+        self.recent.append((step, value))
+        if len(self.recent) > 2 * CURVE_POINTS:
+            del self.recent[:-CURVE_POINTS]
         if len(self.steps) > CURVE_POINTS:
             self.stride *= 2
             last = len(self.steps) - 1
@@ -48,6 +54,18 @@ class Curve:
         """Forget the points after step ``after`` (a resume from that step)."""
         i = bisect_right(self.steps, after)
         del self.steps[i:], self.values[i:]
+        del self.recent[bisect_right(self.recent, (after, float("inf"))):]
+
+    def window(self, last: int | None) -> Curve:
+        """The points of the ``last`` steps up to the latest one (None: this whole curve): every
+        step among the recent ones, the kept points before them."""
+        if last is None or not self.steps:
+            return self
+        low = self.steps[-1] - last
+        first_recent = self.recent[0][0] if self.recent else self.steps[-1] + 1
+        points = [(s, v) for s, v in zip(self.steps, self.values) if low < s < first_recent]
+        points += [(s, v) for s, v in self.recent if s > low]
+        return Curve([s for s, _ in points], [v for _, v in points], self.stride if points[0][0] < first_recent else 1)
 
     def smoothed(self, weight: float) -> Curve:
         """This curve under an exponential moving average of ``weight`` (0: as it is; 0.9: each

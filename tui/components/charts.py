@@ -21,6 +21,8 @@ VIEWS = (("loss", "loss, nats/token", ("loss", "eval_loss ")), ("lr", "learning 
          ("forgetting", "forgetting, nats/token", ("forgetting ",)))
 #: Smoothing weights the metric chart cycles through (``m``): none, light, strong.
 SMOOTHING = (0.0, 0.6, 0.9)
+#: Step ranges the metric chart cycles through (``w``): the whole run, then its last N steps.
+STEP_WINDOWS = (None, 10_000, 1_000, 100)
 #: Tick marks per axis at most.
 TICKS = 4
 #: Colours of the curves, in order (names that both plotext and Rich know: the title's legend
@@ -123,6 +125,19 @@ class MetricChart(Chart):
         super().__init__(**kwargs)
         self.view = VIEWS[0][0]
         self.smoothing = SMOOTHING[0]
+        self.window = STEP_WINDOWS[0]
+
+    def next_window(self, model: RunModel | None) -> str:
+        """Show the next step range of :data:`STEP_WINDOWS`; returns its name."""
+        self.window = STEP_WINDOWS[(STEP_WINDOWS.index(self.window) + 1) % len(STEP_WINDOWS)]
+        if model is not None:
+            self.show(model)
+        return self.window_name
+
+    @property
+    def window_name(self) -> str:
+        """The step range shown: ``all steps`` or ``last N steps``."""
+        return "all steps" if self.window is None else f"last {self.window:,} steps"
 
     def next_smoothing(self, model: RunModel | None) -> float:
         """Smooth the curves by the next weight of :data:`SMOOTHING`; returns it."""
@@ -142,9 +157,10 @@ class MetricChart(Chart):
     def show(self, model: RunModel) -> None:
         """Draw the current view of ``model``."""
         _, title, wanted = next(v for v in VIEWS if v[0] == self.view)
-        curves = [(label, c.smoothed(self.smoothing)) for label, c in _curves(model, wanted)]
+        curves = [(label, c.window(self.window).smoothed(self.smoothing)) for label, c in _curves(model, wanted)]
         smooth = f", smoothed {self.smoothing:g}" if self.smoothing else ""
-        self.draw(f"{title}{smooth} (g: next, m: smooth)", curves)
+        window = f", {self.window_name}" if self.window else ""
+        self.draw(f"{title}{smooth}{window} (g: next, m: smooth, w: steps)", curves)
 
 
 class ThroughputChart(Chart):
