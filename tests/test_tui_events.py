@@ -88,9 +88,24 @@ def test_search_and_level_filter_choose_the_lines_shown(tmp_path):
         await pilot.press("slash")
         await pilot.pause()
         assert isinstance(app.screen, SearchPrompt)
+        await pilot.press(*"RANK ")  # filtered as it is typed
+        await pilot.pause()
+        assert [s.text for s in view.lines] == ["rank 0 started", "rank 1: warning: slow", "rank 2: error: boom"]
+        await pilot.press("2")
+        await pilot.pause()
+        assert [s.text for s in view.lines] == ["rank 2: error: boom"] and "matching 'RANK 2'" in str(view.border_title)
+        await pilot.press("escape")  # the search in force before comes back
+        await pilot.pause()
+        assert len(view.lines) == 3 and view.search == ""
+        await pilot.press("slash")
+        await pilot.pause()
         await pilot.press(*"STARTED", "enter")
         await pilot.pause()
         assert [s.text for s in view.lines] == ["rank 0 started"] and "matching 'STARTED'" in str(view.border_title)
+        # the match is highlighted in the line drawn, whatever its case; the entry itself is unchanged
+        marked = "".join(seg.text for seg in view.lines[0] if seg.style and seg.style.reverse and seg.style.bold)
+        assert marked == "started"
+        assert not next(line for _, line in view.entries if line.plain == "rank 0 started").spans
 
     on_an_idle_dashboard(tmp_path, check)
 

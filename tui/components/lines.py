@@ -1,6 +1,7 @@
 """A scrolling view of lines (the event pane, a rank's log) that follows new lines while the user
 has left it at the bottom (also across a resize or a new filter), counts the lines that arrived
-while scrolled up, and filters by text and level ("no line matches" rather than a blank view)."""
+while scrolled up, and filters by text (each match highlighted) and level ("no line matches"
+rather than a blank view)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from textual.widgets import RichLog
 
 #: Level filters, in the order a key cycles through them: the levels each one shows.
 LEVELS = {"all": None, "warnings": frozenset({"warning", "error"}), "errors": frozenset({"error"})}
+#: How a search's matches are marked in the lines shown.
+MATCH_STYLE = "reverse bold"
 
 
 class LineView(RichLog):
@@ -46,7 +49,7 @@ class LineView(RichLog):
         """Append ``(level, line)`` entries; scroll with them only when the view was at the bottom,
         else count the shown ones as new lines."""
         self.entries.extend(entries)
-        shown = [line for level, line in entries if self._matches(level, line)]
+        shown = self._shown(entries)
         if not shown:
             return
         if self._placeholder:
@@ -66,7 +69,7 @@ class LineView(RichLog):
         self.clear()
         self.unseen = 0
         self.following = True
-        shown = [line for level_, line in self.entries if self._matches(level_, line)]
+        shown = self._shown(self.entries)
         self._placeholder = not shown and bool(self.search or self.level != "all")
         if shown:
             self.write(Text("\n").join(shown), scroll_end=True)
@@ -97,6 +100,19 @@ class LineView(RichLog):
         if self.unseen and self.is_vertical_scroll_end:
             self.unseen = 0
             self._retitle()
+
+    def _shown(self, entries) -> list[Text]:
+        """The lines of ``entries`` that the filters keep, each match of the search highlighted
+        (:data:`MATCH_STYLE`, any case; the entries themselves stay as they are)."""
+        shown = [line for level, line in entries if self._matches(level, line)]
+        if not self.search:
+            return shown
+        marked = []
+        for line in shown:
+            line = line.copy()
+            line.highlight_words([self.search], MATCH_STYLE, case_sensitive=False)
+            marked.append(line)
+        return marked
 
     def _matches(self, level: str, line: Text) -> bool:
         levels = LEVELS[self.level]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.text import Text
@@ -154,28 +155,41 @@ class LogScreen(ModalScreen[None]):
 
 
 def ask_search(app, view: LineView) -> None:
-    """Ask for a text (:class:`SearchPrompt`) and show only ``view``'s lines holding it."""
-    app.push_screen(SearchPrompt(view.search), lambda text: text is None or view.set_filter(search=text))
+    """Ask for a text (:class:`SearchPrompt`) and show only ``view``'s lines holding it, filtered
+    as it is typed; Escape gives back the search that was in force."""
+    before = view.search
+    app.push_screen(SearchPrompt(before, lambda text: view.set_filter(search=text)),
+                    lambda text: view.set_filter(search=before if text is None else text))
 
 
 class SearchPrompt(ModalScreen[str | None]):
-    """One line of text to search for; Enter dismisses with it (empty: no search), Escape with None
-    (the search stays as it was).
+    """One line of text to search for, applied at each key (``live``); Enter dismisses with it
+    (empty: no search), Escape with None (the search goes back to what it was).
 
     Args:
         current: the search in force, as the initial text.
+        live: called with the text after each change.
     """
 
     BINDINGS = [Binding("escape", "dismiss(None)", "cancel")]
 
-    def __init__(self, current: str = "") -> None:
+    def __init__(self, current: str = "", live: Callable[[str], None] | None = None) -> None:
         super().__init__(classes="modal")
         self.current = current
+        self.live = live
+        self._applied = current
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog search"):
-            yield Label("search (enter: apply, empty: show all, esc: cancel)", classes="dialog-title")
+            yield Label("search (enter: keep, empty: show all, esc: as before)", classes="dialog-title")
             yield Input(self.current, id="search-text")
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        text = event.value.strip()
+        if self.live is not None and text != self._applied:
+            self._applied = text
+            self.live(text)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
