@@ -1,5 +1,6 @@
 """Readers of long runs: seconds and peak RSS of ``osft-train plot`` and of the run's outcome on a
-metrics file of N step records.
+metrics file of N step records, and the seconds osft-tui's reader (``tui/reader.py::History``)
+takes to show the latest step and then the charts of the whole run.
 
 The run directory is written at run time (never committed): one ``run_started``, N ``step``
 records of about 1 KB each (the fields the loop writes, with OSFT indicators), a checkpoint every
@@ -26,6 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import git_revision
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The dashboard's reader on the run: its first poll (the latest step), then polls of 1 s until
+#: the whole history is read (what the charts then show: their points and first step).
+_ATTACH = r"""
+import json, sys, time
+from osft.tui.reader import History
+t0, c0 = time.perf_counter(), time.process_time()
+history = History(sys.argv[1], poll_s=1.0)
+model, _ = history.poll()
+t1 = time.perf_counter()
+assert model.step == int(sys.argv[2])
+while history.quick is not None:
+    model, _ = history.poll()
+t2, c2 = time.perf_counter(), time.process_time()
+loss = model.curves["loss"]
+print(json.dumps(dict(attach_latest_s=t1 - t0, attach_history_s=t2 - t0, attach_cpu_s=c2 - c0,
+                      chart_points=len(loss.steps), chart_first_step=loss.steps[0], chart_last_step=loss.steps[-1])))
+"""
 _CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
@@ -76,11 +94,13 @@ def write_run(root: Path, records: int) -> Path:
 
 def measure(python: Path, cwd: Path, run: Path, records: int) -> dict:
     before = os.getloadavg()[0]
-    done = subprocess.run([str(python), "-c", _CHILD, str(run), str(records)], cwd=cwd, capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
-    if done.returncode:
-        raise SystemExit(f"{python} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = {}
+    for child in (_CHILD, _ATTACH):  # one process each: the plot's peak RSS is its own
+        done = subprocess.run([str(python), "-c", child, str(run), str(records)], cwd=cwd, capture_output=True,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), check=False)
+        if done.returncode:
+            raise SystemExit(f"{python} failed:\n{done.stderr[-3000:]}")
+        result.update(json.loads(done.stdout.strip().splitlines()[-1]))
     result.update(load_avg_1m_before=before, load_avg_1m_after=os.getloadavg()[0])
     return result
 

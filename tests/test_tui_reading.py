@@ -218,3 +218,65 @@ def test_a_long_run_is_shown_from_its_end_first_then_whole_with_no_line_twice(tm
     texts = [e.text for e in events]
     assert texts[-1].startswith("history read in ") and len(texts) == len(set(texts))
     assert "rank 0: warning: an early warning" not in texts  # history's lines are not events of now
+
+
+def _long_run(root: Path, steps: int) -> None:
+    """A run of ``steps`` step records of about 1 KB (node 0; node 1 every step too, shorter), with
+    evaluations, a few steps with orthogonality violations, deviations that peak once early, and a
+    resume from step 6,000 that replays steps 6,001 to 7,000."""
+    (root / "metrics").mkdir(parents=True)
+    (root / "run.json").write_text(json.dumps({"job_id": "j", "state": "running", "config": {"max_steps": steps}}))
+
+    def step(node: int, s: int, segment: int) -> dict:
+        return {"ts": 1e9 + s, "event": "step", "node_rank": node, "rank": node, "job_id": "j", "step": s,
+                "loss": 3.0 - s / steps + 0.1 * segment, "lr": 1e-4 * (s % 7), "grad_norm": 1.0 + (s % 13) / 10,
+                "node_tokens_per_s": 1000.0 + s % 101 + node, "step_time_s": 0.5,
+                "ortho_violations": int(s in (777, 15_003)), "ortho_violations_total": (s >= 777) + (s >= 15_003),
+                "ortho_max_dev_deg": 0.01 * (s % 17) + (5.0 if s == 3_333 else 0.0), "pad": "x" * 700}
+
+    for node in (0, 1):
+        with open(root / "metrics" / f"node{node}.jsonl", "w") as f:
+            order = [(s, 0) for s in range(1, 7_001)] + [(s, 1) for s in range(6_001, steps + 1)]
+            for s, segment in order:
+                if (s, segment) == (6_001, 1):
+                    f.write(json.dumps({"ts": 2e9, "event": "resumed", "node_rank": node, "rank": node,
+                                        "from_step": 6_000}) + "\n")
+                f.write(json.dumps(step(node, s, segment)) + "\n")
+                if node == 0 and s % 2_000 == 0:
+                    f.write(json.dumps({"ts": 1e9 + s, "event": "eval", "node_rank": 0, "rank": 0, "step": s,
+                                        "set": "chat", "eval_loss": 2.0 - s / 1e5, "forgetting": s / 1e6}) + "\n")
+
+
+def test_a_long_history_thinned_to_what_the_charts_keep_gives_the_full_reads_curves_and_counters(tmp_path):
+    """Parsing before the last 2 MiB only the step records at multiples of a power of two (and
+    those with violations or a new worst deviation) gives the curves and violation counters a
+    read of every record gives, from far fewer records."""
+    from osft.tui.reader import QUICK_BYTES
+
+    _long_run(tmp_path, 20_000)
+
+    def read(thin):
+        watcher = RunWatcher(tmp_path, thin=thin)
+        while True:
+            watcher.poll(checkpoints=False)
+            if watcher.backlog() == 0:
+                return watcher
+
+    full, thinned = read(None), read(QUICK_BYTES)
+    assert [t.thinning for t in full._tails.values()] == [None, None]
+    assert {t.thinning.every for t in thinned._tails.values()} == {32}
+    a, b = full.model, thinned.model
+    assert set(a.curves) == set(b.curves) == {"loss", "lr", "grad_norm", "eval_loss chat", "forgetting chat"}
+    for name in a.curves:
+        assert (a.curves[name].steps, a.curves[name].values) == (b.curves[name].steps, b.curves[name].values), name
+    assert a.curves["loss"].stride == 128 and a.curves["loss"].values[-1] == 3.0 - 1 + 0.1  # the replay replaced
+    for node in (0, 1):
+        assert (a.nodes[node].tokens.steps, a.nodes[node].tokens.values) == \
+            (b.nodes[node].tokens.steps, b.nodes[node].tokens.values)
+        assert (a.nodes[node].step, a.nodes[node].loss) == (b.nodes[node].step, b.nodes[node].loss) == (20_000, 2.1)
+    assert a.violations == b.violations and (b.violations.total, b.violations.last_at) == (2, 15_003)
+    assert b.violations.worst_dev_deg == a.violations.worst_dev_deg == 5.0 + 0.01 * (3_333 % 17)
+    assert a.step == b.step == 20_000
+    # far fewer records parsed: the last 2 MiB of each file, and about one step record in 32 before
+    read_full, read_thin = sum(a.records_read.values()), sum(b.records_read.values())
+    assert read_full == 2 * 21_000 + 10 + 2 and read_thin < read_full / 4

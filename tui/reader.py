@@ -188,7 +188,8 @@ class History:
     """The reader's watchers. A run whose metrics files hold more than :data:`QUICK_BYTES` is first
     shown from their last :data:`QUICK_BYTES` (a quick :class:`~.watcher.RunWatcher`: the latest
     step, rates and checkpoints at once), while a second watcher reads the whole files from their
-    start for most of each poll; once it has caught up, it replaces the quick one, and the charts
+    start for most of each poll, parsing before those last bytes only the records the charts and
+    counters of the whole run need (:class:`~.thinning.Thinning`); once it has caught up, it replaces the quick one, and the charts
     cover the whole run. Only the quick watcher's event lines and checkpoint records are sent
     meanwhile (then the full one's that are newer): none is sent twice or lost.
 
@@ -198,10 +199,10 @@ class History:
     """
 
     def __init__(self, root: str, poll_s: float) -> None:
-        self.full = RunWatcher(root)
         self.poll_s = poll_s
         size = _metrics_bytes(Path(root))
         self.quick: RunWatcher | None = RunWatcher(root, last=QUICK_BYTES) if size > QUICK_BYTES else None
+        self.full = RunWatcher(root, thin=QUICK_BYTES if self.quick else None)
         self._size, self._started = size, time.monotonic()
         self._sent_ts = float("-inf")
 

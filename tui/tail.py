@@ -13,6 +13,8 @@ from pathlib import Path
 
 from osft.trainer.contract import JsonlBatch, parse_lines
 
+from .thinning import Thinning
+
 #: Bytes one poll reads from one file at most (4 MiB: tens of thousands of metrics records).
 READ_CHUNK = 4 * 1024 * 1024
 
@@ -53,12 +55,17 @@ class JsonlTail(_Tail):
         chunk: bytes read per poll at most.
         last: read only the file's last ``last`` bytes as first found (from the first line that
             starts in them; line numbers then count from there), None: from its start.
+        thin: parse every line only in the last ``thin`` bytes the file has as first found; before
+            them, the lines a chart of the whole run needs (:class:`~.thinning.Thinning`). None:
+            every line.
     """
 
-    def __init__(self, path: Path, chunk: int = READ_CHUNK, last: int | None = None) -> None:
+    def __init__(self, path: Path, chunk: int = READ_CHUNK, last: int | None = None, thin: int | None = None) -> None:
         self.path = Path(path)
         self.chunk = chunk
         self.last = last
+        self.thin = thin
+        self.thinning: Thinning | None = None
         self.offset = 0
         self.line_no = 0
         self.records_read = 0
@@ -80,6 +87,9 @@ class JsonlTail(_Tail):
                 if st.st_ino != self._inode or st.st_size < self.offset:  # new or truncated file
                     first = self._inode is None
                     self._inode, self.offset, self.line_no, self._held = st.st_ino, 0, 0, b""
+                    self.thinning = None
+                    if first and self.thin is not None:
+                        self.thinning = Thinning.for_file(f, st.st_size, self.thin)
                     if first and self.last is not None and st.st_size > self.last:
                         f.seek(st.st_size - self.last)
                         f.readline()  # the rest of a line cut by the seek
@@ -90,7 +100,9 @@ class JsonlTail(_Tail):
                 data = f.read(self.chunk)
         except FileNotFoundError:
             return []
-        return self._complete_lines(data)
+        start = self.consumed
+        lines = self._complete_lines(data)
+        return self.thinning.apply(lines, start) if self.thinning is not None and start < self.thinning.until else lines
 
 
 class LogTail(_Tail):

@@ -33,14 +33,19 @@ class RunWatcher:
         log_lines: lines of each rank's stderr kept in memory.
         last: read only the last ``last`` bytes each metrics file has when first found (a quick
             picture of a long run; :class:`~.tail.JsonlTail`), None: whole files.
+        thin: read every record only in the last ``thin`` bytes each metrics file has when first
+            found, before them the ones the whole run's charts and counters need
+            (:class:`~.thinning.Thinning`); None: every record.
     """
 
-    def __init__(self, root: str | Path, log_lines: int = 200, last: int | None = None) -> None:
+    def __init__(self, root: str | Path, log_lines: int = 200, last: int | None = None,
+                 thin: int | None = None) -> None:
         self.model = RunModel(root)
         self.root = Path(root)
         self.rundir = RunDir(self.root)
         self.log_lines = log_lines
         self.last = last
+        self.thin = thin
         self._tails: dict[Path, JsonlTail] = {}
         self._logs: dict[tuple[int, int], LogTail] = {}
         self._launcher_logs: dict[int, LogTail] = {}
@@ -138,7 +143,7 @@ class RunWatcher:
         try:
             for path in self.rundir.metrics.glob("*.jsonl"):
                 if path not in self._tails:
-                    self._tails[path] = JsonlTail(path, last=self.last)
+                    self._tails[path] = JsonlTail(path, last=self.last, thin=self.thin)
         except OSError:
             pass
         for tail in self._tails.values():
