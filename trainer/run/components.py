@@ -1,5 +1,5 @@
 """The parts of one rank's run, built from its config: the device and dtype, the generators' seed,
-the metrics and trackers, and the model with its loss, AdamW, LR schedule and step records.
+the metrics and trackers, and what trains the model: its loss, AdamW, LR schedule and step records.
 
 Each builder takes what it needs and returns typed parts; :class:`.loop.Trainer` calls them in
 order and wires the results together.
@@ -18,8 +18,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..distributed import DistEnv
-from ..launch.startup import Resume
-from ..model.build import build_run_model
+from ..model.build import BuiltModel
 from ..model.loading import load_config
 from ..observe.flops import FlopModel, flop_model
 from ..observe.metrics import MetricsLogger, Reporter, console_reporter
@@ -30,7 +29,6 @@ from ..osft.surgery import OSFTModel
 from ..rundir import RunDir
 from .micro_batch_loss import MicroBatchLoss
 from .schedule import build_scheduler
-from .start import RunInputs
 
 
 def resolve_device_dtype(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
@@ -90,21 +88,15 @@ class RunParts:
     recorder: StepRecorder
 
 
-def build_run_parts(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype, resume: Resume | None,
-                    inputs: RunInputs, flops: FlopModel, report: Reporter) -> RunParts:
-    """Build the model (:func:`osft.trainer.model.build.build_run_model`, collective), AdamW over its
-    trainable parameters (fused kernels on CUDA), the LR schedule over the plan's total steps and
-    the step records (:meth:`.observe.step_record.StepRecorder.measure`: the GEMM peak, collective).
-
-    Raises:
-        ValueError: from :func:`osft.trainer.model.build.build_run_model`.
-    """
-    built = build_run_model(cfg, dist, device, dtype, resume, inputs.tokenizer, inputs.data, inputs.data.lengths,
-                            report)
+def build_run_parts(cfg: TrainConfig, built: BuiltModel, device: torch.device, dtype: torch.dtype, dist: DistEnv,
+                    total_steps: int, flops: FlopModel, report: Reporter) -> RunParts:
+    """What trains the ``built`` model (:func:`osft.trainer.model.build.build_run_model`): AdamW over
+    its trainable parameters (fused kernels on CUDA), the LR schedule over ``total_steps`` and the
+    step records (:meth:`.observe.step_record.StepRecorder.measure`: the GEMM peak, collective)."""
     params = [p for p in built.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                   weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None)
-    scheduler = build_scheduler(cfg.lr_scheduler, optimizer, cfg.warmup_steps, inputs.plan.total_steps)
+    scheduler = build_scheduler(cfg.lr_scheduler, optimizer, cfg.warmup_steps, total_steps)
     recorder = StepRecorder.measure(flops, dist, device, dtype, report)
     return RunParts(built.model, built.osft, built.projector, MicroBatchLoss(built.model, device, built.packed_attention),
                     optimizer, scheduler, recorder)

@@ -22,6 +22,7 @@ from ..checkpoint.requests import Request, StopRequested
 from ..config import TrainConfig
 from ..contract import EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from ..distributed import DistEnv, init_distributed, shutdown_distributed
+from ..model.build import build_run_model
 from ..observe.progress import TrainProgress
 from ..rundir import RunDir
 from .components import build_run_parts, model_flops, open_metrics, resolve_device_dtype, seed_everything
@@ -62,7 +63,9 @@ class Trainer:
         self.lengths, self.sampler, self.total_steps = self.data.lengths, inputs.plan.sampler, inputs.plan.total_steps
         self.checkpoints.remove_stale()
         start = choose_start(cfg, dist, inputs.plan, self.report)
-        parts = build_run_parts(cfg, dist, self.device, self.dtype, start.resume, inputs, flops, self.report)
+        built = build_run_model(cfg, dist, self.device, self.dtype, start.resume, self.tokenizer, self.data,
+                                self.lengths, self.report)
+        parts = build_run_parts(cfg, built, self.device, self.dtype, dist, self.total_steps, flops, self.report)
         self.model, self.osft, self.optimizer, self.steps = parts.model, parts.osft, parts.optimizer, parts.recorder
         batches = partial(rank_micro_batches, self.data, max_tokens=cfg.max_tokens_per_gpu, dist=dist)
         self.exporter = Exporter(cfg, dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
