@@ -109,6 +109,8 @@ def test_uneven_shards_give_the_single_process_projection(tmp_path, ranks):
     assert len(results) == ranks
     # map_over_ranks: item i computed by rank i mod world size, every result on rank 0 in order
     assert [r.pop("mapped") for r in results] == [[(i, i % ranks) for i in range(7)]] + [None] * (ranks - 1)
+    # its check is called by every rank before each round of one item per rank: ceil(7 / ranks) times
+    assert [r.pop("rounds") for r in results] == [list(range(-(-7 // ranks)))] * ranks
     for per_rank in results:
         assert set(per_rank) == {"factored", "gram", "cached"}
         for mode, r in per_rank.items():
@@ -231,3 +233,29 @@ def test_exit_rank_flushes_what_was_written_and_exits_with_the_code():
             "exit_rank(3)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (3, "out, no newline", "err, no newline logged\n")
+
+
+def test_map_on_threads_calls_its_check_before_each_round_and_stops_where_it_raises(monkeypatch):
+    """Rounds of one item per intra-op thread: 7 items on 3 threads are 3 rounds, each checked
+    first on the calling thread; an exception from the check before round 1 leaves items 3-6 undone."""
+    from osft.trainer.distributed import map_on_threads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    rounds, done = [], []
+
+    def square(x: int) -> int:
+        done.append(x)
+        return x * x
+
+    assert map_on_threads(square, list(range(7)), rounds.append) == [x * x for x in range(7)]
+    assert rounds == [0, 1, 2]
+
+    def stop_at_round_1(r: int) -> None:
+        if r == 1:
+            raise KeyboardInterrupt
+
+    done.clear()
+    with pytest.raises(KeyboardInterrupt):
+        map_on_threads(square, list(range(7)), stop_at_round_1)
+    assert sorted(done) == [0, 1, 2]

@@ -192,15 +192,21 @@ def agree(fn, rank: int):
     return value
 
 
-def map_over_ranks(fn: Callable[[T], R], items: Sequence[T] | None, count: int) -> list[R] | None:
+def map_over_ranks(fn: Callable[[T], R], items: Sequence[T] | None, count: int,
+                   check: Callable[[int], None] | None = None) -> list[R] | None:
     """``[fn(x) for x in items]`` with item i computed by rank i mod world size, so that host work
     of rank 0's data (e.g. the fold of every module's protected bases at export) takes 1/world of
     the time. Rank 0 passes the ``count`` items, the others None; rank 0 gets the results in order,
     the others None. Items and results travel pickled, point to point over :func:`control_group`
     (``torch.distributed.send_object_list``/``recv_object_list``): host objects only. One process:
-    :func:`map_on_threads`. Collective: every rank calls it with the same ``count``."""
+    :func:`map_on_threads`.
+
+    The items go in rounds of one per rank: ``check(r)``, when given, is called before round r
+    by every rank, ceil(count / world size) times in all, with no message in flight, so a
+    collective poll there is safe and an exception it raises (the same on every rank) abandons
+    the map between two rounds. Collective: every rank calls it with the same ``count``."""
     if not is_distributed():
-        return map_on_threads(fn, items)
+        return map_on_threads(fn, items, check)
     rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
 
     def receive(src: int):
@@ -208,33 +214,44 @@ def map_over_ranks(fn: Callable[[T], R], items: Sequence[T] | None, count: int) 
         dist.recv_object_list(box, src=src, group=group)
         return box[0]
 
-    mine = {}
-    for i in range(count):  # 1. items from rank 0 to their owners
-        owner = i % world
-        if rank == 0 and owner != 0:
-            dist.send_object_list([items[i]], dst=owner, group=group)
-        elif rank == owner:
-            mine[i] = items[i] if rank == 0 else receive(0)
-    done = {i: fn(x) for i, x in mine.items()}  # 2. every rank works on its share
-    if rank != 0:  # 3. results back to rank 0, in order
-        for i in sorted(done):
-            dist.send_object_list([done.pop(i)], dst=0, group=group)
-        return None
-    return [done.pop(i) if i % world == 0 else receive(i % world) for i in range(count)]
+    results = []
+    for r, first in enumerate(range(0, count, world)):
+        if check is not None:
+            check(r)
+        owners = min(world, count - first)  # item first + k goes to rank k
+        if rank == 0:
+            for k in range(1, owners):
+                dist.send_object_list([items[first + k]], dst=k, group=group)
+            results.append(fn(items[first]))
+            results.extend(receive(k) for k in range(1, owners))
+        elif rank < owners:
+            dist.send_object_list([fn(receive(0))], dst=0, group=group)
+    return results if rank == 0 else None
 
 
-def map_on_threads(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+def map_on_threads(fn: Callable[[T], R], items: Sequence[T], check: Callable[[int], None] | None = None) -> list[R]:
     """``[fn(x) for x in items]`` on as many threads as torch has intra-op threads, each call with
     one intra-op thread: small LAPACK calls (an SVD or QR of a few hundred columns) scale poorly
     across cores, so one call per core does better (SmolLM2's 210 SVDs: 1.4× faster on 2 cores).
     Each item is computed by one thread with one intra-op thread, so the results do not depend on
-    the scheduling. For host (CPU) work: torch's thread count is process-wide while it runs."""
+    the scheduling (a single item: on the calling thread with every intra-op thread). For host
+    (CPU) work: torch's thread count is process-wide while it runs.
+
+    The items go in rounds of one per thread: ``check(r)``, when given, is called on the calling
+    thread before round r; an exception it raises abandons the map between two rounds."""
     threads = torch.get_num_threads()
-    if threads == 1 or len(items) < 2:
-        return [fn(x) for x in items]
-    torch.set_num_threads(1)
+    pooled = threads > 1 and len(items) > 1
+    results: list[R] = []
+    if pooled:
+        torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            return list(pool.map(fn, items))
+            for r, first in enumerate(range(0, len(items), threads)):
+                if check is not None:
+                    check(r)
+                batch = items[first:first + threads]
+                results.extend(pool.map(fn, batch) if pooled else map(fn, batch))
     finally:
-        torch.set_num_threads(threads)
+        if pooled:
+            torch.set_num_threads(threads)
+    return results

@@ -28,6 +28,9 @@ SIGNAL_AT_ENV = "OSFT_TEST_SIGNAL_AT"
 #: "SECONDS@STEP": each micro-batch of the evaluations after that step sleeps that long (a slow
 #: evaluation set: tests/test_evaluation.py, tests/test_resume.py).
 EVAL_DELAY_ENV = "OSFT_TEST_EVAL_DELAY_S"
+#: "SECONDS": the fold of each module's protected subspaces at every export sleeps that long first
+#: (a slow fold: tests/test_long_pass_stops.py).
+FOLD_DELAY_ENV = "OSFT_TEST_FOLD_DELAY_S"
 
 
 def warns_at(step: int, local_rank: int) -> bool:
@@ -68,3 +71,8 @@ def eval_delay(step: int) -> float:
     """Seconds :data:`EVAL_DELAY_ENV` makes each micro-batch of the evaluations after ``step`` sleep (0.0: none)."""
     seconds, _, at = (os.environ.get(EVAL_DELAY_ENV) or "0@0").partition("@")
     return float(seconds) if int(at or 0) == step else 0.0
+
+
+def fold_delay() -> float:
+    """Seconds :data:`FOLD_DELAY_ENV` makes each module's fold at an export sleep (0.0: none)."""
+    return float(os.environ.get(FOLD_DELAY_ENV) or 0)

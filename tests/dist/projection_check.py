@@ -4,7 +4,8 @@ the gathered results to a .pt file, for comparison with the single-process proje
 Usage: torchrun --nproc-per-node K projection_check.py OUT.pt
 
 Each of the modes factored, gram and cached (factored with the gathered V bases kept) is checked;
-so is ``map_over_ranks`` (which rank computed each of 7 items, as rank 0 receives them).
+so is ``map_over_ranks`` (which rank computed each of 7 items, as rank 0 receives them, and the
+rounds its check saw on each rank).
 """
 
 import sys
@@ -74,7 +75,10 @@ def main():
     result = {mode: check(v_projection, cache) for mode, (v_projection, cache) in
               {"factored": ("factored", False), "gram": ("gram", False), "cached": ("factored", True)}.items()}
     rank = dist.get_rank()
-    result["mapped"] = map_over_ranks(lambda x: (x, dist.get_rank()), list(range(7)) if rank == 0 else None, 7)
+    rounds: list[int] = []
+    result["mapped"] = map_over_ranks(lambda x: (x, dist.get_rank()), list(range(7)) if rank == 0 else None, 7,
+                                      rounds.append)
+    result["rounds"] = rounds
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:

@@ -12,6 +12,7 @@ and rank 0 writes the export
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import test_hooks
 from ..config import TrainConfig
 from ..contract import Event
 from ..data.micro_batches import MicroBatches
@@ -44,7 +46,8 @@ class Exporter:
             ``idx`` as this run packs them; ``sizes``, ``weights``: samples per training source and
             the mixture weights (None: drawn as one), for the calibration draw; ``stop_check(point,
             step)``: the poll of a long pass (:meth:`.manager.CheckpointManager.stop_check`), which
-            abandons the input-Gram calibration on a stop (:class:`.requests.StopRequested`).
+            abandons the input-Gram calibration (point ``export``) or the fold (point ``fold``) on a
+            stop (:class:`.requests.StopRequested`).
         report: the run's console and metrics (``subspaces_folded`` records).
     """
 
@@ -97,9 +100,13 @@ class Exporter:
                         step: int) -> dict[str, ModuleFold] | None:
         """Every module's protected bases after this run (:func:`.osft.protect.fold_module` on the
         full tensors of rank 0, with the ``inputs`` variant's directions where collected), module i
-        folded by rank i mod world size (:func:`.distributed.map_over_ranks`); on rank 0 logs a
+        folded by rank i mod world size (:func:`.distributed.map_over_ranks`, polling for a stop
+        before each round of one module per rank, point ``fold``); on rank 0 logs a
         ``subspaces_folded`` record and the modules where the cap bound (with the energy actually
-        kept) and returns the folds, on the others None. Collective."""
+        kept) and returns the folds, on the others None. Collective.
+
+        Raises:
+            StopRequested: a stop was agreed between two rounds (nothing is logged)."""
         cfg = self.cfg
         keys = ("U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
@@ -110,13 +117,14 @@ class Exporter:
 
         def fold(args: tuple[dict[str, torch.Tensor], bool, tuple | None]) -> ModuleFold:
             factors, bank, directions = args
+            time.sleep(delay)  # test hook (.test_hooks.FOLD_DELAY_ENV)
             if bank:  # the update variant, per expert
                 return fold_bank(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio)
             return fold_module(factors, cfg.osft_protect_energy, cfg.osft_protect_max_rank_ratio, directions)
 
-        modules = self.osft.modules
+        modules, delay = self.osft.modules, test_hooks.fold_delay()
         args = [fold_args(name, module.plan) for name, module in modules] if self.dist.rank == 0 else None
-        results = map_over_ranks(fold, args, len(modules))
+        results = map_over_ranks(fold, args, len(modules), self.stop_check("fold", step))
         if results is None:
             return None
         budget = chain_budget([(name, m.plan) for name, m in modules], dict(zip([n for n, _ in modules], results)),

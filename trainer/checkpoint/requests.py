@@ -31,8 +31,9 @@ The rule (docs/checkpoints.md, "The rule for every request"):
   ``control/checkpoint``) lets training go on. A request during start-up is served at the first
   safe point (before the forward of the first step): a stop writes a complete checkpoint of the
   start step (0 for a fresh run) and exits 75. A stop agreed inside a long pass (an evaluation or
-  retention pass, an export's input-Gram calibration: :meth:`RequestPoller.stop_check`) abandons
-  the pass and is served by a checkpoint of the last complete step. Any other request that arrives
+  retention pass, an export's input-Gram calibration or its fold of the protected subspaces:
+  :meth:`RequestPoller.stop_check`) abandons the pass and is served by a checkpoint of the last
+  complete step. Any other request that arrives
   after the last step's safe point (during the final export, or when a resumed run has no step
   left) is answered by the run completing: exit code 0 and the final export, nothing left to
   resume; the run says so.
@@ -136,9 +137,10 @@ class RequestPoller:
         return Request(Action(code // 256), code % 256, point)
 
     def stop_check(self, point: str, step: int) -> Callable[[int], None]:
-        """The poll of a long pass (an evaluation or retention pass, the input-Gram calibration of an
-        export; docs/architecture.md, "Long passes"): ``check(micro)`` polls at ``point`` (every rank
-        at the same micro-batch ``micro`` of the pass after ``step`` steps: collective) and raises
+        """The poll of a long pass (an evaluation or retention pass, the input-Gram calibration or the
+        fold of an export; docs/architecture.md, "Long passes"): ``check(micro)`` polls at ``point``
+        (every rank at the same micro-batch, or round of the fold, ``micro`` of the pass after
+        ``step`` steps: collective) and raises
         :class:`StopRequested` when a checkpoint-and-exit request is agreed, so the pass is
         abandoned and the stop served by a checkpoint of ``step`` within one micro-batch. A plain
         checkpoint request stays pending (its files are kept) until the next safe point of training."""
