@@ -1,10 +1,12 @@
 """Stops during the long passes outside training steps (docs/architecture.md, "Long passes";
 docs/checkpoints.md, "Stops during long passes"): a real SIGTERM to a real ``osft-train`` launcher,
-on 1 rank (in process) and 2 ranks (torchrun, gloo), while a test hook makes the pass slow, is
-served within seconds by abandoning the pass, and a resume afterwards completes the run."""
+on 1 rank (in process) and 2 ranks (torchrun, gloo), while a test hook makes the start-up SVDs or
+the fold at export slow, is served within seconds by abandoning the pass, and the run started
+again and resumed completes."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -15,9 +17,10 @@ from test_stop_rule import finish, one_rank, wait_for
 
 pytestmark = pytest.mark.torchrun
 
-#: Seconds each module's fold sleeps (test hook OSFT_TEST_FOLD_DELAY_S): the tiny Llama's 14 OSFT
-#: modules take 42 s on 1 rank, 21 s on 2 (7 rounds of one module per rank).
-FOLD_DELAY_S = 3.0
+#: Seconds each target's start-up SVD or each module's fold at export sleeps (test hooks
+#: OSFT_TEST_SVD_DELAY_S, OSFT_TEST_FOLD_DELAY_S): the tiny Llama's 14 OSFT modules take 42 s on
+#: 1 rank (one intra-op thread), 21 s on 2 (7 rounds of one module per rank).
+SLOW_S = 3.0
 
 
 def launch(job, out, ranks, *flags):
@@ -25,32 +28,60 @@ def launch(job, out, ranks, *flags):
     return one_rank(job, out, *flags) if ranks == 1 else train(job, out, *flags, wait=False)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_stop_during_the_fold_at_export_is_served_within_seconds_and_a_resume_exports(job, tmp_path, monkeypatch,
-                                                                                        ranks):
-    """SIGTERM to the launcher 1.5 s after the last step's record, inside the fold of the protected
-    subspaces of the final export (every module's fold made 3 s slower): the fold is abandoned at
-    its next round and the stop served by a checkpoint of the last step within 5 s (exit 75, point
-    ``fold``), no export or ``subspaces_folded`` record; the resume has no step left and writes
-    the final export with its subspaces."""
-    out = tmp_path / "run"
-    steps = 2 if ranks == 1 else STEPS
-    monkeypatch.setenv("OSFT_TEST_FOLD_DELAY_S", str(FOLD_DELAY_S))
-    proc = launch(job, out, ranks)
+def signal_after(proc, out, what, ready, wait_s: float) -> float:
+    """SIGTERM to the launcher ``wait_s`` after ``ready(records)`` holds; returns when it was sent."""
     metrics = out / "metrics" / "node0.jsonl"
-    wait_for(lambda: metrics.is_file() and any(r["step"] == steps for r in records(out, "step")), proc,
-             f"step {steps}")
-    time.sleep(1.5)
+    wait_for(lambda: metrics.is_file() and ready(records(out)), proc, what)
+    time.sleep(wait_s)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
+    return sent
+
+
+def stopped(out, proc, sent, step, point):
+    """Wait for the stopped run; check exit 75, a ``run_finished`` of ``step`` within 5 s of the
+    signal (the process gone within 15 s) and the request agreed at ``point``. Returns its output."""
     code, output = finish(proc)
     exited = time.time() - sent
     assert code == EXIT_STOPPED, output
     finished = records(out, "run_finished")[-1]
-    assert (finished["reason"], finished["step"], finished["signal"]) == ("stopped", steps, "SIGTERM")
+    assert (finished["reason"], finished["step"], finished["signal"]) == ("stopped", step, "SIGTERM")
     served = finished["ts"] - sent
-    assert served < 5.0 and exited < 15.0, (served, exited)  # the whole fold: 21 s or more
-    assert [(r["step"], r["point"]) for r in records(out, "checkpoint_requested")] == [(steps, "fold")]
+    assert served < 5.0 and exited < 15.0, (served, exited)  # the slow pass: 21 s or more
+    assert (records(out, "checkpoint_requested")[-1]["step"], records(out, "checkpoint_requested")[-1]["point"]) \
+        == (step, point)
+    assert json.loads((out / "run.json").read_text())["state"] == "stopped"
+    return output
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_stops_during_the_start_up_svds_and_the_export_fold_are_served_within_seconds(job, tmp_path, monkeypatch,
+                                                                                     ranks):
+    """One output directory, three runs. 1. A fresh run whose every start-up SVD is made 3 s slower
+    (test hook OSFT_TEST_SVD_DELAY_S): SIGTERM to the launcher 2 s after ``run_started`` is agreed
+    between two rounds of the SVDs (point ``start_up``) and ends the run within 5 s, exit 75,
+    nothing trained and no checkpoint (there is no model to save), ``run.json`` stopped. 2. Run
+    again, every module's fold at export 3 s slower (OSFT_TEST_FOLD_DELAY_S): SIGTERM 1.5 s after
+    the last step's record abandons the fold at its next round (point ``fold``) and the stop is
+    served by a checkpoint of the last step within 5 s, no export or ``subspaces_folded`` record.
+    3. The resume has no step left and writes the final export with its subspaces."""
+    out = tmp_path / "run"
+    steps = 2 if ranks == 1 else STEPS
+    monkeypatch.setenv("OSFT_TEST_SVD_DELAY_S", str(SLOW_S))
+    proc = launch(job, out, ranks)
+    sent = signal_after(proc, out, "run_started", lambda recs: any(r["event"] == "run_started" for r in recs), 2.0)
+    output = stopped(out, proc, sent, 0, "start_up")
+    assert records(out, "run_finished")[-1]["checkpoint"] is None
+    assert not records(out, "step") and not records(out, "checkpoint_saved") and not complete_checkpoints(out)
+    assert "SIGTERM: stopped during start-up before step 0: nothing trained; run again to start" in output
+    assert "nothing trained, no checkpoint; run again to start" in output
+
+    monkeypatch.delenv("OSFT_TEST_SVD_DELAY_S")
+    monkeypatch.setenv("OSFT_TEST_FOLD_DELAY_S", str(SLOW_S))
+    proc = launch(job, out, ranks)
+    sent = signal_after(proc, out, f"step {steps}", lambda recs: any(r["event"] == "step" and r["step"] == steps
+                                                                     for r in recs), 1.5)
+    output = stopped(out, proc, sent, steps, "fold")
     assert [r["step"] for r in records(out, "checkpoint_saved")] == [steps]
     assert complete_checkpoints(out) == [f"step_{steps}"]
     assert not records(out, "subspaces_folded") and not (out / "hf_format").exists()

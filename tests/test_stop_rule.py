@@ -104,11 +104,13 @@ def one_rank(job, out, *flags):
 
 def test_signals_during_start_up_are_held_and_a_resume_with_no_step_left_says_so(job, tmp_path):
     """Signals held at start-up (in-process rank): SIGUSR2 the moment osft-train can take it, long
-    before torch is loaded: a complete checkpoint of step 0 and exit 75. Resumed, SIGUSR1 during
-    start-up is served by the checkpoint it resumed from (not saved again) and training goes on. A
-    resume with no step left says so, not 'last loss nan'."""
+    before torch is loaded: a complete checkpoint of step 0 and exit 75 (--no-osft: no start-up
+    SVDs, so the stop is served at the first safe point; a fresh OSFT run's is agreed during its
+    SVDs and saves nothing: tests/test_long_pass_stops.py). Resumed, SIGUSR1 during start-up is
+    served by the checkpoint it resumed from (not saved again) and training goes on. A resume with
+    no step left says so, not 'last loss nan'."""
     out = tmp_path / "run"
-    proc = one_rank(job, out)
+    proc = one_rank(job, out, "--no-osft")
     assert not signal_as_soon_as_caught(proc.pid, signal.SIGUSR2), "handler installed after torch was loaded"
     code, output = finish(proc)
     assert code == EXIT_STOPPED, output
@@ -116,7 +118,7 @@ def test_signals_during_start_up_are_held_and_a_resume_with_no_step_left_says_so
     assert [(r["signal"], r["step"]) for r in records(out, "checkpoint_requested")] == [("SIGUSR2", 0)]
     assert not records(out, "step")
 
-    proc = one_rank(job, out, "--resume", "--checkpoint-every-steps", "2")
+    proc = one_rank(job, out, "--no-osft", "--resume", "--checkpoint-every-steps", "2")
     assert not signal_as_soon_as_caught(proc.pid, signal.SIGUSR1), "handler installed after torch was loaded"
     code, output = finish(proc)
     assert code == 0, output
@@ -125,7 +127,7 @@ def test_signals_during_start_up_are_held_and_a_resume_with_no_step_left_says_so
     assert [r["step"] for r in records(out, "step")] == [1, 2]
     assert "done: 2 steps, last loss" in output
 
-    proc = one_rank(job, out, "--resume")
+    proc = one_rank(job, out, "--no-osft", "--resume")
     code, output = finish(proc)
     assert code == 0, output
     assert "nan" not in output

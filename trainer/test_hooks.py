@@ -31,6 +31,9 @@ EVAL_DELAY_ENV = "OSFT_TEST_EVAL_DELAY_S"
 #: "SECONDS": the fold of each module's protected subspaces at every export sleeps that long first
 #: (a slow fold: tests/test_long_pass_stops.py).
 FOLD_DELAY_ENV = "OSFT_TEST_FOLD_DELAY_S"
+#: "SECONDS": each target's SVD of the OSFT decomposition at start-up sleeps that long first (slow
+#: start-up SVDs: tests/test_long_pass_stops.py).
+SVD_DELAY_ENV = "OSFT_TEST_SVD_DELAY_S"
 
 
 def warns_at(step: int, local_rank: int) -> bool:
@@ -76,3 +79,8 @@ def eval_delay(step: int) -> float:
 def fold_delay() -> float:
     """Seconds :data:`FOLD_DELAY_ENV` makes each module's fold at an export sleep (0.0: none)."""
     return float(os.environ.get(FOLD_DELAY_ENV) or 0)
+
+
+def svd_delay() -> float:
+    """Seconds :data:`SVD_DELAY_ENV` makes each target's start-up SVD sleep (0.0: none)."""
+    return float(os.environ.get(SVD_DELAY_ENV) or 0)

@@ -205,13 +205,18 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
     from .launcher import finished_record, launch, preflight
 
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
-    trainer = None
+    trainer = stopped = None
     try:
         if in_process:
+            from ..checkpoint.requests import StopRequested
             from ..run.loop import Trainer  # the launcher of a worker group never loads the training stack
+            from ..run.start import stopped_during_start_up
 
             trainer = Trainer(cfg, console, job_id)
-            trainer.prepare()
+            try:
+                trainer.prepare()
+            except StopRequested as stop:  # agreed inside the start-up SVDs: nothing trained
+                stopped = stopped_during_start_up(stop.request, trainer.checkpoints, trainer.metrics)
         else:
             cfg = preflight(cfg, console)
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
@@ -223,9 +228,10 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         return _failed_in_process(trainer, cfg, console, run_dir, job_id, argv, exc), None
     try:
         if in_process:
-            run_dir.update_run_json(state=RunState.RUNNING)
-            result = trainer.run()
-            code, reason, export_dir = result.exit_code, result.reason, result.export_dir
+            if stopped is None:
+                run_dir.update_run_json(state=RunState.RUNNING)
+            result = stopped or trainer.run()
+            code, reason, export_dir, checkpoint = result.exit_code, result.reason, result.export_dir, result.checkpoint
             summary = result.summary()
         else:
             code = launch(cfg, console, job_id, argv)
@@ -236,6 +242,7 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
                 return code, None
             finished = finished_record(run_dir, cfg.node_rank, job_id)
             reason, export_dir = finished.get("reason") or FinishReason.COMPLETED, finished.get("export_dir")
+            checkpoint = finished.get("checkpoint")
             if code == EXIT_FAILED and reason != FinishReason.DIVERGED:  # the launcher printed what happened
                 best_effort(lambda: run_dir.update_run_json(state=RunState.FAILED, exit_code=EXIT_FAILED))
                 return code, None
@@ -250,8 +257,12 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         raise
     if code == EXIT_STOPPED:
         run_dir.update_run_json(state=RunState.STOPPED, exit_code=EXIT_STOPPED)
-        console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
-                      "continue with --resume", soft_wrap=True)
+        if checkpoint is None:  # a stop during the start-up SVDs (run.start.stopped_during_start_up)
+            console.print(f"[yellow]stopped[/yellow] during start-up before step 0 (exit code {EXIT_STOPPED}): "
+                          "nothing trained, no checkpoint; run again to start", soft_wrap=True)
+        else:
+            console.print(f"[yellow]stopped[/yellow] after a complete full-state checkpoint (exit code {EXIT_STOPPED}); "
+                          "continue with --resume", soft_wrap=True)
         return code, None
     if reason == FinishReason.DIVERGED:
         run_dir.update_run_json(state=RunState.FAILED, exit_code=code, reason=reason)

@@ -36,7 +36,7 @@ from ..osft.layer_importance import RankPlan, calibration_batches, importance_ra
 from ..osft.plan import ForwardForm, ModulePlan, plan_table
 from ..osft.projection import Projector
 from ..osft.settings import OSFTSettings
-from ..osft.surgery import Bases, OSFTModel, apply_osft, skeleton_osft, target_weights
+from ..osft.surgery import Bases, Check, OSFTModel, apply_osft, skeleton_osft, target_weights
 from ..run.router_loss import describe as describe_router_loss
 from ..run.router_loss import router_aux_coef
 from ..osft.targets import describe_unconstrained, find_target_modules
@@ -70,8 +70,8 @@ def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) 
 def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, osft: OSFTSettings | None,
                 vocab_size: int | None = None, from_checkpoint: bool = False,
                 plan_ranks: Callable[[nn.Module], Mapping[str, float] | None] | None = None,
-                bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None
-                ) -> tuple[nn.Module, OSFTModel | None]:
+                bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None,
+                check: Check | None = None) -> tuple[nn.Module, OSFTModel | None]:
     """Load the model, build its OSFT modules (with ``osft`` settings; None: ``--no-osft``) and, with
     more than one rank, shard it with FSDP2.
 
@@ -89,6 +89,8 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
             ``osft.urr`` (None: none), the same on every rank (collective).
         bases: protected subspaces (P, Q) per module name (:mod:`.osft.protect`).
         plans: the checkpoint's module plans (with ``from_checkpoint``).
+        check: the poll for a stop before each round of the SVDs (:func:`.osft.surgery.apply_osft`;
+            collective), whose :class:`.checkpoint.requests.StopRequested` abandons the build.
 
     Returns:
         ``(model, osft)``: the model in train mode on ``device``; ``osft`` lists its OSFT modules.
@@ -103,7 +105,8 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
         if osft is not None and from_checkpoint:
             built = skeleton_osft(model, osft, device, plans)
         elif osft is not None:
-            built = apply_osft(model, osft, urr_by_module=plan_ranks(model) if plan_ranks else None, bases=bases)
+            built = apply_osft(model, osft, urr_by_module=plan_ranks(model) if plan_ranks else None, bases=bases,
+                               check=check)
         return model.train(), built
 
     from transformers import AutoModelForCausalLM
@@ -120,7 +123,8 @@ def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: tor
     elif from_checkpoint:
         built = skeleton_osft(model, osft, "meta", plans)
     else:
-        built = apply_osft(model, osft, plan_ranks(model) if plan_ranks else None, bases, env.rank, env.world_size)
+        built = apply_osft(model, osft, plan_ranks(model) if plan_ranks else None, bases, env.rank, env.world_size,
+                           check)
     full_state = None if from_checkpoint else model.state_dict() if env.rank == 0 else {}
     shard_and_broadcast(model, env, device, dtype, full_state)
     if built is not None:  # the modules are the same objects, now holding DTensors
@@ -161,14 +165,16 @@ class BuiltModel:
 
 
 def build_run_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, resume: Resume | None,
-                    tokenizer, dataset, lengths: np.ndarray, report: Reporter) -> BuiltModel:
+                    tokenizer, dataset, lengths: np.ndarray, report: Reporter, check: Check | None = None) -> BuiltModel:
     """Build the model of a run (collective) and say what was built: from the checkpoint's
     vocabulary size and OSFT plans when resuming (no SVD), else with the protected subspaces of the
     model directory and, under ``--osft-rank-schedule importance``, the URR of each target from the
     block importance on the first training samples (``dataset``, ``lengths``); then the OSFT report,
-    packed attention, activation checkpointing, compilation, freezing and the projector.
+    packed attention, activation checkpointing, compilation, freezing and the projector. ``check``:
+    the poll for a stop between rounds of the start-up SVDs (:func:`build_model`; collective).
 
     Raises:
+        StopRequested: a stop was agreed during the SVDs (:mod:`.checkpoint.requests`).
         ValueError: the model cannot be loaded, target patterns match nothing, protected subspaces
             that do not fit, or input Grams over ``--osft-protect-input-memory-gb``.
     """
@@ -188,7 +194,8 @@ def build_run_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype:
 
     osft_settings = OSFTSettings.from_config(cfg) if cfg.osft else None
     model, osft = build_model(cfg, env, device, dtype, osft=osft_settings, vocab_size=vocab,
-                              from_checkpoint=resume is not None, bases=bases, plans=plans, plan_ranks=plan_ranks)
+                              from_checkpoint=resume is not None, bases=bases, plans=plans, plan_ranks=plan_ranks,
+                              check=check)
     if osft:
         _report_osft(cfg, env, osft, resume, rank_plan, report)
     # each packed sample attends within itself (no T x T mask); compiled blocks keep transformers'

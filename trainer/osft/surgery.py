@@ -10,7 +10,8 @@ Every OSFT module is built here, on one of three paths with one layout rule (eac
   ranks of a node): rank 0 holds the weights, the other ranks the same architecture on the meta
   device. Target i is decomposed by rank i mod world_size: rank 0 sends it the weight (point to
   point, ``torch.distributed.send``/``recv``), it runs :func:`.decomposition.protected_svd` and
-  sends the factors back; meanwhile every rank works on its own share. Rank 0 builds the real
+  sends the factors back; meanwhile every rank works on its own share, in rounds of one target per
+  rank, each after a poll for a stop. Rank 0 builds the real
   modules, the others skeletons whose values arrive with FSDP2's broadcast of rank 0's state.
 - resume (:func:`skeleton_osft`): skeletons laid out by the plans a full-state checkpoint stored,
   no SVD; the values come from the checkpoint.
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import test_hooks
 from ..distributed import control_group, map_on_threads
 from ..dtensor import is_sharded
 from .decomposition import OSFTLinear, dense_from_factors, protected_svd
@@ -46,6 +48,9 @@ Bases = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
 #: The thin SVD (U: N×R, S: R, Vh: R×M) of one target, see :func:`.decomposition.protected_svd`.
 SVD = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+#: A poll before round r of the SVDs (:func:`apply_osft`); it raises to abandon them.
+Check = Callable[[int], None]
 
 
 @dataclass
@@ -134,13 +139,16 @@ def plan_targets(model: nn.Module, settings: OSFTSettings, urr_by_module: Mappin
 
 
 def apply_osft(model: nn.Module, settings: OSFTSettings, urr_by_module: Mapping[str, float] | None = None,
-               bases: Bases | None = None, rank: int = 0, world_size: int = 1) -> OSFTModel:
+               bases: Bases | None = None, rank: int = 0, world_size: int = 1, check: Check | None = None) -> OSFTModel:
     """Decompose every target of ``model`` in place (see :func:`plan_targets` for ``urr_by_module``
     and ``bases``; the same on every rank). Every other parameter keeps training normally.
 
     With ``world_size`` > 1 every rank of the default process group must call it (collective, see
     the module docstring): rank 0 with the real weights, the others with the model on the meta
-    device; rank 0 gets the decomposed modules, the others meta-device skeletons.
+    device; rank 0 gets the decomposed modules, the others meta-device skeletons. ``check(r)``, when
+    given, is called before each round of SVDs (one target per thread or rank), by every rank the
+    same number of times: a collective poll for a stop (:meth:`..checkpoint.requests.RequestPoller.stop_check`)
+    whose exception abandons the decomposition.
 
     Returns:
         The replaced modules and the time taken (s).
@@ -150,7 +158,7 @@ def apply_osft(model: nn.Module, settings: OSFTSettings, urr_by_module: Mapping[
     """
     start = time.perf_counter()
     targets = plan_targets(model, settings, urr_by_module, bases)
-    svds = _threaded_svds(targets) if world_size == 1 else _svds_over_ranks(targets, rank, world_size)
+    svds = _threaded_svds(targets, check) if world_size == 1 else _svds_over_ranks(targets, rank, world_size, check)
     modules, experts = _replace_targets(model, targets, svds, "meta")
     return OSFTModel(modules=modules, svd_seconds=time.perf_counter() - start, experts=experts)
 
@@ -211,60 +219,65 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def _svd(weight: torch.Tensor, protected: tuple[torch.Tensor, torch.Tensor] | None) -> SVD:
     """:func:`.decomposition.protected_svd` of an N×M weight or an E×N×M bank with its protected
     bases (None: none; a bank without them is one batched :func:`.decomposition.thin_svd`)."""
+    time.sleep(test_hooks.svd_delay())  # test hook (.test_hooks.SVD_DELAY_ENV)
     lead = weight.shape[0] if weight.dim() == 3 else 0
     return protected_svd(weight, *(protected or no_bases(*weight.shape[-2:], like=weight, experts=lead)))
 
 
-def _threaded_svds(targets: Sequence[Target]) -> Iterator[SVD]:
+def _threaded_svds(targets: Sequence[Target], check: Check | None) -> Iterator[SVD]:
     """The SVD of each target's N×M weight with its protected bases, in order, on one rank: on CPU
-    one decomposition per thread (:func:`..distributed.map_on_threads`), on CUDA one after another."""
+    one decomposition per thread (:func:`..distributed.map_on_threads`, ``check(r)`` before each
+    round of one target per thread), on CUDA one after another (``check(i)`` before target i)."""
     def one(target: Target) -> SVD:
         return _svd(target.matrix, target.protected)
 
     if targets and targets[0].matrix.is_cuda:
-        yield from map(one, targets)
+        for i, target in enumerate(targets):
+            if check is not None:
+                check(i)
+            yield one(target)
         return
-    yield from map_on_threads(one, targets)
+    yield from map_on_threads(one, targets, check)
 
 
-def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int) -> Iterator[SVD | None]:
+def _svds_over_ranks(targets: Sequence[Target], rank: int, world_size: int, check: Check | None
+                     ) -> Iterator[SVD | None]:
     """The SVDs of the targets spread over the ranks (see the module docstring): on rank 0 each
-    target's SVD in order (float64 CPU factors), on the others None for each. Collective; the
-    factors of target i reach rank 0 as the caller asks for item i."""
-    owner = [i % world_size for i in range(len(targets))]
+    target's SVD in order (float64 CPU factors), on the others None for each. Collective, in rounds
+    of one target per rank (target first + k to rank k): ``check(r)``, when given, is called by
+    every rank before round r, ceil(targets / world_size) times, with no message in flight; the
+    factors of a round reach rank 0 as the caller asks for its items."""
     host = control_group()  # the factors live on the host: under NCCL its gloo group carries them
-    mine: dict[int, torch.Tensor] = {}
-    # 1. weights from rank 0 to their owners
-    for i, target in enumerate(targets):
+    for r, first in enumerate(range(0, len(targets), world_size)):
+        if check is not None:
+            check(r)
+        round_ = targets[first:first + world_size]
         w = None
-        if rank == 0:
-            w = target.matrix.detach().contiguous()
-            if owner[i] != 0:
-                dist.send(w, dst=owner[i], group=host)
-        elif owner[i] == rank:
-            w = torch.empty(target.matrix.shape, dtype=target.matrix.dtype)
-            dist.recv(w, src=0, group=host)
-        if owner[i] == rank:
-            mine[i] = w
-    # 2. every rank decomposes its share
-    factors = {i: _svd(w, targets[i].protected) for i, w in mine.items()}
-    # 3. factors back to rank 0, one target at a time
-    for i, target in enumerate(targets):
-        if rank == 0 and owner[i] == 0:
-            yield factors.pop(i)
-        elif rank == 0:
-            n, m, r = target.plan.n, target.plan.m, target.plan.rank
-            lead = target.matrix.shape[:-2]
-            svd = (torch.empty(*lead, n, r, dtype=torch.float64), torch.empty(*lead, r, dtype=torch.float64),
-                   torch.empty(*lead, r, m, dtype=torch.float64))
-            for t in svd:
-                dist.recv(t, src=owner[i], group=host)
-            yield svd
-        else:
-            if owner[i] == rank:
-                for t in factors.pop(i):
-                    dist.send(t.contiguous(), dst=0, group=host)
-            yield None
+        for k, target in enumerate(round_):  # 1. weights from rank 0 to their owners
+            if rank == 0 and k == 0:
+                w = target.matrix.detach().contiguous()
+            elif rank == 0:
+                dist.send(target.matrix.detach().contiguous(), dst=k, group=host)
+            elif rank == k:
+                w = torch.empty(target.matrix.shape, dtype=target.matrix.dtype)
+                dist.recv(w, src=0, group=host)
+        factors = _svd(w, round_[rank].protected) if rank < len(round_) else None  # 2. this rank's share
+        for k, target in enumerate(round_):  # 3. factors back to rank 0, one target at a time
+            if rank == 0 and k == 0:
+                yield factors
+            elif rank == 0:
+                n, m, rk = target.plan.n, target.plan.m, target.plan.rank
+                lead = target.matrix.shape[:-2]
+                svd = (torch.empty(*lead, n, rk, dtype=torch.float64), torch.empty(*lead, rk, dtype=torch.float64),
+                       torch.empty(*lead, rk, m, dtype=torch.float64))
+                for t in svd:
+                    dist.recv(t, src=k, group=host)
+                yield svd
+            else:
+                if rank == k:
+                    for t in factors:
+                        dist.send(t.contiguous(), dst=0, group=host)
+                yield None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -64,7 +64,7 @@ class Trainer:
         self.checkpoints.remove_stale()
         start = choose_start(cfg, dist, inputs.plan, self.report)
         built = build_run_model(cfg, dist, self.device, self.dtype, start.resume, self.tokenizer, self.data,
-                                self.lengths, self.report)
+                                self.lengths, self.report, self.checkpoints.stop_check("start_up", 0))
         parts = build_run_parts(cfg, built, self.device, self.dtype, dist, self.total_steps, flops, self.report)
         self.model, self.osft, self.optimizer, self.steps = parts.model, parts.osft, parts.optimizer, parts.recorder
         batches = partial(rank_micro_batches, self.data, max_tokens=cfg.max_tokens_per_gpu, dist=dist)
