@@ -1,10 +1,16 @@
 """``osft-train make-retention-set`` on a tiny random model: valid chat rows, replies equal to a
-direct greedy ``generate``, held-out row choice, and exit code 2 with FILE:LINE on bad input."""
+direct greedy ``generate``, held-out row choice, exit code 2 with FILE:LINE on bad input, and a
+stop signal that ends it at once with one line and nothing written."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from osft.trainer.launch.cli import EXIT_BAD_INPUT, EXIT_COMPLETED, main
 from osft.trainer.data.validate import validate_chat_file
 from osft.trainer.tools.retention_set import chat_prompts
+from test_stop_rule import caught
 
 PROMPTS = ["hello", "What do you like to do on the weekend?", "the capital of France is", "seven ate nine"]
 
@@ -78,3 +85,36 @@ def test_bad_input_exits_2_naming_file_and_line(tmp_path, tiny_model_dir, capsys
     assert code == EXIT_BAD_INPUT
     assert re.search(message, " ".join(capsys.readouterr().err.split()))
     assert not out.exists()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_it_within_seconds_with_one_line_and_leaves_the_output_as_it_was(tmp_path, tiny_model_dir,
+                                                                                            signum):
+    """20 prompts, each batch of one made 3 s slower (test hook OSFT_TEST_GENERATE_DELAY_S: 60 s in
+    all): the signal 1 s after the command catches SIGTERM ends it within 5 s with exit code 128 + N and
+    one line, no traceback; the existing output file is untouched and no temporary file is left."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(20)))
+    out = tmp_path / "retention.jsonl"
+    out.write_text("the earlier set\n")
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "make-retention-set", "--model", str(tiny_model_dir),
+           "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "1"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OSFT_TEST_GENERATE_DELAY_S": "3"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not caught(proc.pid, signal.SIGTERM):  # its handlers are in (SIGINT has Python's from the start)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.01)
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    output, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 5.0
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, output
+    assert (f"make-retention-set: stopped by {name} before the replies were complete: nothing written ({out} "
+            "unchanged)") in output
+    assert "Traceback" not in output
+    assert out.read_text() == "the earlier set\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt", "retention.jsonl"]

@@ -34,6 +34,9 @@ FOLD_DELAY_ENV = "OSFT_TEST_FOLD_DELAY_S"
 #: "SECONDS": each target's SVD of the OSFT decomposition at start-up sleeps that long first (slow
 #: start-up SVDs: tests/test_long_pass_stops.py).
 SVD_DELAY_ENV = "OSFT_TEST_SVD_DELAY_S"
+#: "SECONDS": each batch of ``make-retention-set``'s greedy replies sleeps that long first
+#: (tests/test_retention_set.py, the stop test).
+GENERATE_DELAY_ENV = "OSFT_TEST_GENERATE_DELAY_S"
 
 
 def warns_at(step: int, local_rank: int) -> bool:
@@ -84,3 +87,8 @@ def fold_delay() -> float:
 def svd_delay() -> float:
     """Seconds :data:`SVD_DELAY_ENV` makes each target's start-up SVD sleep (0.0: none)."""
     return float(os.environ.get(SVD_DELAY_ENV) or 0)
+
+
+def generate_delay() -> float:
+    """Seconds :data:`GENERATE_DELAY_ENV` makes each batch of ``make-retention-set`` sleep (0.0: none)."""
+    return float(os.environ.get(GENERATE_DELAY_ENV) or 0)

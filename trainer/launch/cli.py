@@ -358,13 +358,16 @@ def _main(argv: list[str]) -> int:
             estimate_memory(argv[1:], console)
             return EXIT_COMPLETED
         if argv[:1] == ["make-retention-set"]:
-            from ..tools.retention_set import RetentionSetError
+            from ..tools.retention_set import RetentionSetError, RetentionSetStopped
             from ..tools.retention_set import main as make_retention_set
 
             try:
                 make_retention_set(argv[1:], console)
             except RetentionSetError as exc:
                 raise InputError(str(exc)) from exc
+            except RetentionSetStopped as stop:
+                console.print(f"make-retention-set: {stop}", markup=False, highlight=False, soft_wrap=True)
+                return EXIT_SIGNAL_BASE + stop.signum
             return EXIT_COMPLETED
         if argv[:1] == ["slurm-script"]:
             from ..cluster.slurm import main as slurm_script

@@ -19,20 +19,59 @@ rendered by the tokenizer's chat template with the generation prompt; so they do
 batch size beyond float rounding, and the same model and prompts give the same file. Rows whose
 reply is empty after stripping whitespace are left out (the trainer rejects an empty assistant
 turn) and counted.
+
+A stop signal (SIGTERM, SIGINT, SIGHUP) while the model loads or the replies are generated ends
+the command (:func:`main`) at once (Python runs the handler within one token's forward pass) with one line and
+exit code 128 + N: nothing is written, an existing output file is left as it was
+(:class:`RetentionSetStopped`). The file itself is written atomically.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .. import test_hooks
+
+#: The signals that stop the command while it loads the model and generates.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 class RetentionSetError(ValueError):
     """A prompts or chat file that cannot be read; the message names the file and line."""
+
+
+class RetentionSetStopped(Exception):
+    """Signal ``signum`` stopped :func:`make_retention_set` before it wrote ``out_path``."""
+
+    def __init__(self, signum: int, out_path: Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} before the replies were complete: nothing written "
+                         f"({out_path} unchanged)")
+        self.signum = signum
+
+
+@contextmanager
+def stopped_by_signals(out_path: Path) -> Iterator[None]:
+    """Inside: each of :data:`STOP_SIGNALS` not ignored by the caller (``nohup``, a background job of
+    a shell) raises :class:`RetentionSetStopped` in the main thread; the previous handlers are back
+    after."""
+    def stop(signum, _frame):
+        raise RetentionSetStopped(signum, out_path)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -120,6 +159,7 @@ def greedy_replies(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
     try:
         with torch.inference_mode():
             for start in range(0, len(prompts), batch_size):
+                time.sleep(test_hooks.generate_delay())  # test hook (.test_hooks.GENERATE_DELAY_ENV)
                 texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                        add_generation_prompt=True)
                          for p in prompts[start : start + batch_size]]
@@ -143,9 +183,10 @@ class RetentionSet:
     source_lines: list[int]
 
 
-def make_retention_set(model_dir: Path, out_path: Path, prompts: list[str], max_new_tokens: int = 64,
-                       batch_size: int = 8, seed: int = 0, source_lines: list[int] | None = None) -> RetentionSet:
-    """Write ``model_dir``'s greedy replies to ``prompts`` as chat jsonl at ``out_path``.
+def retention_rows(model_dir: Path, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 8,
+                   seed: int = 0) -> list[dict]:
+    """``model_dir``'s greedy replies to ``prompts`` as chat rows ``{"messages": [user, assistant]}``,
+    in prompt order, without the prompts whose reply is empty.
 
     The model is loaded in float32 on CPU (``load_model``); ``seed`` seeds torch first (greedy
     decoding draws nothing, the seed only pins any randomness of the model code).
@@ -154,16 +195,34 @@ def make_retention_set(model_dir: Path, out_path: Path, prompts: list[str], max_
         ValueError / FileNotFoundError: ``model_dir`` is not a loadable model with a chat template.
     """
     from ..model.loading import load_model, load_tokenizer
-    from ..rundir import write_text_atomic
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
     replies = greedy_replies(model, tokenizer, prompts, max_new_tokens, batch_size)
-    rows = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": r}]}
+    return [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": r}]}
             for p, r in zip(prompts, replies) if r]
+
+
+def write_retention_set(out_path: Path, rows: list[dict], prompts: int, source_lines: list[int] | None = None
+                        ) -> RetentionSet:
+    """Write ``rows`` (:func:`retention_rows` of ``prompts`` prompts) as chat jsonl at ``out_path``, atomically."""
+    from ..rundir import write_text_atomic
+
     write_text_atomic(Path(out_path), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    return RetentionSet(Path(out_path), len(rows), len(prompts) - len(rows), source_lines or [])
+    return RetentionSet(Path(out_path), len(rows), prompts - len(rows), source_lines or [])
+
+
+def make_retention_set(model_dir: Path, out_path: Path, prompts: list[str], max_new_tokens: int = 64,
+                       batch_size: int = 8, seed: int = 0, source_lines: list[int] | None = None) -> RetentionSet:
+    """Write ``model_dir``'s greedy replies to ``prompts`` as chat jsonl at ``out_path``
+    (:func:`retention_rows`, then :func:`write_retention_set`).
+
+    Raises:
+        ValueError / FileNotFoundError: ``model_dir`` is not a loadable model with a chat template.
+    """
+    rows = retention_rows(model_dir, prompts, max_new_tokens, batch_size, seed)
+    return write_retention_set(out_path, rows, len(prompts), source_lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +251,8 @@ def main(argv: list[str], console) -> RetentionSet:
 
     Raises:
         RetentionSetError: bad prompts/chat file or flags (the CLI exits with code 2).
+        RetentionSetStopped: a stop signal arrived while the model loaded or generated (the CLI
+            exits with code 128 + N).
     """
     args = build_parser().parse_args(argv)
     lines = None
@@ -206,9 +267,11 @@ def main(argv: list[str], console) -> RetentionSet:
             raise RetentionSetError("--held-out goes with --from-chat, not --prompts")
         prompts = read_prompts(args.prompts)
     try:
-        made = make_retention_set(args.model, args.out, prompts, args.max_new_tokens, args.batch_size, args.seed, lines)
+        with stopped_by_signals(args.out):
+            rows = retention_rows(args.model, prompts, args.max_new_tokens, args.batch_size, args.seed)
     except (ValueError, FileNotFoundError) as e:
         raise RetentionSetError(str(e)) from e
+    made = write_retention_set(args.out, rows, len(prompts), lines)
     console.print(f"retention set: {made.rows} rows -> {made.out_path}"
                   + (f" ({made.dropped_empty} prompts left out: empty reply)" if made.dropped_empty else ""),
                   markup=False, highlight=False, soft_wrap=True)
