@@ -12,18 +12,13 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Label
 
+from ..choices import next_option
 from ..format import fmt_duration, fmt_num
 from ..runs import AGE_WINDOWS, SORT_KEYS, STATE_FILTERS, Listing, RunSummary, run_dirs, summarize
 from .header import STATE_STYLE
 
 #: The browser's columns and their widths (each a :data:`~..runs.SORT_KEYS` column).
 COLUMNS = (("run", 24), ("state", 13), ("step", 7), ("last loss", 9), ("age", 13))
-
-
-def _next(options, current):
-    """The option after ``current`` in ``options``, round."""
-    options = list(options)
-    return options[(options.index(current) + 1) % len(options)]
 
 
 class RunBrowser(Screen[Path]):
@@ -65,11 +60,6 @@ class RunBrowser(Screen[Path]):
         self.action_refresh()
         table.focus()
 
-    @property
-    def paths(self) -> list[Path]:
-        """The run directories shown, in the order shown."""
-        return [s.path for s in self.listing.apply(self.summaries)]
-
     def action_refresh(self) -> None:
         """Read the runs again (states, steps and ages as they are now)."""
         self.summaries = [summarize(path) for path in run_dirs(self.root)]
@@ -103,7 +93,7 @@ class RunBrowser(Screen[Path]):
 
     def action_sort(self) -> None:
         """Sort by the next column (ascending)."""
-        self._change(sort=_next(SORT_KEYS, self.listing.sort), descending=False)
+        self._change(sort=next_option(SORT_KEYS, self.listing.sort), descending=False)
 
     def action_reverse(self) -> None:
         """Turn the order round."""
@@ -111,11 +101,11 @@ class RunBrowser(Screen[Path]):
 
     def action_states(self) -> None:
         """Show the next group of states (all, live, failed, ended)."""
-        self._change(states=_next(STATE_FILTERS, self.listing.states))
+        self._change(states=next_option(STATE_FILTERS, self.listing.states))
 
     def action_age(self) -> None:
         """Show only the runs active within the next window (any age, 1 h, 1 day, 1 week)."""
-        self._change(age=_next(AGE_WINDOWS, self.listing.age))
+        self._change(age=next_option(AGE_WINDOWS, self.listing.age))
 
     def action_search(self) -> None:
         """Open the name filter; each key filters at once."""

@@ -12,6 +12,7 @@ from textual.content import Content
 from textual_plotext import PlotextPlot
 
 from ..run_state import RunModel
+from ..choices import next_option
 from ..series import Curve
 
 #: The metric chart's views: name, title, and the curves of :attr:`RunModel.curves` it draws (a
@@ -129,7 +130,7 @@ class MetricChart(Chart):
 
     def next_window(self, model: RunModel | None) -> str:
         """Show the next step range of :data:`STEP_WINDOWS`; returns its name."""
-        self.window = STEP_WINDOWS[(STEP_WINDOWS.index(self.window) + 1) % len(STEP_WINDOWS)]
+        self.window = next_option(STEP_WINDOWS, self.window)
         if model is not None:
             self.show(model)
         return self.window_name
@@ -141,7 +142,7 @@ class MetricChart(Chart):
 
     def next_smoothing(self, model: RunModel | None) -> float:
         """Smooth the curves by the next weight of :data:`SMOOTHING`; returns it."""
-        self.smoothing = SMOOTHING[(SMOOTHING.index(self.smoothing) + 1) % len(SMOOTHING)]
+        self.smoothing = next_option(SMOOTHING, self.smoothing)
         if model is not None:
             self.show(model)
         return self.smoothing
@@ -149,7 +150,7 @@ class MetricChart(Chart):
     def next_view(self, model: RunModel | None) -> str:
         """Show the next view the run has data for (the loss view always counts); returns its name."""
         names = [name for name, _, wanted in VIEWS if name == "loss" or (model and _curves(model, wanted))]
-        self.view = names[(names.index(self.view) + 1) % len(names)] if self.view in names else names[0]
+        self.view = next_option(names, self.view)
         if model is not None:
             self.show(model)
         return self.view

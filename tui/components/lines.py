@@ -11,6 +11,8 @@ from rich.text import Text
 from textual.content import Content
 from textual.widgets import RichLog
 
+from ..choices import next_option
+
 #: Level filters, in the order a key cycles through them: the levels each one shows.
 LEVELS = {"all": None, "warnings": frozenset({"warning", "error"}), "errors": frozenset({"error"})}
 #: How a search's matches are marked in the lines shown.
@@ -79,8 +81,7 @@ class LineView(RichLog):
 
     def next_level(self) -> str:
         """Switch to the next level filter of :data:`LEVELS`; returns its name."""
-        names = list(LEVELS)
-        self.set_filter(level=names[(names.index(self.level) + 1) % len(names)])
+        self.set_filter(level=next_option(LEVELS, self.level))
         return self.level
 
     def forget(self) -> None:
