@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 from osft.tui.app import OsftTui
-from osft.tui.components.lines import LineView
+from osft.tui.components.lines import CURRENT_STYLE, LineView
 from osft.tui.components.modals import SearchPrompt
 from osft.tui.reader import Update
 from osft.tui.run_state import RECENT_STEPS, Event, PollResult, RunModel, describe
@@ -143,6 +143,39 @@ def test_the_view_stays_at_the_bottom_across_a_resize_and_a_cleared_search_and_s
             view.add([("info", Text("a [/zzz] line"))])
             await pilot.pause()
             assert [s.text for s in view.lines] == ["a [/zzz] line"]
+
+    asyncio.run(scenario())
+
+
+def test_next_and_previous_match_mark_one_line_of_the_search_and_scroll_to_it():
+    async def scenario():
+        app = Lines()
+        async with app.run_test(size=(60, 12)) as pilot:
+            view = app.query_one(LineView)
+            assert view.next_match(1) == "no search: / first"
+            view.add([("info", Text(f"{'warn' if i % 3 == 0 else 'step'} {i}")) for i in range(100)])
+            view.set_filter(search="warn")  # 34 lines: warn 0, warn 3, ..., warn 99
+            await pilot.pause()
+            view.scroll_home(animate=False, immediate=True)
+            assert view.next_match(1) == "match 1/34"  # the first below the top of the view
+            await pilot.pause()
+            marked = [s.text for s in view.lines if any(seg.style and seg.style.bgcolor
+                                                        and seg.style.bgcolor.name == CURRENT_STYLE[3:] for seg in s)]
+            assert marked == ["warn 0"] and view.scroll_y == 0
+            assert view.next_match(-1) == "match 34/34"  # wraps around to the last
+            await pilot.pause()
+            assert view.is_vertical_scroll_end and "match 34" in str(view.border_title)
+            for expected in ("match 1/34", "match 2/34", "match 3/34"):
+                assert view.next_match(1) == expected
+            await pilot.pause()
+            height = view.scrollable_content_region.height
+            top = int(view.scroll_y)
+            assert top <= 2 < top + height  # the current match is in view
+            view.set_filter(search="warn 9")  # a new search starts again from the top of the view
+            assert view.current is None and str(view.border_title).endswith("matching 'warn 9'")
+            assert view.next_match(-1) == "match 5/5"  # warn 9, 90, 93, 96, 99: all in view, the last
+            view.set_filter(search="zzz")
+            assert view.next_match(1) == "no line matches"
 
     asyncio.run(scenario())
 

@@ -91,6 +91,9 @@ def test_paths_hosts_messages_and_searches_show_their_brackets(tmp_path, parts):
             await wait_until(pilot, lambda: app.screen is dash, 10, "the dashboard")
             events = dash.query_one(LineView)
             assert Content.from_markup(events.border_title).plain.endswith("matching '[/dim]'")
+            await pilot.press("right_square_bracket")  # ] steps through the event search: none holds it
+            await pilot.pause(0.2)
+            assert "events: no line matches" in toasts(app), toasts(app)
 
             await pilot.press("l")
             logs = await wait_until(pilot, lambda: isinstance(app.screen, LogScreen) and app.screen, 10, "the logs")
@@ -104,6 +107,19 @@ def test_paths_hosts_messages_and_searches_show_their_brackets(tmp_path, parts):
             for line in MARKUP_LIKE[:4]:
                 assert f"err│ {line}" in text
             assert f"{root}/logs/node0/abc_[x]" in text  # the border title, cut at 120 columns
+
+            await pilot.press("slash")  # three lines hold "[/"; n and N step through them
+            await wait_until(pilot, lambda: isinstance(app.screen, SearchPrompt), 10, "the search prompt")
+            app.screen.query_one(Input).value = "[/"
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: app.screen is logs, 10, "the logs")
+            await pilot.press("n")
+            await pilot.pause(0.2)
+            assert "match 1/3" in toasts(app) and view.current == 0
+            await pilot.press("N")
+            await pilot.pause(0.2)
+            assert "match 3/3" in toasts(app) and view.current == 2
+            assert str(view.border_title).endswith("matching '[/' · match 3")
 
     asyncio.run(scenario())
 

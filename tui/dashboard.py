@@ -365,6 +365,14 @@ class Dashboard(Screen):
         """``/``: show only the event lines holding a text."""
         ask_search(self.app, self.query_one(LineView))
 
+    def next_match(self) -> None:
+        """``]``: the next line of the event search (:meth:`LineView.next_match`)."""
+        self.notify(f"events: {self.query_one(LineView).next_match(1)}", timeout=2)
+
+    def previous_match(self) -> None:
+        """``[``: the line of the event search before the current one."""
+        self.notify(f"events: {self.query_one(LineView).next_match(-1)}", timeout=2)
+
     def next_chart(self) -> None:
         """``g``: the metric chart's next view (loss, learning rate, grad norm, forgetting)."""
         if self.charts:

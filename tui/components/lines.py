@@ -1,7 +1,7 @@
 """A scrolling view of lines (the event pane, a rank's log) that follows new lines while the user
 has left it at the bottom (also across a resize or a new filter), counts the lines that arrived
-while scrolled up, and filters by text (each match highlighted) and level ("no line matches"
-rather than a blank view)."""
+while scrolled up, filters by text (each match highlighted) and level ("no line matches"
+rather than a blank view), and steps through the matches of a search one line at a time."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from ..choices import next_option
 LEVELS = {"all": None, "warnings": frozenset({"warning", "error"}), "errors": frozenset({"error"})}
 #: How a search's matches are marked in the lines shown.
 MATCH_STYLE = "reverse bold"
+#: How the line of the current match (:meth:`LineView.next_match`) is marked.
+CURRENT_STYLE = "on dark_goldenrod"
 
 
 class LineView(RichLog):
@@ -38,6 +40,8 @@ class LineView(RichLog):
         #: The user left the view at the bottom: new lines scroll it (a scroll up clears it, the end sets it).
         self.following = True
         self._placeholder = False
+        #: The current match: its index among the lines shown, or None before a next/previous match.
+        self.current: int | None = None
 
     def on_mount(self) -> None:
         self._retitle()
@@ -68,16 +72,29 @@ class LineView(RichLog):
         :data:`LEVELS`); None keeps the current one. The view is drawn again, at the bottom."""
         self.search = self.search if search is None else search
         self.level = self.level if level is None else level
-        self.clear()
-        self.unseen = 0
-        self.following = True
-        shown = self._shown(self.entries)
-        self._placeholder = not shown and bool(self.search or self.level != "all")
-        if shown:
-            self.write(Text("\n").join(shown), scroll_end=True)
-        elif self._placeholder:
-            self.write(Text(f"no line matches ({', '.join(self._filters())})", "dim italic"))
-        self._retitle()
+        self.unseen, self.following, self.current = 0, True, None
+        self._draw(scroll_end=True)
+
+    def next_match(self, step: int) -> str:
+        """Make the match ``step`` lines on (1: the next, -1: the previous, wrapping around) the
+        current one and scroll it to the middle of the view; the first move goes to the first match
+        below the top of the view (``step`` 1) or the last above its bottom (-1). Returns what the
+        user is told: ``match 3/17``, or why there is none."""
+        if not self.search:
+            return "no search: / first"
+        count = sum(1 for level, line in self.entries if self._matches(level, line))
+        if not count:
+            return "no line matches"
+        if self.current is None:
+            top = int(self.scroll_y)
+            start = top if step > 0 else top + self.scrollable_content_region.height - 1
+            self.current = min(max(start, 0), count - 1)
+        else:
+            self.current = (self.current + step) % count
+        self._draw(scroll_end=False)
+        self.scroll_to(y=max(0, self.current - self.scrollable_content_region.height // 2), animate=False,
+                       immediate=True)
+        return f"match {self.current + 1}/{count}"
 
     def next_level(self) -> str:
         """Switch to the next level filter of :data:`LEVELS`; returns its name."""
@@ -88,7 +105,7 @@ class LineView(RichLog):
         """Drop every entry (another run is shown); the filters stay."""
         self.entries.clear()
         self.clear()
-        self.unseen = 0
+        self.unseen, self.current = 0, None
         self.following, self._placeholder = True, False
         self._retitle()
 
@@ -101,6 +118,20 @@ class LineView(RichLog):
         if self.unseen and self.is_vertical_scroll_end:
             self.unseen = 0
             self._retitle()
+
+    def _draw(self, scroll_end: bool) -> None:
+        """Draw the entries the filters keep again (the current match marked), or the line that
+        says none matches."""
+        self.clear()
+        shown = self._shown(self.entries)
+        self._placeholder = not shown and bool(self.search or self.level != "all")
+        if self.current is not None and self.current < len(shown):
+            shown[self.current].stylize(CURRENT_STYLE)
+        if shown:
+            self.write(Text("\n").join(shown), scroll_end=scroll_end)
+        elif self._placeholder:
+            self.write(Text(f"no line matches ({', '.join(self._filters())})", "dim italic"))
+        self._retitle()
 
     def _shown(self, entries) -> list[Text]:
         """The lines of ``entries`` that the filters keep, each match of the search highlighted
@@ -126,6 +157,8 @@ class LineView(RichLog):
 
     def _retitle(self) -> None:
         parts = [self.title, *self._filters()]
+        if self.current is not None:
+            parts.append(f"match {self.current + 1}")
         if self.unseen:
             parts.append(f"{self.unseen} new lines below (end)")
         self.border_title = Content(" · ".join(parts))  # plain: paths and searches hold brackets

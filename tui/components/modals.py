@@ -111,9 +111,9 @@ class HelpScreen(ModalScreen[None]):
 
 class LogScreen(ModalScreen[None]):
     """A rank's stdout and stderr, full width and live: new lines are read every
-    :data:`LOG_POLL_S` and followed while the view is at the bottom; ``/`` searches. stderr lines
-    are marked ``err│`` (yellow), stdout lines ``out│``. A crashed rank's exit code and error
-    are in the title and the last line.
+    :data:`LOG_POLL_S` and followed while the view is at the bottom; ``/`` searches and ``n`` /
+    ``N`` step through its lines. stderr lines are marked ``err│`` (yellow), stdout lines
+    ``out│``. A crashed rank's exit code and error are in the title and the last line.
 
     Args:
         title: what the view shows (rank, node, exit code).
@@ -121,7 +121,9 @@ class LogScreen(ModalScreen[None]):
         footer: a last line (the error of a crashed rank), or None.
     """
 
-    BINDINGS = [Binding("escape,q,l", "dismiss(None)", "close"), Binding("slash", "search", "search")]
+    BINDINGS = [Binding("escape,q,l", "dismiss(None)", "close"), Binding("slash", "search", "search"),
+                Binding("n,right_square_bracket", "match(1)", "next match"),
+                Binding("N,left_square_bracket", "match(-1)", "previous match")]
 
     def __init__(self, title: str, paths: list[tuple[str, Path]], footer: str | None = None) -> None:
         super().__init__()
@@ -130,7 +132,8 @@ class LogScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="logs"):
-            yield Label(self.title_text + "   (/ search, esc close)", classes="dialog-title", markup=False)
+            yield Label(self.title_text + "   (/ search, n/N next/previous match, esc close)", classes="dialog-title",
+                        markup=False)
             yield LineView(" · ".join(str(t.path) for _, t in self.tails) or "no log", LOG_SCREEN_LINES,
                            id="rank-log")
 
@@ -152,6 +155,10 @@ class LogScreen(ModalScreen[None]):
     def action_search(self) -> None:
         """``/``: show only the lines holding a text."""
         ask_search(self.app, self.query_one(LineView))
+
+    def action_match(self, step: int) -> None:
+        """``n`` / ``N``: the next or previous line of the search (:meth:`LineView.next_match`)."""
+        self.notify(self.query_one(LineView).next_match(step), timeout=2)
 
 
 def ask_search(app, view: LineView) -> None:
