@@ -38,10 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from .checkpoint.requests import StopRequested
     from .data.validate import DataValidationError
     from .run.loop import Trainer
-    from .run.start import stopped_during_start_up
 
     console = Console(stderr=True)
     try:
@@ -67,12 +65,8 @@ def _main(argv: list[str]) -> int:
                       soft_wrap=True)
         return EXIT_FAILED
     try:
-        try:
-            trainer.prepare()
-        except StopRequested as stop:  # agreed inside the start-up SVDs: nothing trained
-            result = stopped_during_start_up(stop.request, trainer.checkpoints, trainer.metrics)
-        else:
-            result = trainer.run()
+        trainer.prepare()
+        result = trainer.run()
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
         trainer.metrics.log(Event.ERROR, message=str(exc), exit_code=EXIT_BAD_INPUT)
         console.print(f"osft worker: error: {exc}", markup=False, highlight=False, soft_wrap=True)

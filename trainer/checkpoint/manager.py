@@ -248,11 +248,23 @@ class CheckpointManager:
             self.report.say(f"{late.signal} arrived after the last step: the run completed (exit code 0), "
                             "nothing to resume")
 
+    def answer_start_up(self, request: Request) -> None:
+        """A stop agreed during start-up before step 0 (inside the SVDs of a fresh run's OSFT
+        decomposition: a resumed run has none, its stops are served at the first safe point by the
+        checkpoint it resumed from): nothing was trained and there is no model to save, so nothing
+        is saved. The request is served (its trigger and control files removed, so a
+        ``control/checkpoint-and-exit`` does not stop the next run), logged
+        (``checkpoint_requested`` at step 0 and its point) and said in one line."""
+        self.poller.served()
+        self.report.log(Event.CHECKPOINT_REQUESTED, signal=request.signal, step=0, point=request.point)
+        self.report.say(f"{request.signal}: stopped during start-up before step 0: nothing trained; run again to start")
+
     def close(self) -> None:
         """Wait for the checkpoint written in the background (a stop never leaves one half-written)
-        and close the checkpointer."""
+        and close the checkpointer (if :meth:`open` made one)."""
         self.check(wait=True)
-        self.checkpointer.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
     def release(self) -> None:
         """Give the signals their handlers back and remove the trigger directory (unless the

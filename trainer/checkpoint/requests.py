@@ -33,7 +33,7 @@ The rule (docs/checkpoints.md, "The rule for every request"):
   start step (0 for a fresh run) and exits 75, except a stop agreed during the SVDs of a fresh
   OSFT run (polled between their rounds, point ``start_up``): there is no model state to save yet,
   so it ends the run at once with exit 75, nothing trained and no checkpoint (run again to start;
-  :func:`..run.start.stopped_during_start_up`). A resumed run has no SVDs. A stop agreed inside a
+  :meth:`.manager.CheckpointManager.answer_start_up`). A resumed run has no SVDs. A stop agreed inside a
   long pass (an evaluation or
   retention pass, an export's input-Gram calibration or its fold of the protected subspaces:
   :meth:`RequestPoller.stop_check`) abandons the pass and is served by a checkpoint of the last

@@ -205,18 +205,13 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
     from .launcher import finished_record, launch, preflight
 
     in_process = cfg.nproc_per_node == 1 and cfg.nnodes == 1
-    trainer = stopped = None
+    trainer, ready = None, False
     try:
         if in_process:
-            from ..checkpoint.requests import StopRequested
             from ..run.loop import Trainer  # the launcher of a worker group never loads the training stack
-            from ..run.start import stopped_during_start_up
 
             trainer = Trainer(cfg, console, job_id)
-            try:
-                trainer.prepare()
-            except StopRequested as stop:  # agreed inside the start-up SVDs: nothing trained
-                stopped = stopped_during_start_up(stop.request, trainer.checkpoints, trainer.metrics)
+            ready = trainer.prepare()  # False: stopped during the start-up SVDs, nothing trained
         else:
             cfg = preflight(cfg, console)
     except (DataValidationError, ValueError, FileNotFoundError) as exc:
@@ -228,9 +223,9 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         return _failed_in_process(trainer, cfg, console, run_dir, job_id, argv, exc), None
     try:
         if in_process:
-            if stopped is None:
+            if ready:
                 run_dir.update_run_json(state=RunState.RUNNING)
-            result = stopped or trainer.run()
+            result = trainer.run()
             code, reason, export_dir, checkpoint = result.exit_code, result.reason, result.export_dir, result.checkpoint
             summary = result.summary()
         else:
@@ -257,7 +252,7 @@ def _run(cfg, console: Console, run_dir, job_id: str, argv: list[str]) -> tuple[
         raise
     if code == EXIT_STOPPED:
         run_dir.update_run_json(state=RunState.STOPPED, exit_code=EXIT_STOPPED)
-        if checkpoint is None:  # a stop during the start-up SVDs (run.start.stopped_during_start_up)
+        if checkpoint is None:  # a stop during the start-up SVDs (CheckpointManager.answer_start_up)
             console.print(f"[yellow]stopped[/yellow] during start-up before step 0 (exit code {EXIT_STOPPED}): "
                           "nothing trained, no checkpoint; run again to start", soft_wrap=True)
         else:

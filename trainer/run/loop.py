@@ -49,11 +49,16 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, self.dist, self.job_id, self.run_dir, self.report)
         init_distributed(self.dist, self.device)
         self.start_step = 0
+        self.train_step: TrainStep | None = None
+        #: A stop agreed during start-up (inside the start-up SVDs): :meth:`run` ends the run with it.
+        self.start_up_stop: Request | None = None
 
-    def prepare(self) -> None:
+    def prepare(self) -> bool:
         """Prepare the run with the start-up plan the launcher also checks (:mod:`osft.trainer.launch.startup`): the
         data (all validation problems raised before the model loads), the checkpoint to resume from,
-        the model with its OSFT decomposition, AdamW and the LR schedule, then the restore."""
+        the model with its OSFT decomposition, AdamW and the LR schedule, then the restore. Returns
+        False when a stop was agreed during the start-up SVDs (nothing trained; :meth:`run` ends
+        the run stopped, with no checkpoint)."""
         cfg, dist = self.cfg, self.dist
         seed_everything(cfg.seed)
         flops = model_flops(cfg)
@@ -63,8 +68,12 @@ class Trainer:
         self.lengths, self.sampler, self.total_steps = self.data.lengths, inputs.plan.sampler, inputs.plan.total_steps
         self.checkpoints.remove_stale()
         start = choose_start(cfg, dist, inputs.plan, self.report)
-        built = build_run_model(cfg, dist, self.device, self.dtype, start.resume, self.tokenizer, self.data,
-                                self.lengths, self.report, self.checkpoints.stop_check("start_up", 0))
+        try:
+            built = build_run_model(cfg, dist, self.device, self.dtype, start.resume, self.tokenizer, self.data,
+                                    self.lengths, self.report, self.checkpoints.stop_check("start_up", 0))
+        except StopRequested as stop:
+            self.start_up_stop = stop.request
+            return False
         parts = build_run_parts(cfg, built, self.device, self.dtype, dist, self.total_steps, flops, self.report)
         self.model, self.osft, self.optimizer, self.steps = parts.model, parts.osft, parts.optimizer, parts.recorder
         batches = partial(rank_micro_batches, self.data, max_tokens=cfg.max_tokens_per_gpu, dist=dist)
@@ -82,6 +91,7 @@ class Trainer:
         if start.resume is not None:
             self.start_step = self.checkpoints.resume(start.resume.path, start.resume.state.changed_settings(cfg),
                                                       start.resume.state.monitor)
+        return True
 
     def run(self) -> RunEnd:
         """Train to ``total_steps`` optimizer steps (from the resumed step), log every step, serve
@@ -94,6 +104,10 @@ class Trainer:
         """
         cfg = self.cfg
         step, self.last_checkpoint = self.start_step, None
+        if self.start_up_stop is not None:
+            self.checkpoints.answer_start_up(self.start_up_stop)
+            return self._finish(RunEnd(FinishReason.STOPPED, EXIT_STOPPED), step, signal=self.start_up_stop.signal,
+                                checkpoint=None)
         try:
             self.monitor.start(step)
             with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
@@ -174,7 +188,7 @@ class Trainer:
         self.metrics.close()
         self.checkpoints.release()
         shutdown_distributed()
-        return replace(end, steps=step, steps_run=step - self.start_step, last_loss=self.train_step.last_loss,
-                       violations_total=self.train_step.counters["ortho_violations_total"],
-                       export_dir=fields.get("export_dir"),
-                       checkpoint=fields.get("checkpoint", self.last_checkpoint))
+        trained = {} if self.train_step is None else {"last_loss": self.train_step.last_loss,
+                                                       "violations_total": self.train_step.counters["ortho_violations_total"]}
+        return replace(end, steps=step, steps_run=step - self.start_step, export_dir=fields.get("export_dir"),
+                       checkpoint=fields.get("checkpoint", self.last_checkpoint), **trained)

@@ -1,8 +1,7 @@
 """A rank's start of a run, said on its console: the tokenized data and its checks, and where the
 run starts (a checked resume or step 0). The plan itself is :mod:`osft.trainer.launch.startup`'s, which the
 launcher also checks before any rank starts; this module carries it out on one rank and reports
-what it found (each node's local rank 0 says, rank 0 warns once for the job), and how a stop
-agreed before step 0 ends it (:func:`stopped_during_start_up`).
+what it found (each node's local rank 0 says, rank 0 warns once for the job).
 """
 
 from __future__ import annotations
@@ -11,17 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.manager import CheckpointManager
-from ..checkpoint.requests import Request
 from ..config import TrainConfig
-from ..contract import EXIT_STOPPED, Event, FinishReason
 from ..data.cache import tokenize_source
 from ..data.mixture import TrainingData
 from ..data.tokenize import IGNORE_INDEX
-from ..distributed import DistEnv, agree, barrier, shutdown_distributed
-from .end import RunEnd
+from ..distributed import DistEnv, agree, barrier
 from .eval_sets import EVAL, EvalSet
-from ..observe.metrics import MetricsLogger, Reporter
+from ..observe.metrics import Reporter
 from ..model.loading import load_tokenizer
 from ..rundir import RunDir, write_json_atomic
 from ..launch.startup import DataPlan, ResumeChoice, StartPlan, check_data, check_start, choose_checkpoint, load_data, resume_requested
@@ -105,24 +100,3 @@ def choose_start(cfg: TrainConfig, dist: DistEnv, plan: DataPlan, report: Report
             if message:
                 report.warn(message)
     return start
-
-
-def stopped_during_start_up(request: Request, checkpoints: CheckpointManager, metrics: MetricsLogger) -> RunEnd:
-    """End a fresh run whose stop was agreed during start-up before step 0 (inside the SVDs of the
-    OSFT decomposition: a resumed run has none, its stops are served at the first safe point by the
-    checkpoint it resumed from): nothing was trained and there is no model to save, so no
-    checkpoint is written. The request is served (its trigger and control files removed, so a
-    ``control/checkpoint-and-exit`` does not stop the next run), logged (``checkpoint_requested``
-    at step 0 and its point), said in one line, and the run ends stopped (``run_finished``: reason
-    ``stopped``, exit code 75, step 0, no checkpoint); the metrics, signal handlers and process
-    group are released. Collective."""
-    checkpoints.poller.served()
-    checkpoints.report.log(Event.CHECKPOINT_REQUESTED, signal=request.signal, step=0, point=request.point)
-    checkpoints.report.say(f"{request.signal}: stopped during start-up before step 0: nothing trained; run again to start")
-    end = RunEnd(FinishReason.STOPPED, EXIT_STOPPED)
-    metrics.log(Event.RUN_FINISHED, reason=end.reason, exit_code=end.exit_code, step=0, signal=request.signal,
-                checkpoint=None)
-    metrics.close()
-    checkpoints.release()
-    shutdown_distributed()
-    return end
