@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint.trainer_state import TrainerState
-from ..config import TrainConfig
+from ..config import CheckpointConfig, TrainConfig
 from ..contract import VERIFIED_CHECKPOINT_ENV
 from ..data.fingerprint import run_inputs
 from ..data.mixture import TrainingData, tokenize_for_run
@@ -65,7 +65,7 @@ def load_data(cfg: TrainConfig, tokenizer, warn: Callable[[str], None],
     return RunData(dataclasses.replace(train, inputs=inputs), sets, hit)
 
 
-def resume_requested(cfg: TrainConfig) -> bool:
+def resume_requested(cfg: CheckpointConfig) -> bool:
     """Whether the run resumes (``--resume`` or ``--resume-from-full-state-checkpoint``)."""
     return bool(cfg.resume or cfg.resume_from_full_state_checkpoint)
 

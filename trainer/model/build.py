@@ -25,7 +25,7 @@ from torch import nn
 from .activation_checkpointing import enable_activation_checkpointing
 from ..checkpoint.subspaces import SUBSPACES_FILE, read_bases, subspaces_file
 from .compile import compile_blocks
-from ..config import TrainConfig
+from ..config import DataConfig, TrainConfig
 from ..contract import Event
 from ..distributed import DistEnv, agree
 from ..observe.metrics import Reporter
@@ -67,7 +67,7 @@ def _resize_vocab(model: nn.Module, vocab_size: int | None, materialised: bool) 
         model.resize_token_embeddings(vocab_size, mean_resizing=materialised)
 
 
-def build_model(cfg: TrainConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, osft: OSFTSettings | None,
+def build_model(cfg: DataConfig, env: DistEnv, device: torch.device, dtype: torch.dtype, osft: OSFTSettings | None,
                 vocab_size: int | None = None, from_checkpoint: bool = False,
                 plan_ranks: Callable[[nn.Module], Mapping[str, float] | None] | None = None,
                 bases: Bases | None = None, plans: Mapping[str, ModulePlan] | None = None,

@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import DataConfig, OptimizerConfig, PrecisionConfig, TrainConfig
 from ..distributed import DistEnv
 from ..model.build import BuiltModel
 from ..model.loading import load_config
@@ -31,7 +31,7 @@ from .micro_batch_loss import MicroBatchLoss
 from .schedule import build_scheduler
 
 
-def resolve_device_dtype(cfg: TrainConfig) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(cfg: PrecisionConfig) -> tuple[torch.device, torch.dtype]:
     """``--device auto`` = CUDA when available, else CPU; ``--dtype auto`` = bf16 on GPU, fp32 on CPU.
 
     Raises:
@@ -68,7 +68,7 @@ def open_metrics(cfg: TrainConfig, dist: DistEnv, run_dir: RunDir, job_id: str,
     return metrics, console_reporter(console, metrics)
 
 
-def model_flops(cfg: TrainConfig) -> FlopModel:
+def model_flops(cfg: DataConfig) -> FlopModel:
     """The FLOPs per token of ``--model-name-or-path`` (from its config alone: no weights loaded)."""
     return flop_model(load_config(cfg.model_name_or_path))
 
@@ -88,7 +88,7 @@ class RunParts:
     recorder: StepRecorder
 
 
-def build_run_parts(cfg: TrainConfig, built: BuiltModel, device: torch.device, dtype: torch.dtype, dist: DistEnv,
+def build_run_parts(cfg: OptimizerConfig, built: BuiltModel, device: torch.device, dtype: torch.dtype, dist: DistEnv,
                     total_steps: int, flops: FlopModel, report: Reporter) -> RunParts:
     """What trains the ``built`` model (:func:`osft.trainer.model.build.build_run_model`): AdamW over
     its trainable parameters (fused kernels on CUDA), the LR schedule over ``total_steps`` and the
