@@ -5,8 +5,10 @@ and 70B shapes (configs written here; no weights are read or fetched).
 Worst case: every fold adds as many directions as the cap allows (``fold_cap(k_low,
 --osft-protect-max-rank-ratio)`` per side, the cap binding in every module), runs 1..4 chained at
 the defaults (URR 0.25, cap 0.5), the plan of each run made by :func:`osft.trainer.osft.plan.plan_module`
-from the ranks the earlier runs protected. Bytes: float32 (the format before) and float16
-(:data:`osft.trainer.checkpoint.subspaces.STORAGE_DTYPE`), plus the safetensors header.
+from the ranks the earlier runs protected. Bytes of the bases, without the safetensors header:
+float32 and float16 (the formats before) and 12-bit block codes
+(:mod:`osft.trainer.checkpoint.packed12`, :data:`osft.trainer.checkpoint.subspaces.STORAGE`, what an
+export writes).
 
     python benchmarks/chain_export_size.py --out benchmarks/results/chain_export_size.json
 """
@@ -28,6 +30,7 @@ SHAPES = {
 
 def chain(model_dir: str, runs: int, urr: float, cap: float) -> dict:
     """Per run: directions added and bytes added (float32, float16) over every target, and the model's bf16 bytes."""
+    from osft.trainer.checkpoint.packed12 import packed_bytes
     from osft.trainer.model.build import meta_model, target_shapes
     from osft.trainer.osft.plan import plan_module
     from osft.trainer.osft.protect import fold_cap
@@ -37,7 +40,7 @@ def chain(model_dir: str, runs: int, urr: float, cap: float) -> dict:
     protected = {name: (0, 0) for name in shapes}
     out = []
     for run in range(1, runs + 1):
-        added = elements = 0
+        added = elements = packed = 0
         for name, shape in shapes.items():
             experts, (n, m) = (shape[0] if len(shape) == 3 else 0), shape[-2:]
             p_left, p_right = protected[name]
@@ -46,9 +49,11 @@ def chain(model_dir: str, runs: int, urr: float, cap: float) -> dict:
             protected[name] = (p_left + r, p_right + r)
             added += r
             elements += r * (n + m) * max(experts, 1)
+            packed += packed_bytes(n, r, experts) + packed_bytes(m, r, experts)
         out.append(dict(run=run, directions_added=added, float32_bytes=4 * elements, float16_bytes=2 * elements,
-                        float32_share_of_bf16_model=4 * elements / model_bytes,
-                        float16_share_of_bf16_model=2 * elements / model_bytes))
+                        packed12_bytes=packed, float32_share_of_bf16_model=4 * elements / model_bytes,
+                        float16_share_of_bf16_model=2 * elements / model_bytes,
+                        packed12_share_of_bf16_model=packed / model_bytes))
     return dict(model_bf16_bytes=model_bytes, targets=len(shapes), runs=out)
 
 
@@ -75,7 +80,8 @@ def main(argv=None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, m in models.items():
-        print(name, " ".join(f"run{r['run']}: {r['float16_share_of_bf16_model']:.1%} (f32 {r['float32_share_of_bf16_model']:.1%})"
+        print(name, " ".join(f"run{r['run']}: {r['packed12_share_of_bf16_model']:.1%} "
+                             f"(f16 {r['float16_share_of_bf16_model']:.1%}, f32 {r['float32_share_of_bf16_model']:.1%})"
                              for r in m["runs"]))
     return result
 

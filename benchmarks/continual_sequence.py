@@ -25,6 +25,10 @@ Usage::
     python benchmarks/continual_sequence.py --quick --out /tmp/seq.json
     python benchmarks/continual_sequence.py --arms full_ft osft_default --seeds 0 --out /tmp/pilot.json
     python benchmarks/continual_sequence.py --spec my_tasks.json --order b a c
+    python benchmarks/continual_sequence.py --merge a.json b.json --out all.json
+
+``--merge`` combines runs made in parts (some arms or seeds each, same tasks, settings and base
+model) into one result with one summary, so the paired differences span every arm.
 """
 
 from __future__ import annotations
@@ -95,7 +99,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo-dir", type=Path, default=None, help="demo assets (the base model)")
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="JSON (default results/continual_sequence[_quick].json)")
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="combine these results (same tasks and settings, other arms or seeds) into --out; trains nothing")
     return p
+
+
+#: Settings that may differ between the parts of a merged result.
+PART_SETTINGS = ("arms", "seeds", "work_dir", "out", "merge")
+
+
+def merge(paths: list[Path]) -> dict:
+    """One result of the parts in ``paths``: their arms and seeds, the evaluations and stage
+    records of each, summarized again (:func:`summarize`); ``wall_s`` is the parts' sum.
+
+    Raises:
+        SystemExit: naming the file, when the parts differ in tasks, settings or base evaluation,
+            hold the same arm and seed twice, or leave an arm without a seed another arm has.
+    """
+    parts = [(path, json.loads(path.read_text())) for path in paths]
+    first_path, first = parts[0]
+
+    def same(r: dict) -> dict:
+        return {"settings": {k: v for k, v in r["settings"].items() if k not in PART_SETTINGS},
+                "tasks": r["tasks"], "model": r["model"], "base": r["evals"]["base"]}
+
+    out = {k: v for k, v in first.items() if k not in ("summary",)}
+    out.update(arms=[], seeds=[], evals={"base": first["evals"]["base"]}, stages={}, arm_settings={},
+               wall_s=0.0, parts=[str(path) for path in paths])
+    for path, r in parts:
+        if same(r) != same(first):
+            differ = [k for k in same(r) if same(r)[k] != same(first)[k]]
+            raise SystemExit(f"{path}: its {', '.join(differ)} differ from {first_path}'s: not parts of one result")
+        out["wall_s"] += r["wall_s"]
+        out["arm_settings"].update(r["arm_settings"])
+        for seed in r["seeds"]:
+            for arm in r["arms"]:
+                if arm in out["evals"].get(seed, {}):
+                    raise SystemExit(f"{path}: arm {arm}, seed {seed} is in an earlier part too")
+                out["evals"].setdefault(seed, {})[arm] = r["evals"][seed][arm]
+                out["stages"].setdefault(seed, {})[arm] = r["stages"][seed][arm]
+    out["arms"] = [a.name for a in ARMS if a.name in out["arm_settings"]]
+    out["seeds"] = sorted(out["evals"].keys() - {"base"}, key=int)
+    for seed in out["seeds"]:
+        missing = [arm for arm in out["arms"] if arm not in out["evals"][seed]]
+        if missing:
+            raise SystemExit(f"seed {seed} has no run of {', '.join(missing)} in {', '.join(map(str, paths))}: "
+                             "every arm needs every seed for the paired differences")
+    out["settings"] = {**first["settings"], "arms": out["arms"], "seeds": [int(s) for s in out["seeds"]], "merge": out["parts"]}
+    out["summary"] = summarize(out)
+    return out
 
 
 def _by_hash(rows: list[dict], n: int) -> list[dict]:
@@ -308,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     args.out = args.out or RESULTS / ("continual_sequence_quick.json" if args.quick else "continual_sequence.json")
     console = Console(stderr=True)
+    if args.merge:
+        result = merge(args.merge)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        report(result, args.out, console)
+        return 0
     arms = [a for a in ARMS if args.arms is None or a.name in args.arms]
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="osft-sequence-", dir=args.work_dir))
@@ -333,14 +390,19 @@ def main(argv: list[str] | None = None) -> int:
     result["summary"] = summarize(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    report(result, args.out, console)
+    return 0
+
+
+def report(result: dict, out: Path, console) -> None:
+    """Print each arm's measures and each goal's check, then where the result was written."""
     for arm, kinds in result["summary"]["arms"].items():
         for kind, row in kinds.items():
             console.print(f"{arm:18s} {kind:6s} " + "  ".join(f"{k} {v['value']:+.2f}" for k, v in row["measures"].items()
                                                            if v["value"] is not None))
     for g in result["summary"]["goals"]:
         console.print(f"goal {g['check']}: {g['value']} [{g['low']}, {g['high']}] met={g['met']}")
-    console.print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
-    return 0
+    console.print(f"wrote {out} ({result['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -370,7 +370,6 @@ def test_task_spec_file_names_the_entry_that_is_wrong(tmp_path):
             read_specs(spec)
 
 
-@pytest.mark.long
 @pytest.mark.bench
 def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
     """``continual_sequence.py --quick``: every arm through the four built-in tasks (data built at
@@ -393,7 +392,7 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
             assert R.shape == (5, len(stages))
             if arm != "multitask":
                 for name, value in sequence_measures(R, stages).items():
-                    assert kinds[kind]["measures"][name]["value"] == pytest.approx(float(value), abs=1e-6), (arm, name)
+                    assert kinds[kind]["measures"][name]["value"] == pytest.approx(float(value), abs=1e-3), (arm, name)  # R rounded
                 assert arm == "full_ft" or "minus_full_ft" in kinds[kind]
     assert len(result["summary"]["goals"]) == 9
     stages = result["stages"]["0"]
@@ -402,3 +401,23 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
     assert all(f["inputs_modules"] == f["modules"] == 14 for f in folds)
     assert all(s["fold"]["inputs_modules"] == 0 for s in stages["osft_update"])
     assert folds[-1]["median_next_k_low_share"] < folds[0]["median_next_k_low_share"] <= 1
+
+    # the same result run in two parts (some arms each) and merged has the same summary
+    import continual_sequence
+
+    parts = []
+    for i, arms in enumerate((result["arms"][:3], result["arms"][3:])):
+        part = dict(result, arms=arms, evals={"base": result["evals"]["base"], "0": {a: result["evals"]["0"][a] for a in arms}},
+                    stages={"0": {a: stages[a] for a in arms}}, arm_settings={a: result["arm_settings"][a] for a in arms},
+                    settings=dict(result["settings"], arms=arms, out=f"part{i}.json"))
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged = continual_sequence.merge(parts)
+    assert merged["arms"] == result["arms"] and json.dumps(merged["summary"]) == json.dumps(result["summary"])  # NaN too
+    with pytest.raises(SystemExit, match="arm full_ft, seed 0 is in an earlier part too"):
+        continual_sequence.merge([parts[0], parts[0]])
+    bad = json.loads(parts[1].read_text())
+    bad["settings"]["steps"] = 2
+    parts[1].write_text(json.dumps(bad))
+    with pytest.raises(SystemExit, match="part1.json: its settings differ"):
+        continual_sequence.merge(parts)

@@ -182,7 +182,7 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     a, b = (load_file(out / "hf_format" / "step_2" / "model.safetensors") for out in (ref, resumed))
     assert all(torch.equal(a[k], b[k]) for k in a)
     # protected subspaces per expert (one rank per bank), the same after the resume
-    sub_a, sub_b = (load_file(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (ref, resumed))
+    sub_a, sub_b = (load_bases(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (ref, resumed))
     assert sub_a.keys() == sub_b.keys() and all(torch.equal(sub_a[k], sub_b[k]) for k in sub_a)
     meta = json.loads((ref / "hf_format" / "step_2" / "osft_subspaces.json").read_text())
     bank = "model.layers.0.mlp.experts.gate_proj"
@@ -199,7 +199,7 @@ def test_a_moe_run_trains_exports_the_original_names_generates_and_resumes_bit_e
     assert train(ref / "hf_format" / "step_2", data, chained_resumed, *chain, "--resume-from-full-state-checkpoint",
                  str(chained / "full_state_checkpoints" / "step_1")) == 0
     assert steps(chained_resumed)[2]["state_sha256"] == steps(chained)[2]["state_sha256"]
-    sub_c, sub_r = (load_file(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (chained, chained_resumed))
+    sub_c, sub_r = (load_bases(out / "hf_format" / "step_2" / "osft_subspaces.safetensors") for out in (chained, chained_resumed))
     assert sub_c.keys() == sub_r.keys() and all(torch.equal(sub_c[k], sub_r[k]) for k in sub_c)
     read_a = load_bases(ref / "hf_format" / "step_2" / "osft_subspaces.safetensors")  # as the chained run read them
     # the chained run kept A's bases first (as read, re-orthonormalised, then stored as float16 again)
