@@ -101,7 +101,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="JSON (default results/continual_sequence[_quick].json)")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="combine these results (same tasks and settings, other arms or seeds) into --out; trains nothing")
+    p.add_argument("--markdown", type=Path, default=None, metavar="JSON",
+                   help="print the tables of a result (benchmarks/README.md) and exit")
     return p
+
+
+#: An arm whose learning accuracy differs from full FT's by more than this share is marked unmatched.
+MATCHED_LA = 0.05
+
+
+def markdown(result: dict) -> str:
+    """The tables of a result, as benchmarks/README.md shows them: per arm its rate, AA, LA, BWT and
+    F with their intervals, the paired differences to sequential full FT (an arm whose LA is more than
+    :data:`MATCHED_LA` off full FT's is marked unmatched); per arm the matrix R on the scored tasks; the
+    goal checks; the fold records of the default chain per stage."""
+    def iv(v: dict, sign: bool = False) -> str:
+        if v["value"] is None:
+            return "–"
+        f = "{:+.1f}" if sign else "{:.1f}"
+        return f"{f.format(v['value'])} [{f.format(v['low'])}, {f.format(v['high'])}]".replace("-", "−")
+
+    arms, summary = result["arms"], result["summary"]["arms"]
+    full_la = summary["full_ft"]["points"]["measures"]["LA"]["value"] if "full_ft" in summary else None
+    lines = [f"Units (seeds): {', '.join(result['seeds'])}; {result['settings']['steps']} steps × "
+             f"{result['settings']['batch']} per stage; {result['settings']['eval_items']} held-out items per task; "
+             f"points on {', '.join(summary[arms[0]]['points']['tasks'])}.", "",
+             "| arm | lr | AA | LA | BWT | F | AA − full FT | BWT − full FT |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in arms:
+        m, diff = summary[arm]["points"]["measures"], summary[arm]["points"].get("minus_full_ft", {})
+        la = m.get("LA", {"value": None})
+        mark = "" if la["value"] is None or not full_la or abs(la["value"] - full_la) <= MATCHED_LA * full_la else " (unmatched)"
+        cells = [iv(m[k]) if k in m else "–" for k in ("AA", "LA")] + [iv(m[k], True) if k in m else "–" for k in ("BWT",)]
+        cells += [iv(m["F"]) if "F" in m else "–"] + [iv(diff[k], True) if k in diff else "–" for k in ("AA", "BWT")]
+        lines.append(f"| {arm}{mark} | {result['arm_settings'][arm]['learning_rate']:g} | " + " | ".join(cells) + " |")
+    lines += ["", "R[i][j], task j after stage i (row 0: the base model), points, the first unit:", "",
+              "| arm | " + " | ".join(f"after stage {i}" for i in range(len(summary[arms[0]]["points"]["R"]))) + " |",
+              "| --- |" + " --- |" * len(summary[arms[0]]["points"]["R"])]
+    for arm in arms:
+        rows = summary[arm]["points"]["R"]
+        lines.append(f"| {arm} | " + " | ".join(", ".join("–" if x != x else f"{x:.1f}" for x in row) for row in rows) + " |")
+    lines += ["", "| goal | value [95 % interval] | met |", "| --- | --- | --- |"]
+    for g in result["summary"]["goals"]:
+        lines.append(f"| {g['check']} | {iv(g, True)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
+    lines += ["", "| unit | stage | modules with input bases | cap bound | median next k_low share |", "| --- | --- | --- | --- | --- |"]
+    for seed in result["seeds"]:
+        for i, stage in enumerate(result["stages"][seed].get("osft_default", []), 1):
+            f = stage["fold"]
+            lines.append(f"| {seed} | {i} ({stage['task']}) | {f['inputs_modules']} of {f['modules']} | "
+                         f"{f['cap_bound_share']:.0%} | {f['median_next_k_low_share']:.2f} |")
+    return "\n".join(lines)
 
 
 #: Settings that may differ between the parts of a merged result.
@@ -360,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     args.out = args.out or RESULTS / ("continual_sequence_quick.json" if args.quick else "continual_sequence.json")
     console = Console(stderr=True)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     if args.merge:
         result = merge(args.merge)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -414,6 +414,10 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
         parts[-1].write_text(json.dumps(part))
     merged = continual_sequence.merge(parts)
     assert merged["arms"] == result["arms"] and json.dumps(merged["summary"]) == json.dumps(result["summary"])  # NaN too
+    table = continual_sequence.markdown(merged).splitlines()
+    first = table.index("| arm | lr | AA | LA | BWT | F | AA − full FT | BWT − full FT |") + 2
+    assert [row.split(" | ")[0][2:].split(" ")[0] for row in table[first:first + 8]] == result["arms"] + [""]
+    assert sum(row.startswith("| osft_default BWT") for row in table) == 3 and "| 0 | 4 (roman) | 14 of 14 |" in "\n".join(table)
     with pytest.raises(SystemExit, match="arm full_ft, seed 0 is in an earlier part too"):
         continual_sequence.merge([parts[0], parts[0]])
     bad = json.loads(parts[1].read_text())
