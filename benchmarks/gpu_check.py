@@ -11,7 +11,7 @@ small tokenizer and synthetic chats. Then, with ``osft-train`` processes on the 
    equal the reference bit for bit: losses, gradient norms and ``state_sha256`` (every parameter
    and AdamW tensor, CUDA generator states restored);
 3. full fine-tuning (``--no-osft``) for 10 steps;
-4. ``osft-train estimate-memory``'s peak per rank (:func:`osft.trainer.tools.memory_plan.estimate`) for the
+4. ``osft-train estimate-memory``'s training peak per rank (:func:`osft.trainer.tools.memory_plan.estimate`) for the
    OSFT and full fine-tuning runs, against their peak ``gpu_mem_bytes`` (relative error; goal 15 %).
 
 (A served request leaving the trajectory unchanged, and stops with exit code 75, are checked on CPU
@@ -117,8 +117,9 @@ def summary(records: list[dict]) -> dict:
 
 
 def memory_estimates(model_dir: Path, smoke: bool, runs: dict[str, list[dict]], tokens: int) -> dict:
-    """Per method: the estimator's peak per rank, the measured peak ``gpu_mem_bytes`` (None on CPU)
-    and the relative error of the estimate."""
+    """Per method: the estimator's training peak per rank (the step records' ``gpu_mem_bytes``
+    measure the steps, not the export), the measured peak ``gpu_mem_bytes`` (None on CPU) and the
+    relative error of the estimate."""
     from osft.trainer.tools.memory_plan import estimate
 
     out = {}
@@ -126,8 +127,8 @@ def memory_estimates(model_dir: Path, smoke: bool, runs: dict[str, list[dict]], 
         plan = estimate(str(model_dir), osft=method == "osft", dtype="float32" if smoke else "bfloat16",
                         tokens_per_gpu=tokens, device="cpu" if smoke else "cuda")
         measured = max((r["gpu_mem_bytes"] for r in records if r.get("gpu_mem_bytes") is not None), default=None)
-        out[method] = dict(estimated_bytes=plan.total, measured_gpu_mem_bytes=measured,
-                           relative_error=(plan.total - measured) / measured if measured else None)
+        out[method] = dict(estimated_bytes=plan.training, measured_gpu_mem_bytes=measured,
+                           relative_error=(plan.training - measured) / measured if measured else None)
     return out
 
 

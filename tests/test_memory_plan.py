@@ -20,7 +20,9 @@ def test_full_fine_tuning_counts_every_parameter_three_float32_states_and_the_ac
     plan = estimate(model_dir, osft=False, tokens_per_gpu=10, device="cuda", dtype="float32")
     per_token = 7 * 8 + 2 * 4 + 4 * 16  # values a layer keeps per token for backward
     assert plan == MemoryPlan(trainable=4 * 856, frozen=0, gradients=4 * 856, adamw=8 * 856, gathered=0, v_cache=0,
-                              activations=per_token * 10 * 4, logits=2 * 4 * 10 * 32, runtime=0)
+                              activations=per_token * 10 * 4, logits=2 * 4 * 10 * 32, runtime=0,
+                              export_weights=2 * 856)  # the export: a bfloat16 copy of the weights
+    assert plan.phase == "training" and plan.total == plan.training == 16 * 856 + per_token * 10 * 4 + 2 * 4 * 10 * 32
     ckpt = estimate(model_dir, osft=False, tokens_per_gpu=10, device="cuda", dtype="bfloat16", activation_checkpointing=True)
     assert ckpt.activations == (1 * 8 + per_token) * 10 * 2
 
@@ -33,6 +35,7 @@ def test_osft_splits_a_target_into_trainable_factors_and_a_frozen_store_sharded_
     assert (plan.trainable, plan.frozen, plan.gradients, plan.adamw) == (4 * 826 // 2, 4 * 130 // 2, 4 * 826 // 2,
                                                                         8 * 826 // 2)
     assert (plan.v_cache, plan.gathered, plan.runtime) == (4 * 16, 2 * 592 * 4, CPU_RUNTIME_BYTES)
+    assert plan.loaded == 4 * 856  # each CPU rank loaded the whole model before sharding
     assert plan.activations == (7 * 8 + 2 * 4 + 4 * 16) * 10 * 4 + 64 * 4  # the dense form's rebuilt q_proj weight
     # protected ranks p_L = p_R = 2: R 6, k_high 4, k_low 2; frozen adds P (8×2) and Q (8×2)
     protected = estimate(model_dir, world_size=1, tokens_per_gpu=10, device="cuda", target_patterns=[r".*q_proj"],
@@ -40,9 +43,23 @@ def test_osft_splits_a_target_into_trainable_factors_and_a_frozen_store_sharded_
     assert protected.frozen == 4 * (64 + 16 + 16 + 16 + 16 + 34) and protected.v_cache == 0
 
 
+def test_the_export_of_an_osft_run_gathers_the_model_holds_input_grams_and_builds_dense_weights(model_dir):
+    """Two ranks: rank 0 gathers the whole model (826 trainable + 130 frozen values), every rank
+    holds q_proj's input Gram (8×8 float64), rank 0 builds the dense weights (856 float32) and their
+    bfloat16 copy; the peak is the larger of the two phases."""
+    plan = estimate(model_dir, world_size=2, tokens_per_gpu=1, device="cpu", target_patterns=[r".*q_proj"])
+    assert (plan.export_state, plan.input_grams, plan.export_weights) == (4 * (826 + 130), 8 * 8 * 8, 6 * 856)
+    assert plan.export == plan.resident + 4 * 956 + 512 + 6 * 856 > plan.training
+    assert plan.total == plan.export and plan.phase == "export"
+    update = estimate(model_dir, world_size=1, tokens_per_gpu=1, device="cpu", target_patterns=[r".*q_proj"],
+                      protect_basis="update")
+    assert (update.export_state, update.input_grams) == (0, 0)  # one rank exports its own tensors; no Grams
+    assert estimate(model_dir, tokens_per_gpu=1, target_patterns=[r".*q_proj"], input_memory_gb=1e-7).input_grams == 0
+
+
 def test_the_command_prints_the_parts_and_a_one_line_verdict(model_dir, capsys):
     assert main(["estimate-memory", model_dir, "--device", "cpu", "--device-memory-gb", "0.1"]) == 0
     err = capsys.readouterr().err
-    assert "adamw" in err and "does not fit: peak per rank ≈ 0.54 GiB" in err  # the CPU runtime alone
+    assert "adamw" in err and "does not fit: peak per rank ≈ 0.54 GiB (training)" in err  # the CPU runtime alone
     assert main(["estimate-memory", model_dir, "--device", "cuda", "--device-memory-gb", "80"]) == 0
-    assert "fits: peak per rank ≈ 0.00 GiB of 74.5 GiB (0%)" in capsys.readouterr().err
+    assert "fits: peak per rank ≈ 0.00 GiB (training) of 74.5 GiB (0%)" in capsys.readouterr().err

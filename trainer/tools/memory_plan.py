@@ -23,6 +23,24 @@ and the run's settings, per rank, in bytes:
   bound: only the trained positions reach the LM head).
 - ``runtime``: on CPU the process itself (Python, torch, transformers and the trainer imported,
   :data:`CPU_RUNTIME_BYTES`); 0 on CUDA (``torch.cuda.max_memory_allocated`` counts tensors only).
+- ``loaded``: on CPU with W > 1, the whole model as each rank loads it before FSDP2 shards it
+  (float32): freed after sharding, but kept by the allocator in the process's resident memory; 0 on
+  CUDA and on one rank.
+
+The HF export at the end of an OSFT run (:class:`osft.trainer.checkpoint.export.Exporter`) holds,
+beside the training state (trainable, frozen, gradients, AdamW, the cache), in place of the
+activations and logits:
+
+- ``export_state``: with W > 1, rank 0's gathered copy of the whole model (every OSFT factor and
+  every other parameter, float32);
+- ``input_grams``: the input bases' M×M float64 Grams (every trainable target but expert banks
+  under ``--osft-protect-basis auto``/``inputs``, :func:`osft.trainer.osft.input_grams.gram_bytes`),
+  at most ``--osft-protect-input-memory-gb`` at once, on every rank;
+- ``export_weights``: rank 0's dense weights (float32, W_high + U_low·S_low·V_low per target) and
+  their copy in the saved dtype.
+
+The peak per rank (:attr:`MemoryPlan.total`) is the larger phase: :attr:`MemoryPlan.training` or
+:attr:`MemoryPlan.export` (``--no-osft``: the export is the saved copy of the weights).
 
 Checked against measured peaks in ``benchmarks/results/memory_plan.json`` (CPU RSS of real runs)
 and by ``benchmarks/gpu_check.py`` (``gpu_mem_bytes``).
@@ -41,7 +59,8 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per rank of each part (see the module docstring) and their sum ``total``."""
+    """Bytes per rank of each part (see the module docstring): the training phase's peak
+    :attr:`training`, the export's :attr:`export`, and the larger, :attr:`total`."""
 
     trainable: int
     frozen: int
@@ -52,14 +71,39 @@ class MemoryPlan:
     activations: int
     logits: int
     runtime: int
+    loaded: int = 0
+    export_state: int = 0
+    input_grams: int = 0
+    export_weights: int = 0
+
+    @property
+    def resident(self) -> int:
+        """What both phases hold: the training state, the cache, the runtime and the loaded model."""
+        return (self.trainable + self.frozen + self.gradients + self.adamw + self.gathered + self.v_cache + self.runtime
+                + self.loaded)
+
+    @property
+    def training(self) -> int:
+        """The peak of a training step."""
+        return self.resident + self.activations + self.logits
+
+    @property
+    def export(self) -> int:
+        """The peak of the HF export (on rank 0)."""
+        return self.resident + self.export_state + self.input_grams + self.export_weights
 
     @property
     def total(self) -> int:
-        return sum(asdict(self).values())
+        return max(self.training, self.export)
+
+    @property
+    def phase(self) -> str:
+        """Where the peak is: ``training`` or ``export``."""
+        return "export" if self.export > self.training else "training"
 
     def verdict(self, device_bytes: float | None) -> str:
-        """One line: the peak per rank, and against ``device_bytes`` whether it fits."""
-        peak = f"peak per rank ≈ {self.total / 2**30:.2f} GiB"
+        """One line: the peak per rank (and its phase), and against ``device_bytes`` whether it fits."""
+        peak = f"peak per rank ≈ {self.total / 2**30:.2f} GiB ({self.phase})"
         if not device_bytes:
             return peak
         share = self.total / device_bytes
@@ -83,7 +127,8 @@ def _layer_dims(config) -> tuple[int, int, int, int, int]:
 def estimate(model_path: str, *, osft: bool = True, urr: float = 0.25, protected: dict[str, tuple[int, int]] | None = None,
              dtype: str = "float32", world_size: int = 1, tokens_per_gpu: int = 2048,
              activation_checkpointing: bool = False, cache_v: bool | None = None, device: str = "cpu",
-             target_patterns: list[str] | None = None) -> MemoryPlan:
+             target_patterns: list[str] | None = None, protect_basis: str = "auto", input_memory_gb: float = 4.0,
+             save_dtype: str = "bfloat16") -> MemoryPlan:
     """The :class:`MemoryPlan` of a run (see the module docstring).
 
     Args:
@@ -91,16 +136,19 @@ def estimate(model_path: str, *, osft: bool = True, urr: float = 0.25, protected
         protected: (p_L, p_R) per target from earlier runs (None: :func:`protected_ranks` of ``model_path``).
         dtype: the compute dtype (``float32`` on CPU, ``bfloat16`` on CUDA).
         cache_v: keep the all-gathered V bases (None: on CPU yes, on CUDA no, as the trainer does).
+        protect_basis, input_memory_gb: ``--osft-protect-basis`` and ``--osft-protect-input-memory-gb``
+            (the export's input Grams). save_dtype: ``--save-dtype``.
 
     Raises:
         ValueError: an unknown dtype or a URR outside (0, 1).
     """
     from ..model.build import meta_model, target_shapes
     from ..model.loading import load_config
+    from ..osft.input_grams import gram_bytes
     from ..osft.plan import plan_module
 
-    if dtype not in _BYTES:
-        raise ValueError(f"dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+    if dtype not in _BYTES or save_dtype not in _BYTES:
+        raise ValueError(f"dtype and save dtype must be one of {', '.join(_BYTES)}, got {dtype!r}, {save_dtype!r}")
     if not 0 < urr < 1:
         raise ValueError(f"the URR must be in (0, 1), got {urr}")
     b, w = _BYTES[dtype], max(1, world_size)
@@ -110,7 +158,7 @@ def estimate(model_path: str, *, osft: bool = True, urr: float = 0.25, protected
     protected = protected_ranks(model_path) if protected is None else protected
     h, kv, inter, layers, vocab = _layer_dims(load_config(model_path))
     trainable = total_params
-    frozen = v_basis = rebuilt = 0
+    frozen = v_basis = rebuilt = grams = 0
     for name, shape in shapes.items():
         experts, (n, m) = (shape[0] if len(shape) == 3 else 1), shape[-2:]
         p_left, p_right = protected.get(name, (0, 0))
@@ -122,6 +170,8 @@ def estimate(model_path: str, *, osft: bool = True, urr: float = 0.25, protected
         frozen += experts * (n * m + u_basis + v_rows * m + n * p_left + m * p_right + low)
         v_basis += experts * v_rows * m
         rebuilt += experts * n * m if plan.forward_form in ("dense", "hybrid") else 0
+        if protect_basis != "update" and len(shape) == 2 and gram_bytes(m) <= input_memory_gb * 1e9:
+            grams += gram_bytes(m)
     block = max(_block_params(model), 1)
     per_token = 7 * h + 2 * kv + 4 * inter
     if activation_checkpointing:
@@ -129,10 +179,15 @@ def estimate(model_path: str, *, osft: bool = True, urr: float = 0.25, protected
     else:
         activations = layers * per_token * tokens_per_gpu * b + rebuilt * b
     cache = (device == "cpu") if cache_v is None else cache_v
+    saved = _BYTES[save_dtype] * total_params
     return MemoryPlan(trainable=4 * trainable // w, frozen=4 * frozen // w, gradients=4 * trainable // w,
                       adamw=8 * trainable // w, gathered=2 * block * b if w > 1 else 0,
                       v_cache=4 * v_basis if (w > 1 and cache and osft) else 0, activations=activations,
-                      logits=2 * 4 * tokens_per_gpu * vocab, runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0)
+                      logits=2 * 4 * tokens_per_gpu * vocab, runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0,
+                      loaded=4 * total_params if (w > 1 and device == "cpu") else 0,
+                      export_state=4 * (trainable + frozen) if (w > 1 and osft) else 0,
+                      input_grams=min(grams, int(input_memory_gb * 1e9)),
+                      export_weights=4 * total_params + saved if osft else saved)
 
 
 def _block_params(model) -> int:
@@ -154,8 +209,9 @@ def protected_ranks(model_path: str) -> dict[str, tuple[int, int]]:
 
 def render(plan: MemoryPlan, device_bytes: float | None) -> list[str]:
     """The table (GiB per part) and the verdict line."""
-    rows = [f"  {name:<12} {value / 2**30:9.3f} GiB" for name, value in asdict(plan).items()]
-    return ["memory per rank:", *rows, f"  {'total':<12} {plan.total / 2**30:9.3f} GiB", plan.verdict(device_bytes)]
+    rows = [f"  {name:<14} {value / 2**30:9.3f} GiB" for name, value in asdict(plan).items()]
+    phases = [f"  {'training':<14} {plan.training / 2**30:9.3f} GiB", f"  {'export':<14} {plan.export / 2**30:9.3f} GiB"]
+    return ["memory per rank:", *rows, *phases, plan.verdict(device_bytes)]
 
 
 def main(argv: list[str], console) -> None:
@@ -174,6 +230,10 @@ def main(argv: list[str], console) -> None:
     p.add_argument("--max-tokens-per-gpu", type=int, default=2048)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--osft-cache-v-high", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--osft-protect-basis", choices=("auto", "update", "inputs"), default="auto",
+                   help="the export's right-side bases (input bases hold M×M Grams)")
+    p.add_argument("--osft-protect-input-memory-gb", type=float, default=4.0, metavar="GB")
+    p.add_argument("--save-dtype", choices=tuple(_BYTES), default="bfloat16")
     p.add_argument("--device-memory-gb", type=float, default=None, help="memory of one device, GB (10^9 bytes)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -185,10 +245,12 @@ def main(argv: list[str], console) -> None:
     plan = estimate(args.model, osft=not args.no_osft, urr=args.osft_unfreeze_rank_ratio, protected=protected,
                     dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"), world_size=args.world_size,
                     tokens_per_gpu=args.max_tokens_per_gpu, activation_checkpointing=args.activation_checkpointing,
-                    cache_v=args.osft_cache_v_high, device=args.device)
+                    cache_v=args.osft_cache_v_high, device=args.device, protect_basis=args.osft_protect_basis,
+                    input_memory_gb=args.osft_protect_input_memory_gb, save_dtype=args.save_dtype)
     device_bytes = args.device_memory_gb * 1e9 if args.device_memory_gb else None
     if args.json:
-        console.print_json(json.dumps({**asdict(plan), "total": plan.total, "verdict": plan.verdict(device_bytes)}))
+        console.print_json(json.dumps({**asdict(plan), "training": plan.training, "export": plan.export,
+                                       "total": plan.total, "verdict": plan.verdict(device_bytes)}))
         return
     for line in render(plan, device_bytes):
         console.print(line, markup=False, highlight=False)
