@@ -27,7 +27,7 @@ and the run's settings, per rank, in bytes:
   (float32): freed after sharding, but kept by the allocator in the process's resident memory; 0 on
   CUDA and on one rank.
 
-The HF export at the end of an OSFT run (:class:`osft.trainer.checkpoint.export.Exporter`) holds,
+The HF export at the end of a run (:class:`osft.trainer.checkpoint.export.Exporter`) holds,
 beside the training state (trainable, frozen, gradients, AdamW, the cache), in place of the
 activations and logits:
 
@@ -36,11 +36,11 @@ activations and logits:
 - ``input_grams``: the input bases' M×M float64 Grams (every trainable target but expert banks
   under ``--osft-protect-basis auto``/``inputs``, :func:`osft.trainer.osft.input_grams.gram_bytes`),
   at most ``--osft-protect-input-memory-gb`` at once, on every rank;
-- ``export_weights``: rank 0's dense weights (float32, W_high + U_low·S_low·V_low per target) and
-  their copy in the saved dtype.
+- ``export_weights``: rank 0's dense weights (float32, W_high + U_low·S_low·V_low per target; a
+  ``--no-osft`` run's are its parameters) and their copy in the saved dtype.
 
 The peak per rank (:attr:`MemoryPlan.total`) is the larger phase: :attr:`MemoryPlan.training` or
-:attr:`MemoryPlan.export` (``--no-osft``: the export is the saved copy of the weights).
+:attr:`MemoryPlan.export`.
 
 Checked against measured peaks in ``benchmarks/results/memory_plan.json`` (CPU RSS of real runs)
 and by ``benchmarks/gpu_check.py`` (``gpu_mem_bytes``).
@@ -185,7 +185,7 @@ def estimate(model_path: str, *, osft: bool = True, urr: float = 0.25, protected
                       v_cache=4 * v_basis if (w > 1 and cache and osft) else 0, activations=activations,
                       logits=2 * 4 * tokens_per_gpu * vocab, runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0,
                       loaded=4 * total_params if (w > 1 and device == "cpu") else 0,
-                      export_state=4 * (trainable + frozen) if (w > 1 and osft) else 0,
+                      export_state=4 * (trainable + frozen) if w > 1 else 0,
                       input_grams=min(grams, int(input_memory_gb * 1e9)),
                       export_weights=4 * total_params + saved if osft else saved)
 
