@@ -134,7 +134,7 @@ def markdown(result: dict) -> str:
         cells = [iv(m[k]) if k in m else "–" for k in ("AA", "LA")] + [iv(m[k], True) if k in m else "–" for k in ("BWT",)]
         cells += [iv(m["F"]) if "F" in m else "–"] + [iv(diff[k], True) if k in diff else "–" for k in ("AA", "BWT")]
         lines.append(f"| {arm}{mark} | {result['arm_settings'][arm]['learning_rate']:g} | " + " | ".join(cells) + " |")
-    lines += ["", "R[i][j], task j after stage i (row 0: the base model), points, the first unit:", "",
+    lines += ["", "R[i][j], task j after stage i (row 0: the base model), points, the mean over the units:", "",
               "| arm | " + " | ".join(f"after stage {i}" for i in range(len(summary[arms[0]]["points"]["R"]))) + " |",
               "| --- |" + " --- |" * len(summary[arms[0]]["points"]["R"])]
     for arm in arms:
@@ -152,8 +152,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-#: Settings that may differ between the parts of a merged result.
-PART_SETTINGS = ("arms", "seeds", "work_dir", "out", "merge")
+#: Settings that may differ between the parts of a merged result (where they ran, and the modes that train nothing).
+PART_SETTINGS = ("arms", "seeds", "work_dir", "out", "merge", "markdown")
 
 
 def merge(paths: list[Path]) -> dict:
