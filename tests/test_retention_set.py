@@ -100,8 +100,11 @@ def test_a_stop_signal_ends_it_within_seconds_with_one_line_and_leaves_the_outpu
     out.write_text("the earlier set\n")
     cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "make-retention-set", "--model", str(tiny_model_dir),
            "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "1"]
+    # SIGINT at its default in the command, as in a terminal, even when the tests run in a background
+    # job (a shell starts those with SIGINT ignored, and the command keeps an ignored signal ignored)
     proc = subprocess.Popen(cmd, env={**os.environ, "OSFT_TEST_GENERATE_DELAY_S": "3"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not caught(proc.pid, signal.SIGTERM):  # its handlers are in (SIGINT has Python's from the start)
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
