@@ -36,7 +36,10 @@ import json, resource, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
 from osft.trainer.data.cache import tokenize_chat_file_cached
-from osft.trainer.model.loading import load_tokenizer
+try:
+    from osft.trainer.model.loading import load_tokenizer
+except ImportError:  # a baseline checkout of the flat layout before trainer/model/
+    from osft.trainer.model_loading import load_tokenizer
 path, model, cache, max_seq_len = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tok = load_tokenizer(model)
 t1 = time.perf_counter()
