@@ -68,8 +68,11 @@ def measure(python: Path, cwd: Path, path: Path, model: Path, max_seq_len: int, 
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
+    # the output goes to files: a child that writes more than a pipe holds (progress bars, warnings)
+    # would block on the pipe while this loop samples it
+    out_file, err_file = (open(work / f"child.{n}", "w+") for n in ("out", "err"))
     proc = psutil.Popen([str(python), "-c", _CHILD, str(path), str(model), str(cache), str(max_seq_len)],
-                        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                        cwd=cwd, env=env, stdout=out_file, stderr=err_file, text=True)
     peak, loads = 0, []
     while proc.poll() is None:
         total = 0
@@ -82,7 +85,11 @@ def measure(python: Path, cwd: Path, path: Path, model: Path, max_seq_len: int, 
         loads.append(os.getloadavg()[0])
         time.sleep(0.1)
     wall = time.perf_counter() - start
-    out, err = proc.communicate()
+    proc.wait()
+    with out_file, err_file:
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
     subprocess.run(["rm", "-rf", str(cache)], check=False)
     if proc.returncode:
         raise SystemExit(f"{python} failed:\n{err[-3000:]}")
