@@ -131,8 +131,9 @@ def markdown(result: dict) -> str:
         m, diff = summary[arm]["points"]["measures"], summary[arm]["points"].get("minus_full_ft", {})
         la = m.get("LA", {"value": None})
         mark = "" if la["value"] is None or not full_la or abs(la["value"] - full_la) <= MATCHED_LA * full_la else " (unmatched)"
-        cells = [iv(m[k]) if k in m else "–" for k in ("AA", "LA")] + [iv(m[k], True) if k in m else "–" for k in ("BWT",)]
-        cells += [iv(m["F"]) if "F" in m else "–"] + [iv(diff[k], True) if k in diff else "–" for k in ("AA", "BWT")]
+        cells = [iv(values[k], sign) if k in values else "–" for values, k, sign in
+                 ((m, "AA", False), (m, "LA", False), (m, "BWT", True), (m, "F", False), (diff, "AA", True),
+                  (diff, "BWT", True))]
         lines.append(f"| {arm}{mark} | {result['arm_settings'][arm]['learning_rate']:g} | " + " | ".join(cells) + " |")
     lines += ["", "R[i][j], task j after stage i (row 0: the base model), points, the mean over the units:", "",
               "| arm | " + " | ".join(f"after stage {i}" for i in range(len(summary[arms[0]]["points"]["R"]))) + " |",
