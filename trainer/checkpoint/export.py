@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import test_hooks
-from ..config import TrainConfig
+from ..config import DataConfig, PrecisionConfig, ProtectionConfig
 from ..contract import Event
 from ..data.micro_batches import MicroBatches
 from ..distributed import DistEnv, barrier, map_over_ranks
@@ -39,6 +39,9 @@ class Exporter:
     """The exports of one rank's run (collective: every rank calls :meth:`export`).
 
     Args:
+        cfg: how the protected subspaces are folded; ``data``: the model it was trained from
+            (``generation_config.json``) and the run directory (the export's ``source``);
+            ``precision``: ``--save-dtype``; ``seed``: the calibration draw's (``--seed``).
         model: the trained model (sharded by FSDP2 with several ranks); ``osft``: its OSFT modules
             (None: ``--no-osft``); ``tokenizer``: saved with every export.
         loss: the summed token loss of one packed micro-batch (None: this rank's empty one), run
@@ -51,12 +54,15 @@ class Exporter:
         report: the run's console and metrics (``subspaces_folded`` records).
     """
 
-    def __init__(self, cfg: TrainConfig, dist: DistEnv, job_id: str, run_dir: RunDir, report: Reporter,
+    def __init__(self, cfg: ProtectionConfig, data: DataConfig, precision: PrecisionConfig, seed: int,
+                 dist: DistEnv, job_id: str, run_dir: RunDir, report: Reporter,
                  model: nn.Module, osft: OSFTModel | None, tokenizer, device: torch.device,
                  loss: Callable[[dict | None], torch.Tensor], batches: Callable[[np.ndarray], MicroBatches],
                  sizes: list[int], weights: list[float] | None,
                  stop_check: Callable[[str, int], Callable[[int], None] | None]) -> None:
-        self.cfg, self.dist, self.job_id, self.run_dir, self.report = cfg, dist, job_id, run_dir, report
+        self.cfg, self.seed, self.save_dtype = cfg, seed, precision.save_dtype
+        self.source_model, self.output_dir = data.model_name_or_path, data.output_dir
+        self.dist, self.job_id, self.run_dir, self.report = dist, job_id, run_dir, report
         self.model, self.osft, self.tokenizer, self.device = model, osft, tokenizer, device
         self.loss, self.batches, self.sizes, self.weights = loss, batches, sizes, weights
         self.stop_check = stop_check
@@ -79,9 +85,9 @@ class Exporter:
                 if inputs is not None:
                     settings.update(input_energy=self.cfg.osft_protect_input_energy,
                                     input_criterion=self.cfg.osft_protect_input_criterion,
-                                    input_samples=self.cfg.osft_protect_input_samples, input_seed=self.cfg.seed,
+                                    input_samples=self.cfg.osft_protect_input_samples, input_seed=self.seed,
                                     input_passes=inputs.passes)
-                source = {"output_dir": str(Path(self.cfg.output_dir).resolve()), "job_id": self.job_id, "step": step}
+                source = {"output_dir": str(Path(self.output_dir).resolve()), "job_id": self.job_id, "step": step}
 
                 def extra(directory: Path) -> None:
                     write_subspaces(directory, folds, settings, source)
@@ -90,8 +96,8 @@ class Exporter:
                           "subspaces to pass on")
             save_hf_model(
                 self.model.config, dense_state_dict(state, self.osft), self.tokenizer, out,
-                getattr(torch, self.cfg.save_dtype), overwrite=True, extra=extra,
-                generation_config=source_generation_config(self.cfg.model_name_or_path),
+                getattr(torch, self.save_dtype), overwrite=True, extra=extra,
+                generation_config=source_generation_config(self.source_model),
             )
         barrier()
         return str(out)
@@ -151,7 +157,7 @@ class Exporter:
         group of Grams that fits ``--osft-protect-input-memory-gb``; collective). ``state``: the
         full state dict (rank 0), whose Q each module's directions avoid."""
         cfg = self.cfg
-        idx = calibration_indices(self.sizes, self.weights, cfg.osft_protect_input_samples, cfg.seed)
+        idx = calibration_indices(self.sizes, self.weights, cfg.osft_protect_input_samples, self.seed)
         batches = self.batches(idx)
 
         def probe() -> None:

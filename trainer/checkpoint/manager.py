@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import CheckpointConfig
 from ..contract import LAUNCHER_PID_ENV, Event
 from ..data.sampler import GlobalBatchSampler, MixtureSampler
 from ..distributed import DistEnv, barrier
@@ -39,7 +39,7 @@ from .full_state import Checkpointer, PendingSave, SavedCheckpoint, capture_rng,
 from .requests import Request, RequestPoller, Seen
 from .signals import Action, TriggerDir, install_handlers, job_start_time, restore_handlers
 from .store import check_shared
-from .trainer_state import ModelFacts, TrainerState, run_settings
+from .trainer_state import ModelFacts, TrainerState
 
 
 class RunPosition(Protocol):
@@ -60,10 +60,15 @@ class CheckpointManager:
     Built as early as possible (a request during start-up is kept: the trigger directory and the
     signal handlers are installed here with ``--on-demand-checkpointing``); :meth:`open` adds the
     checkpointer once the model, optimizer and schedule exist.
+
+    Args:
+        cfg: the checkpoint settings.
+        settings: what every checkpoint records of the run's settings (:func:`.trainer_state.run_settings`).
     """
 
-    def __init__(self, cfg: TrainConfig, dist: DistEnv, job_id: str, run_dir: RunDir, report: Reporter) -> None:
-        self.cfg, self.dist, self.job_id, self.report = cfg, dist, job_id, report
+    def __init__(self, cfg: CheckpointConfig, settings: dict, dist: DistEnv, job_id: str, run_dir: RunDir,
+                 report: Reporter) -> None:
+        self.cfg, self.settings, self.dist, self.job_id, self.report = cfg, settings, dist, job_id, report
         self.root = run_dir.checkpoints
         self.trigger = TriggerDir(job_id)
         self.poller: RequestPoller | None = None
@@ -113,7 +118,7 @@ class CheckpointManager:
             scheduler=scheduler.state_dict(),
             world_size=self.dist.world_size,
             total_steps=total_steps,
-            settings=run_settings(self.cfg),
+            settings=self.settings,
             model=ModelFacts(vocab_size=model.get_input_embeddings().weight.shape[0],
                              model_type=model.config.model_type),
             osft_plan={name: m.plan.to_dict() for name, m in osft.modules} if osft else None,

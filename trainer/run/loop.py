@@ -19,6 +19,7 @@ from rich.console import Console
 from ..checkpoint.export import Exporter
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.requests import Request, StopRequested
+from ..checkpoint.trainer_state import run_settings
 from ..config import TrainConfig
 from ..contract import EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from ..distributed import DistEnv, init_distributed, shutdown_distributed
@@ -46,7 +47,7 @@ class Trainer:
         self.metrics, self.report = open_metrics(cfg, self.dist, self.run_dir, self.job_id, self.console)
         self.device, self.dtype = resolve_device_dtype(cfg)
         # as early as possible: a request during start-up is kept
-        self.checkpoints = CheckpointManager(cfg, self.dist, self.job_id, self.run_dir, self.report)
+        self.checkpoints = CheckpointManager(cfg, run_settings(cfg), self.dist, self.job_id, self.run_dir, self.report)
         init_distributed(self.dist, self.device)
         self.start_step = 0
         self.train_step: TrainStep | None = None
@@ -77,15 +78,16 @@ class Trainer:
         parts = build_run_parts(cfg, built, self.device, self.dtype, dist, self.total_steps, flops, self.report)
         self.model, self.osft, self.optimizer, self.steps = parts.model, parts.osft, parts.optimizer, parts.recorder
         batches = partial(rank_micro_batches, self.data, max_tokens=cfg.max_tokens_per_gpu, dist=dist)
-        self.exporter = Exporter(cfg, dist, self.job_id, self.run_dir, self.report, self.model, self.osft,
-                                 self.tokenizer, self.device, parts.loss, batches, self.data.sizes,
+        self.exporter = Exporter(cfg, cfg, cfg, cfg.seed, dist, self.job_id, self.run_dir, self.report, self.model,
+                                 self.osft, self.tokenizer, self.device, parts.loss, batches, self.data.sizes,
                                  self.data.weights, self.checkpoints.stop_check)
         context = MonitorContext(self.report, dist, self.run_dir, self.model, self.checkpoints,
                                  lambda batch: parts.loss(batch, float64_sum=True), self.exporter.export,
-                                 lambda path: self.checkpoints.restore(path, rollback=True), self.sampler.steps_per_epoch)
+                                 lambda path: self.checkpoints.restore(path, rollback=True), self.sampler.steps_per_epoch,
+                                 cfg.max_tokens_per_gpu)
         self.monitor = RunMonitor(cfg, context, inputs.sets)
-        self.train_step = TrainStep(cfg, dist, self.data, self.loss_tokens, parts, self.checkpoints, self.monitor,
-                                    self.report, self.total_steps)
+        self.train_step = TrainStep(cfg, cfg, cfg, dist, self.data, self.loss_tokens, parts, batches, self.checkpoints,
+                                    self.monitor, self.report, self.total_steps)
         self.checkpoints.open(self.model, self.optimizer, parts.scheduler, self.osft, self.device, self.sampler,
                               self.monitor, self.train_step.counters, self.total_steps, self.data.inputs)
         if start.resume is not None:

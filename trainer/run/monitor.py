@@ -22,7 +22,7 @@ from torch import nn
 
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.store import newest_complete
-from ..config import TrainConfig
+from ..config import EvaluationConfig
 from ..distributed import DistEnv, agree, control_group, is_distributed
 from .divergence import Diverged, DivergenceCheck, DivergenceState, data_position
 from .eval_sets import EVAL, RETENTION, EvalSet
@@ -45,7 +45,8 @@ class MonitorContext:
     ``loss(batch)``: the float64-summed token loss of one packed micro-batch (None: this rank's
     empty one); ``export(step, out)``: the HF export of the model after ``step`` steps to ``out``
     (collective), returning its path; ``reload(path)``: load the full-state checkpoint at ``path``
-    for a rollback (collective), returning its step; ``steps_per_epoch``: global batches per epoch.
+    for a rollback (collective), returning its step; ``steps_per_epoch``: global batches per epoch;
+    ``max_tokens``: the token budget of an evaluation's micro-batch (``--max-tokens-per-gpu``).
     """
 
     report: Reporter
@@ -57,6 +58,7 @@ class MonitorContext:
     export: Callable[[int, Path], str]
     reload: Callable[[str], int]
     steps_per_epoch: int
+    max_tokens: int
 
 
 class RunMonitor:
@@ -66,7 +68,7 @@ class RunMonitor:
     ``sets``: the sets to evaluate (:attr:`osft.trainer.launch.startup.RunData.sets`: evaluation set first, then
     retention sets)."""
 
-    def __init__(self, cfg: TrainConfig, context: MonitorContext, sets: list[EvalSet]) -> None:
+    def __init__(self, cfg: EvaluationConfig, context: MonitorContext, sets: list[EvalSet]) -> None:
         self.run = context
         self.cfg = cfg
         self.sets = sets
@@ -236,7 +238,7 @@ class RunMonitor:
         t = self.run
         with evaluation_mode(t.model):
             check = t.checkpoints.stop_check("eval", step)  # a stop abandons the pass: nothing recorded
-            results = [evaluate_set(s, t.loss, self.cfg.max_tokens_per_gpu, t.dist, check, step) for s in sets]
+            results = [evaluate_set(s, t.loss, t.max_tokens, t.dist, check, step) for s in sets]
         verdict = self.rules.judge(self.state, step, results)
         for r in results:
             baseline = self.state.baselines.get(r.name) or [None, None]

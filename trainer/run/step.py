@@ -11,6 +11,7 @@ generator is rewound to the step's start, so the step replays exactly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from .. import test_hooks
 from ..checkpoint.full_state import capture_rng, restore_rng
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.requests import Request
-from ..config import TrainConfig
+from ..config import OptimizerConfig, OSFTConfig, PrecisionConfig
 from ..data.micro_batches import MicroBatches, micro_batches
 from ..data.mixture import TrainingData
 from ..distributed import DistEnv, gather_float, gather_on_device
@@ -55,11 +56,21 @@ class TrainStep:
         counters: the run's totals (``ortho_violations_total``, ``samples_seen``, ``tokens_seen``),
             saved in the full-state checkpoint.
         last_loss: the loss of the last step logged (NaN before the first).
+
+    Args:
+        optimizer: ``--max-grad-norm``; ``osft``: the orthogonality check's cadence and margin;
+            ``outputs``: the console's ``--logging-steps``.
+        batches: ``batches(idx)``, the training samples at positions ``idx`` packed into this
+            rank's micro-batches (:func:`rank_micro_batches`).
     """
 
-    def __init__(self, cfg: TrainConfig, dist: DistEnv, data: TrainingData, loss_tokens: np.ndarray, parts: RunParts,
-                 checkpoints: CheckpointManager, monitor: RunMonitor, report: Reporter, total_steps: int) -> None:
-        self.cfg, self.dist, self.data, self.loss_tokens, self.parts = cfg, dist, data, loss_tokens, parts
+    def __init__(self, optimizer: OptimizerConfig, osft: OSFTConfig, outputs: PrecisionConfig, dist: DistEnv,
+                 data: TrainingData, loss_tokens: np.ndarray, parts: RunParts,
+                 batches: Callable[[np.ndarray], MicroBatches], checkpoints: CheckpointManager, monitor: RunMonitor,
+                 report: Reporter, total_steps: int) -> None:
+        self.max_grad_norm, self.logging_steps = optimizer.max_grad_norm, outputs.logging_steps
+        self.ortho_check_every, self.ortho_margin_deg = osft.ortho_check_every, osft.ortho_margin_deg
+        self.dist, self.data, self.loss_tokens, self.parts, self.batches = dist, data, loss_tokens, parts, batches
         self.checkpoints, self.monitor, self.report, self.total_steps = checkpoints, monitor, report, total_steps
         self.counters = {"ortho_violations_total": 0, "samples_seen": 0, "tokens_seen": 0}
         self.last_loss = float("nan")
@@ -84,19 +95,19 @@ class TrainStep:
     def _train(self, step: int, idx: np.ndarray) -> dict:
         """Forward/backward every micro-batch of this rank (:meth:`_forward_backward`), project,
         clip, check for divergence, step, re-project, check orthogonality."""
-        cfg, parts = self.cfg, self.parts
+        parts = self.parts
         start, waited = time.perf_counter(), self.checkpoints.waited_s  # a wait for a background write is a save's
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self.lines(idx)})")
-        batches = rank_micro_batches(self.data, idx, cfg.max_tokens_per_gpu, self.dist)
+        batches = self.batches(idx)
         # FSDP2 averages gradients over ranks; scaling by world size turns that into the sum, so the
         # gradient is that of (sum of token losses of all ranks) / (loss tokens of the global batch).
         loss_by_rank, tokens_by_rank = self._forward_backward(step, batches, self.dist.world_size / total_loss_tokens)
         if parts.projector:
             parts.projector.project_gradients()
         grads = [p for p in parts.model.parameters() if p.grad is not None]
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(grads, cfg.max_grad_norm))
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm))
         # The step's one host sync before the update: the divergence check needs the loss and the grad norm
         # (after it, a step between full orthogonality checks reads the bound: check_after_step).
         *losses, grad_norm = torch.cat([loss_by_rank, grad_norm.detach().double().reshape(1)]).tolist()
@@ -111,7 +122,7 @@ class TrainStep:
             parts.projector.project_parameters()
         # The check gathers whole factors (DTensor.full_tensor, functional collectives); one ran beside a
         # background checkpoint's collectives and crashed rank 0 (SIGSEGV): the write in flight finishes first.
-        report, forgetting = check_after_step(parts.projector, step, cfg.ortho_check_every, cfg.ortho_margin_deg,
+        report, forgetting = check_after_step(parts.projector, step, self.ortho_check_every, self.ortho_margin_deg,
                                               lambda: self.checkpoints.check(wait=True))
         if report and report.violating:
             self.report.warn(f"step {step}: orthogonality violations in {report.violating}")
@@ -177,6 +188,6 @@ class TrainStep:
         if test_hooks.hashes_state():
             record["state_sha256"] = state_sha256(self.parts.model, self.parts.optimizer, self.dist.world_size)
         self.parts.recorder.log(step, epoch, self.counters["ortho_violations_total"], record)
-        if step % self.cfg.logging_steps == 0 or step == self.total_steps:
+        if step % self.logging_steps == 0 or step == self.total_steps:
             progress.update(step, record["loss"], record["lr"], record["tokens_per_s"],
                             self.counters["ortho_violations_total"], record["mfu"], self.monitor.console_stats())
