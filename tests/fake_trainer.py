@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fake-crash-rank", type=int, default=None)
     p.add_argument("--fake-crash-step", type=int, default=None)
     p.add_argument("--fake-save-seconds", type=float, default=0.2)
+    p.add_argument("--fake-gpus", action="store_true", help="step records list the node's GPUs, as on CUDA")
     # set by the launcher for the processes it starts
     p.add_argument("--fake-local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fake-resume-dir", default=None, help=argparse.SUPPRESS)
@@ -563,7 +564,8 @@ class Rank:
             self.counters["tokens_seen"] += record["num_tokens"]
             self.metrics.log("step", step=self.step, epoch=(self.step - 1) // STEPS_PER_EPOCH,
                              ortho_violations_total=self.counters["ortho_violations_total"],
-                             rss_bytes=rss_bytes(), gpu_mem_bytes=None, **record)
+                             rss_bytes=rss_bytes(), gpu_mem_bytes=self.gpus()[self.local]["mem_bytes"] if args.fake_gpus
+                             else None, gpus=self.gpus() if args.fake_gpus else None, **record)
             print(f"step {self.step} rank {self.rank} loss {record['loss']:.4f} "
                   f"tokens/s {record['tokens_per_s']:.0f} violations {self.counters['ortho_violations_total']}")
             decision = self.sync_rank0() if self.rank == 0 else self.sync_other()
@@ -589,6 +591,13 @@ class Rank:
             sys.stderr.write(traceback.format_exc())
             sys.stderr.flush()
         os._exit(EXIT_CRASH)
+
+    def gpus(self) -> list[dict]:
+        """The ``gpus`` field of this node's step records (``--fake-gpus``): local rank L uses
+        (L + 1) GB and is 40 + 10·L % busy."""
+        first = self.node * self.args.nproc_per_node
+        return [{"rank": first + local, "local_rank": local, "mem_bytes": (local + 1) * 10**9, "util_pct": 40.0 + 10 * local}
+                for local in range(self.args.nproc_per_node)]
 
     def step_numbers(self, elapsed: float) -> dict:
         """The numbers of one ``step`` record, in the order ``osft.trainer.run.step.TrainStep`` returns them."""

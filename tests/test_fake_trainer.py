@@ -26,7 +26,7 @@ STEP = "0.1"
 BASE_FIELDS = {"ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id"}
 STEP_FIELDS = {"loss", "grad_norm", "lr", "num_tokens", "num_loss_tokens", "num_samples", "step_time_s", "tokens_per_s",
                "node_tokens_per_s", "samples_per_s", "model_flops", "flops_per_s", "mfu", "node_mfu", "ortho_violations", "ortho_max_dev_deg", "step", "epoch",
-               "ortho_violations_total", "rss_bytes", "gpu_mem_bytes"}
+               "ortho_violations_total", "rss_bytes", "gpu_mem_bytes", "gpus"}
 RUN_JSON_FIELDS = {"argv", "config", "job_id", "launcher_pid", "torchrun_pids", "nnodes", "nproc_per_node", "start_time",
                    "state", "exit_code"}
 

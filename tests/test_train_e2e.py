@@ -13,7 +13,7 @@ STEP_FIELDS = {
     "ts", "event", "node_rank", "rank", "local_rank", "world_size", "hostname", "job_id", "step", "epoch", "lr",
     "loss", "grad_norm", "num_tokens", "num_loss_tokens", "num_samples", "step_time_s", "tokens_per_s",
     "node_tokens_per_s", "samples_per_s", "model_flops", "flops_per_s", "mfu", "node_mfu", "ortho_violations", "ortho_violations_total", "ortho_max_dev_deg",
-    "rss_bytes", "gpu_mem_bytes", "osft_dw_rel_max", "osft_dw_rel_median", "osft_dw_rel_worst_module", "osft_gap_max",
+    "rss_bytes", "gpu_mem_bytes", "gpus", "osft_dw_rel_max", "osft_dw_rel_median", "osft_dw_rel_worst_module", "osft_gap_max",
     "osft_gap_median", "osft_gap_worst_module",
 }
 
@@ -39,6 +39,7 @@ def test_tiny_osft_run_learns_without_violations_and_exports(tiny_model_dir, cha
     steps = [r for r in records if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 25))
     assert all(STEP_FIELDS <= set(r) for r in steps)
+    assert all(r["gpus"] is None and r["gpu_mem_bytes"] is None for r in steps)  # on CPU
     assert all(r["world_size"] == 1 and r["node_rank"] == 0 and r["rank"] == 0 for r in steps)
     first, last = sum(r["loss"] for r in steps[:4]) / 4, sum(r["loss"] for r in steps[-4:]) / 4
     assert last < 0.7 * first, (first, last)

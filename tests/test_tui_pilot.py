@@ -121,7 +121,7 @@ async def checkpoint(app, pilot, out: Path) -> dict:
 def test_tables_and_counters_show_the_values_written(tmp_path):
     async def scenario(app, pilot, out):
         await launch(app, pilot, tmp_path, out, nnodes=2, nproc=2, max_steps=6,
-                     extra="--fake-violations-at 3 --fake-slow-node 1 --fake-slow-factor 0.5")
+                     extra="--fake-violations-at 3 --fake-slow-node 1 --fake-slow-factor 0.5 --fake-gpus")
         dash = app.dashboard
         await wait_until(pilot, lambda: dash.run.finished and dash.run.step == 6
                          and dash.run.nodes[1].step == 6, 60, "the end of the run")
@@ -149,6 +149,9 @@ def test_tables_and_counters_show_the_values_written(tmp_path):
         assert f"{worst:.3f}°" in str(counters.content)
         ranks = dash.query_one(RankTable)
         assert len(ranks.rows) == 4
+        # each rank's GPU, from its node's step records: local rank L at 40 + 10·L % and (L + 1) GB
+        assert [(str(ranks.get_cell(f"rank{r}", "GPU %")), str(ranks.get_cell(f"rank{r}", "GPU mem")))
+                for r in range(4)] == [("40", "1.0 GB"), ("50", "2.0 GB")] * 2
         assert dash.run.state == "completed"
         # a rank that wrote no exit record of its own ended with its node, cleanly
         def states() -> list[str]:

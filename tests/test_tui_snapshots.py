@@ -82,7 +82,9 @@ def _step(node: int, step: int, violations: int, total: int, dev: float) -> dict
             "num_tokens": 4096, "num_loss_tokens": 3100, "num_samples": 16, "step_time_s": 10.0,
             "tokens_per_s": 2400.0, "node_tokens_per_s": tps, "node_mfu": tps / 4000, "samples_per_s": 1.6, "ortho_violations": violations,
             "ortho_violations_total": total, "ortho_max_dev_deg": dev, "rss_bytes": 1_730_000_000,
-            "gpu_mem_bytes": None}
+            "gpu_mem_bytes": 31_200_000_000 + node * 400_000_000,
+            "gpus": [{"rank": 2 * node + local, "local_rank": local, "mem_bytes": 31_200_000_000 + (2 * node + local) * 400_000_000,
+                      "util_pct": 93.0 - 7 * node - local} for local in (0, 1)]}
 
 
 def write_two_node_run(root: Path, violation_at: int | None) -> None:

@@ -154,12 +154,18 @@ def global_sums(loss_sum: torch.Tensor, num_tokens: int) -> tuple[float, list[in
 def gather_float(value: float) -> list[float]:
     """Every rank's ``value``, by global rank (one ``all_gather`` on the :func:`control_group`;
     ``[value]`` without a process group)."""
+    return [row[0] for row in gather_rows([value])]
+
+
+def gather_rows(values: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on every rank), by global rank: a list of rows
+    (one ``all_gather`` of float64 on the :func:`control_group`; ``[values]`` without a process group)."""
     if not is_distributed():
-        return [float(value)]
-    local = torch.tensor([float(value)], dtype=torch.float64)
+        return [[float(v) for v in values]]
+    local = torch.tensor([float(v) for v in values], dtype=torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local, group=control_group())
-    return [float(g.item()) for g in gathered]
+    return [g.tolist() for g in gathered]
 
 
 def gather_on_device(t: torch.Tensor) -> torch.Tensor:

@@ -232,7 +232,8 @@ class Dashboard(Screen):
                 chart.show(run)
         self.query_one(CheckpointTable).show(run.checkpoints)
         if slow:
-            self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes())
+            self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes(),
+                                            run.gpus_by_rank())
         for record in update.checkpoint_records if update else []:
             self.controls.requests.answer(record, Shown(run, self.view, self._live))
         if slow:

@@ -76,6 +76,8 @@ class NodeStats:
         grad_norm: the latest step's gradient norm before clipping.
         rss_bytes: the reporting rank's resident memory (bytes), from the record.
         gpu_mem_bytes: its GPU memory (bytes), None on CPU.
+        gpus: every GPU of the node in the latest step record (``gpus``: ``rank``, ``local_rank``,
+            ``mem_bytes``, ``util_pct``), None on CPU.
         tokens: ``tokens_per_s`` over the whole run (resume-aware).
         job_id: the job of the latest step record.
     """
@@ -92,6 +94,7 @@ class NodeStats:
     grad_norm: float | None = None
     rss_bytes: int | None = None
     gpu_mem_bytes: int | None = None
+    gpus: list[dict] | None = None
     step_times: deque = field(default_factory=lambda: deque(maxlen=10))
     last_ts: float = 0.0
     steps_seen: int = 0
@@ -278,6 +281,11 @@ class RunModel:
         return {n: info.data.exit_code for n, info in self.launchers.items()
                 if info.state in ENDED_STATES and info.data.exit_code is not None}
 
+    def gpus_by_rank(self) -> dict[int, dict]:
+        """Global rank -> its GPU in its node's latest step record (``mem_bytes``, ``util_pct``);
+        empty for a CPU run."""
+        return {int(g["rank"]): g for node in self.nodes.values() for g in node.gpus or ()}
+
     def eta_s(self) -> float | None:
         """Seconds to ``max_steps`` at the mean step time of the last 10 steps."""
         node = self.nodes.get(0)
@@ -365,6 +373,7 @@ class RunModel:
         node.grad_norm = record.get("grad_norm")
         node.rss_bytes = record.get("rss_bytes")
         node.gpu_mem_bytes = record.get("gpu_mem_bytes")
+        node.gpus = record.get("gpus")
         if record.get("step_time_s"):
             node.step_times.append(float(record["step_time_s"]))
         node.last_ts = float(record.get("ts", 0))

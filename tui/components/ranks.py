@@ -1,4 +1,5 @@
-"""Per-rank table: pid, host, state (running, exited with its code), CPU % and RSS from psutil."""
+"""Per-rank table: pid, host, state (running, exited with its code), CPU % and RSS from psutil, and on
+CUDA ranks the GPU's utilisation and memory from the node's latest step record (``gpus``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from ..processes import ProcStats
 from ..run_state import RankInfo
 
 #: Rank and state first: an 80-column terminal shows both.
-COLUMNS = ("rank", "state", "node", "local", "pid", "host", "CPU %", "RSS")
+COLUMNS = ("rank", "state", "node", "local", "pid", "host", "CPU %", "RSS", "GPU %", "GPU mem")
 #: Column widths (fixed, so the header never lags rows that arrive later).
-WIDTHS = (4, 20, 4, 5, 8, 10, 6, 9)
+WIDTHS = (4, 20, 4, 5, 8, 10, 6, 9, 5, 9)
 #: How a failed or killed rank's state looks.
 ALARM = "b red"
 
@@ -31,16 +32,20 @@ class RankTable(SortableTable):
         for name, width in zip(COLUMNS, WIDTHS):
             self.add_column(name, key=name, width=width)
 
-    def show(self, ranks: list[RankInfo], stats: dict[int, ProcStats | None], node_codes: dict[int, int]) -> None:
+    def show(self, ranks: list[RankInfo], stats: dict[int, ProcStats | None], node_codes: dict[int, int],
+             gpus: dict[int, dict] | None = None) -> None:
         """Redraw; ``stats[rank]`` is None for a rank on another host; ``node_codes`` maps each node
-        whose launcher ended to its exit code."""
+        whose launcher ended to its exit code; ``gpus[rank]``: its GPU in the step records
+        (:meth:`..run_state.RunModel.gpus_by_rank`; a rank without one shows ``-``)."""
         moved = False
         for info in ranks:
-            s = stats.get(info.rank)
+            s, gpu = stats.get(info.rank), (gpus or {}).get(info.rank, {})
+            util = gpu.get("util_pct")
             row = (str(info.rank), rank_state(info, s, node_codes.get(info.node_rank)), str(info.node_rank),
                    str(info.local_rank), str(info.pid), Text(fit_name(info.hostname, WIDTHS[COLUMNS.index("host")])),
                    "-" if not s or s.cpu_percent is None else f"{s.cpu_percent:.0f}",
-                   fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-")
+                   fmt_bytes(s.rss_bytes) if s and s.rss_bytes is not None else "-",
+                   "-" if util is None else f"{util:.0f}", fmt_bytes(gpu.get("mem_bytes")))
             key = f"rank{info.rank}"
             if key in self.rows:
                 for name, value in zip(COLUMNS, row):
