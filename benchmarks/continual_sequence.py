@@ -13,8 +13,10 @@ pre-chain-recipe protection (update bases, non-targets trained); OSFT with the d
 (nothing set: input bases, GPM criterion, frozen non-targets); replay (full FT with 10 % of each batch
 from the earlier tasks' training files, through ``--data-path`` weights); sequential LoRA (PEFT,
 merged after each stage); multi-task training on every task at once for T x the steps (the upper
-bound, one row). Measures (``continual_learning/matrix.py``): AA, LA, BWT, FWT, F; goals are paired
-bootstrap differences (arm - sequential full FT, arm - unprotected OSFT), never ratios; each stage's
+bound, one row); named in ``--arms``, the ablations (:data:`ABLATIONS`: one default of the recipe
+flipped each, compared with the default chain). Measures (``continual_learning/matrix.py``): AA, LA,
+BWT, FWT, F; goals are paired bootstrap differences (arm - sequential full FT, arm - unprotected
+OSFT; an ablation - the default chain), never ratios; each stage's
 fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
 
 ``--quick``: a tiny random Llama, 1 step per stage, 4 items per task: a pipeline check for CI whose
@@ -73,6 +75,18 @@ ARMS = [
     SequenceArm("lora", "peft_lora", {"lora_rank": 16}, 2e-4),
     SequenceArm("multitask", "multitask", {"osft": False}, 5e-5),
 ]
+#: Arms that flip one default of the chain recipe each, at the default chain's rate (run when named
+#: in ``--arms``; compared with ``osft_default``, paired): update bases instead of input bases, the
+#: residual input-energy criterion instead of GPM's total, run 1's frozen count kept instead of the
+#: reduced rank's, non-target parameters trained instead of frozen.
+ABLATIONS = [
+    SequenceArm("ablate_update_bases", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "update"}, 1e-4),
+    SequenceArm("ablate_residual_energy", "trainer",
+                {"osft_unfreeze_rank_ratio": URR, "osft_protect_input_criterion": "residual"}, 1e-4),
+    SequenceArm("ablate_keep_frozen_rank", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_frozen_rank": "keep"}, 1e-4),
+    SequenceArm("ablate_trained_non_targets", "trainer", {"osft_unfreeze_rank_ratio": URR, "freeze_non_target": False},
+                1e-4),
+]
 #: Share of a replay arm's batches drawn from the earlier tasks (split evenly over them).
 REPLAY_SHARE = 0.1
 
@@ -84,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", type=Path, default=None, help="JSON list of task specs (default: the built-in four)")
     p.add_argument("--order", nargs="+", default=None,
                    help="task names in training order, at least 2 (default: every task, in the spec's order)")
-    p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=None)
+    p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS + ABLATIONS], default=None,
+                   help="arms to run (default: every arm of ARMS; the ablations only when named)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per stage")
     p.add_argument("--batch", type=int, default=8)
@@ -114,7 +129,8 @@ def markdown(result: dict) -> str:
     """The tables of a result, as benchmarks/README.md shows them: per arm its rate, AA, LA, BWT and
     F with their intervals, the paired differences to sequential full FT (an arm whose LA is more than
     :data:`MATCHED_LA` off full FT's is marked unmatched); per arm the matrix R on the scored tasks; the
-    goal checks; the fold records of the default chain per stage."""
+    ablations' paired differences to the default chain; the goal checks; the fold records of the
+    default chain per stage."""
     def iv(v: dict, sign: bool = False) -> str:
         if v["value"] is None:
             return "–"
@@ -141,6 +157,13 @@ def markdown(result: dict) -> str:
     for arm in arms:
         rows = summary[arm]["points"]["R"]
         lines.append(f"| {arm} | " + " | ".join(", ".join("–" if x != x else f"{x:.1f}" for x in row) for row in rows) + " |")
+    ablations = [arm for arm in arms if "minus_osft_default" in summary[arm]["points"]]
+    if ablations:
+        lines += ["", "One default flipped, paired difference to the default chain (osft_default):", "",
+                  "| ablation | AA − default | LA − default | BWT − default |", "| --- | --- | --- | --- |"]
+        for arm in ablations:
+            diff = summary[arm]["points"]["minus_osft_default"]
+            lines.append(f"| {arm} | " + " | ".join(iv(diff[k], True) for k in ("AA", "LA", "BWT")) + " |")
     lines += ["", "| goal | value [95 % interval] | met |", "| --- | --- | --- |"]
     for g in result["summary"]["goals"]:
         lines.append(f"| {g['check']} | {iv(g, True)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
@@ -187,7 +210,7 @@ def merge(paths: list[Path]) -> dict:
                     raise SystemExit(f"{path}: arm {arm}, seed {seed} is in an earlier part too")
                 out["evals"].setdefault(seed, {})[arm] = r["evals"][seed][arm]
                 out["stages"].setdefault(seed, {})[arm] = r["stages"][seed][arm]
-    out["arms"] = [a.name for a in ARMS if a.name in out["arm_settings"]]
+    out["arms"] = [a.name for a in ARMS + ABLATIONS if a.name in out["arm_settings"]]
     out["seeds"] = sorted(out["evals"].keys() - {"base"}, key=int)
     for seed in out["seeds"]:
         missing = [arm for arm in out["arms"] if arm not in out["evals"][seed]]
@@ -346,7 +369,8 @@ def summarize(result: dict) -> dict:
     """Per arm and matrix (``points``: the tasks scored by exact match or format, in points; ``nll``:
     every task, minus the reference NLL in nats per token) the point matrix R, the measures (AA, LA,
     BWT, FWT, F) with 95 % paired bootstrap intervals and their differences to ``full_ft`` and
-    ``osft_unprotected``; and the goal checks on the points matrix (:data:`GOALS`)."""
+    ``osft_unprotected`` (an ablation's to ``osft_default`` too); and the goal checks on the points
+    matrix (:data:`GOALS`)."""
     import numpy as np
     from continual_learning.matrix import sequence_measures
     from continual_learning.stats import Bootstrap, interval
@@ -382,7 +406,7 @@ def summarize(result: dict) -> dict:
             out[arm][kind] = {"tasks": [names[j] for j in cols], "R": np.round(R[0], 3).tolist(),
                               "measures": {k: interval(v) for k, v in m.items()}}
         for arm in result["arms"]:
-            for ref in ("full_ft", "osft_unprotected"):
+            for ref in ("full_ft", "osft_unprotected") + (("osft_default",) if arm.startswith("ablate_") else ()):
                 if (kind, ref) in replicates and arm not in (ref, "multitask"):
                     out[arm][kind][f"minus_{ref}"] = {k: interval(v - replicates[(kind, ref)][k])
                                                       for k, v in replicates[(kind, arm)].items()}
@@ -417,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         report(result, args.out, console)
         return 0
-    arms = [a for a in ARMS if args.arms is None or a.name in args.arms]
+    arms = [a for a in ARMS + ABLATIONS if (a.name in args.arms if args.arms else a in ARMS)]
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="osft-sequence-", dir=args.work_dir))
     try:

@@ -313,6 +313,25 @@ def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
     assert _choose_rates({"osft_same": {"1e-4": 0.3}}) == {}  # no full FT reference: nothing to match
 
 
+def test_every_sequence_arm_sets_real_trainer_settings():
+    """The arms' and ablations' ``config`` keys are ``TrainConfig`` fields (a misspelt key would
+    silently run the default), and each ablation flips one default of the default chain."""
+    import dataclasses
+
+    import continual_sequence
+    from osft.trainer.config import TrainConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    default = next(a for a in continual_sequence.ARMS if a.name == "osft_default")
+    for arm in continual_sequence.ARMS + continual_sequence.ABLATIONS:
+        if arm.kind != "peft_lora":
+            assert set(arm.config) <= set(fields), arm.name
+    for arm in continual_sequence.ABLATIONS:
+        flipped = {k: v for k, v in arm.config.items() if default.config.get(k) != v}
+        (key, value), = flipped.items()
+        assert value != fields[key] and arm.learning_rate == default.learning_rate, arm.name
+
+
 def test_sequence_measures_of_a_hand_made_accuracy_matrix():
     from continual_learning.matrix import sequence_measures
 
@@ -418,6 +437,21 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
     first = table.index("| arm | lr | AA | LA | BWT | F | AA − full FT | BWT − full FT |") + 2
     assert [row.split(" | ")[0][2:].split(" ")[0] for row in table[first:first + 8]] == result["arms"] + [""]
     assert sum(row.startswith("| osft_default BWT") for row in table) == 3 and "| 0 | 4 (roman) | 14 of 14 |" in "\n".join(table)
+    # an ablation part (here the default chain's own evaluations under an ablation's name) merges in with
+    # its paired difference to the default chain: zero
+    ablation = dict(result, arms=["ablate_residual_energy"],
+                    evals={"base": result["evals"]["base"], "0": {"ablate_residual_energy": result["evals"]["0"]["osft_default"]}},
+                    stages={"0": {"ablate_residual_energy": stages["osft_default"]}},
+                    arm_settings={"ablate_residual_energy": result["arm_settings"]["osft_default"]},
+                    settings=dict(result["settings"], arms=["ablate_residual_energy"], out="ablation.json"))
+    (tmp_path / "ablation.json").write_text(json.dumps(ablation))
+    with_ablation = continual_sequence.merge([*parts, tmp_path / "ablation.json"])
+    assert with_ablation["arms"] == result["arms"] + ["ablate_residual_energy"]
+    diff = with_ablation["summary"]["arms"]["ablate_residual_energy"]["points"]["minus_osft_default"]
+    assert all(diff[k]["value"] == 0 for k in ("AA", "LA", "BWT")), diff
+    assert "minus_osft_default" not in with_ablation["summary"]["arms"]["lora"]["points"]
+    assert "| ablate_residual_energy | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] |" \
+        in continual_sequence.markdown(with_ablation).splitlines()
     with pytest.raises(SystemExit, match="arm full_ft, seed 0 is in an earlier part too"):
         continual_sequence.merge([parts[0], parts[0]])
     bad = json.loads(parts[1].read_text())
