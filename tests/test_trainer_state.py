@@ -10,7 +10,7 @@ import json
 import pytest
 
 from osft.trainer.checkpoint.manifest import CheckpointError
-from osft.trainer.checkpoint.trainer_state import TRAINER_STATE, ModelFacts, TrainerState, run_settings
+from osft.trainer.checkpoint.trainer_state import TRAINER_STATE, ModelFacts, TrainerState
 from osft.trainer.config import TrainConfig
 
 CFG = TrainConfig("model", ["data.jsonl"], "out", batch_size=4, learning_rate=1e-4)
@@ -21,7 +21,7 @@ def _state(**changes) -> TrainerState:
         step=6, epoch=1, sampler={"seed": 42, "batch_size": 4, "num_samples": 10, "next_epoch": 1, "next_index": 2},
         counters={"ortho_violations_total": 2, "samples_seen": 24, "tokens_seen": 900},
         scheduler={"base_lrs": [1e-4], "last_epoch": 6, "_step_count": 7, "lr_lambdas": [None]},
-        world_size=2, total_steps=10, settings=run_settings(CFG), model=ModelFacts(vocab_size=96, model_type="llama"),
+        world_size=2, total_steps=10, settings=CFG.resume_settings(), model=ModelFacts(vocab_size=96, model_type="llama"),
         osft_plan={"model.layers.0.mlp.up_proj": {"k_high": 3}}, monitor={"eval": {}, "divergence": {}},
     )
     return dataclasses.replace(state, **changes)

@@ -344,6 +344,11 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes the fields of its l
         """Plain-data view for ``run.json``."""
         return dataclasses.asdict(self)
 
+    def resume_settings(self) -> dict:
+        """The settings every full-state checkpoint records (``trainer_state.json`` ``settings``):
+        those of :data:`RESUME_SETTINGS` and :data:`RESUME_WARN_SETTINGS`, by name."""
+        return {k: getattr(self, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
+
 
 FIELDS = dataclasses.fields(TrainConfig)
 #: Settings a bit-identical resume needs unchanged (trainer_state.json "settings").

@@ -63,7 +63,7 @@ class CheckpointManager:
 
     Args:
         cfg: the checkpoint settings.
-        settings: what every checkpoint records of the run's settings (:func:`.trainer_state.run_settings`).
+        settings: what every checkpoint records of the run's settings (:meth:`..config.TrainConfig.resume_settings`).
     """
 
     def __init__(self, cfg: CheckpointConfig, settings: dict, dist: DistEnv, job_id: str, run_dir: RunDir,

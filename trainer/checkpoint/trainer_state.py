@@ -31,11 +31,6 @@ TRAINER_STATE = "trainer_state.json"
 
 
 
-def run_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings a checkpoint records: :data:`RESUME_SETTINGS` and :data:`RESUME_WARN_SETTINGS` of ``cfg``."""
-    return {k: getattr(cfg, k) for k in RESUME_SETTINGS + RESUME_WARN_SETTINGS}
-
-
 def _flag(key: str) -> str:
     return f"--{key.replace('_', '-')}"
 
@@ -64,7 +59,7 @@ class TrainerState:
         scheduler: the LR scheduler's ``state_dict()`` (torch.optim.lr_scheduler.LambdaLR).
         world_size: ranks of the job that saved it.
         total_steps: the run length the schedule was built for (None in checkpoints older than it).
-        settings: :func:`run_settings` of the saving run.
+        settings: the saving run's :meth:`..config.TrainConfig.resume_settings`.
         model: :class:`ModelFacts`.
         osft_plan: module name -> :meth:`..osft.plan.ModulePlan.to_dict` (None with ``--no-osft``).
         monitor: the evaluation and divergence state (:meth:`..monitor.RunMonitor.state_dict`;

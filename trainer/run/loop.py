@@ -19,7 +19,6 @@ from rich.console import Console
 from ..checkpoint.export import Exporter
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.requests import Request, StopRequested
-from ..checkpoint.trainer_state import run_settings
 from ..config import TrainConfig
 from ..contract import EXIT_STOPPED, JOB_ID_ENV, Event, FinishReason
 from ..distributed import DistEnv, init_distributed, shutdown_distributed
@@ -47,7 +46,7 @@ class Trainer:
         self.metrics, self.report = open_metrics(cfg, self.dist, self.run_dir, self.job_id, self.console)
         self.device, self.dtype = resolve_device_dtype(cfg)
         # as early as possible: a request during start-up is kept
-        self.checkpoints = CheckpointManager(cfg, run_settings(cfg), self.dist, self.job_id, self.run_dir, self.report)
+        self.checkpoints = CheckpointManager(cfg, cfg.resume_settings(), self.dist, self.job_id, self.run_dir, self.report)
         init_distributed(self.dist, self.device)
         self.start_step = 0
         self.train_step: TrainStep | None = None
