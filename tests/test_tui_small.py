@@ -200,3 +200,44 @@ def test_the_theme_chosen_is_kept_for_the_next_session(tmp_path, monkeypatch):
     assert asyncio.run(session("nord")) == "nord"
     assert asyncio.run(session(None)) == "nord"
     assert json.loads((tmp_path / "config" / "osft-tui" / "settings.json").read_text()) == {"theme": "nord"}
+
+
+def test_the_footer_is_rebuilt_only_when_its_keys_change():
+    """``KeyFooter``: closing the help (the screen's bindings signal fires again) keeps the same key
+    widgets; a key whose action becomes disabled rebuilds them, showing it disabled."""
+    from osft.tui.components.footer import KeyFooter
+    from textual.app import App
+    from textual.binding import Binding
+
+    class Keys(App):
+        BINDINGS = [Binding("x", "act", "act"), Binding("question_mark", "help", "help")]
+        allowed = True
+
+        def compose(self):
+            yield KeyFooter()
+
+        def check_action(self, action, parameters):
+            return True if action != "act" or self.allowed else None  # None: shown, disabled
+
+        def action_help(self):
+            self.push_screen(HelpScreen([("x", "act")], []))
+
+    async def main():
+        app = Keys()
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            footer = app.screen.query_one(KeyFooter)
+            before = list(footer.query(FooterKey))
+            assert [k.key for k in before] == ["x", "question_mark", "ctrl+p"]
+            await pilot.press("question_mark")
+            await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 5, "the help")
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen), 5, "the help closed")
+            await pilot.pause(0.2)
+            assert list(footer.query(FooterKey)) == before  # the same widgets: not rebuilt
+            app.allowed = False
+            app.refresh_bindings()
+            await wait_until(pilot, lambda: list(footer.query(FooterKey)) != before, 5, "a rebuilt footer")
+            assert [k.has_class("-disabled") for k in footer.query(FooterKey)] == [True, False, False]
+
+    asyncio.run(main())

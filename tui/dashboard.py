@@ -20,10 +20,11 @@ from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Label
+from textual.widgets import Button, Label
 
 from .components.checkpoints import CheckpointTable
 from .components.header import STATE_STYLE, RunHeader
+from .components.footer import KeyFooter
 from .components.lines import LineView
 from .components.modals import ask_search
 from .components.nodes import NodeTable
@@ -120,7 +121,7 @@ class Dashboard(Screen):
                 key = self.app.get_key_display(c.binding)
                 yield Button(f"{c.title} ({key})", id=f"button-{c.action}", compact=True)
         yield self.controls
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.poll()

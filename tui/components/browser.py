@@ -10,12 +10,13 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Input, Label
+from textual.widgets import DataTable, Input, Label
 
 from ..choices import next_option
 from ..format import fmt_duration, fmt_num
 from ..runs import AGE_WINDOWS, SORT_KEYS, STATE_FILTERS, Listing, RunSummary, run_dirs, summarize
 from .header import STATE_STYLE
+from .footer import KeyFooter
 
 #: The browser's columns and their widths (each a :data:`~..runs.SORT_KEYS` column).
 COLUMNS = (("run", 24), ("state", 13), ("step", 7), ("last loss", 9), ("age", 13))
@@ -50,7 +51,7 @@ class RunBrowser(Screen[Path]):
         yield Label("", id="run-listing", markup=False)
         yield Input(placeholder="names holding... (enter: keep, escape: clear)", id="run-filter")
         yield DataTable(id="runs", cursor_type="row")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)

@@ -7,9 +7,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Input, Label, Static
+from textual.widgets import Button, Input, Label, Static
 
 from ..launch import RunSpec
+from .footer import KeyFooter
 
 #: (field, label, input type) in form order.
 FIELDS = (
@@ -45,7 +46,7 @@ class NewRunScreen(Screen[RunSpec | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("launch", id="launch", variant="success")
                 yield Button("cancel", id="cancel")
-        yield Footer()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self.query_one("#launch", Button).focus()
