@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 TRAINER_STATE = "trainer_state.json"
 
 
-
 def _flag(key: str) -> str:
     return f"--{key.replace('_', '-')}"
 

@@ -49,7 +49,8 @@ class NewRunScreen(Screen[RunSpec | None]):
         yield KeyFooter()
 
     def on_mount(self) -> None:
-        self.query_one("#launch", Button).focus()
+        # Enter launches; the form stays scrolled to its top (title, first fields) on a small terminal
+        self.query_one("#launch", Button).focus(scroll_visible=False)
 
     def read_spec(self) -> RunSpec | list[str]:
         """The spec in the form, or the problems with it (each naming its field)."""
