@@ -200,3 +200,33 @@ def test_the_charts_show_the_whole_resumed_run_on_shared_axes_and_the_straggler_
             assert str(table.columns[next(iter(table.columns))].label) == "node ▼"
 
     asyncio.run(main())
+
+
+def test_under_the_help_nothing_is_drawn_and_closing_it_draws_what_came_meanwhile(tmp_path):
+    """While the help covers the dashboard the polls take records in but draw no pane; the frame
+    that closes the help shows the panes as they were, and the steps written meanwhile follow
+    right after it."""
+    from osft.tui.components.modals import HelpScreen
+
+    root = tmp_path / "run"
+    write_resumed_run(root, replayed=False)
+
+    async def main():
+        app = OsftTui(root, poll_s=0.1)
+        async with app.run_test(size=(140, 40)) as pilot:
+            dash = app.dashboard
+            table = dash.query_one(NodeTable)
+            await wait_until(pilot, lambda: "node0" in table.rows and str(table.get_cell("node0", "step")) == "10", 20,
+                             "step 10 on node 0's row")
+            await pilot.press("question_mark")
+            await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), 5, "the help")
+            with open(root / "metrics" / "node0.jsonl", "a") as f:
+                f.writelines(json.dumps(step_record(0, step, 0)) + "\n" for step in (11, 12))
+            await wait_until(pilot, lambda: dash.run.nodes[0].step == 12, 20, "the records read")
+            await pilot.pause(1.5)  # polls, slow tier included, with the help on top
+            assert str(table.get_cell("node0", "step")) == "10" and dash._stale
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: str(table.get_cell("node0", "step")) == "12", 5, "step 12 drawn")
+            assert not dash._stale
+
+    asyncio.run(main())

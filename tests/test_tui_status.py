@@ -70,8 +70,12 @@ def test_a_launch_that_fails_at_once_is_shown_and_the_form_comes_back_with_its_v
         assert form.query_one("#field-output_dir", Input).value == str(out)
         assert "--fake-step-seconds abc" in form.query_one("#field-extra_args", Input).value
         assert "launcher exited with code 2" in titles(app)
-        assert "launch failed" in header(app) and "exited with code 2" in header(app)
-        assert "invalid float value: 'abc'" in events(app)  # the end of logs/launcher.node0.log
+        await pilot.press("escape")  # back to the dashboard: it says why, in the run line and the events
+        await wait_until(pilot, lambda: app.screen is app.dashboard and "launch failed" in header(app), 10,
+                         "the dashboard's run line")
+        assert "exited with code 2" in header(app)
+        await wait_until(pilot, lambda: "invalid float value: 'abc'" in events(app), 10,
+                         "the end of logs/launcher.node0.log in the events")
 
     try:
         in_app(None, scenario)

@@ -95,6 +95,7 @@ class Dashboard(Screen):
         self._live: bool | None = None
         self._live_of: tuple = ()
         self._sampled = float("-inf")
+        self._stale = False  # a poll while another screen was on top drew nothing
         self._told: tuple[str, str] | None = None
         self._said: dict[str, float] = {}
         #: The metric chart and the tokens/s chart, once mounted (:meth:`_mount_charts`).
@@ -208,12 +209,37 @@ class Dashboard(Screen):
         slow = now - self._sampled >= SAMPLE_S  # the costly redraws: once per SAMPLE_S
         if slow:
             self._stats, self._sampled = self._sample(), now
-            self._write_events()
         processes = self._processes()
         if slow or processes != self._live_of:  # at once when the run names other processes
             self._live = self.view.any_alive() if any(processes) else None
             self._live_of = processes
         run, stats = self.run, self._stats
+        here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
+        launches = self.controls.launches
+        status = judge(run, self._live if here else None, launches.starting(run), launches.failure, time.time())
+        self._tell(status)
+        if self.on_terminal():
+            self._draw(status, slow)
+        else:  # under the help, the log view or the new-run form: drawn in full once shown again (on_screen_resume)
+            self._stale = True
+        for record in update.checkpoint_records if update else []:
+            self.controls.requests.answer(record, Shown(run, self.view, self._live))
+        if slow:
+            self.offer_controls()
+
+    def on_terminal(self) -> bool:
+        """Whether any of the dashboard is on the terminal: it is the top screen, or every screen
+        above it lets it show through (a dialog's translucent background). Textual's
+        ``Screen.is_current`` is true under an opaque screen too."""
+        stack = self.app.screen_stack
+        return self in stack and all(s.styles.background.a < 1 for s in stack[stack.index(self) + 1:])
+
+    def _draw(self, status: Status, slow: bool) -> None:
+        """Show the run: the run line, counters, node and checkpoint tables each poll; the event
+        lines, charts and rank table when ``slow`` (once per :data:`SAMPLE_S`)."""
+        run, stats = self.run, self._stats
+        if slow:
+            self._write_events()
         usage: dict[int, tuple[float | None, int | None]] = {}
         for rank, s in stats.items():
             if s is None or not s.alive or rank not in run.ranks:
@@ -221,11 +247,7 @@ class Dashboard(Screen):
             node = run.ranks[rank].node_rank
             cpu, rss = usage.get(node, (0.0, 0))
             usage[node] = ((cpu or 0.0) + (s.cpu_percent or 0.0), (rss or 0) + (s.rss_bytes or 0))
-        here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
-        launches = self.controls.launches
-        status = judge(run, self._live if here else None, launches.starting(run), launches.failure, time.time())
         self.query_one(RunHeader).show(run, status, self.readonly)
-        self._tell(status)
         self.query_one(ViolationCounters).show(run.violations)
         self.query_one(NodeTable).show(run, usage, stalled_nodes(run, time.time()))
         if slow:
@@ -235,10 +257,13 @@ class Dashboard(Screen):
         if slow:
             self.query_one(RankTable).show([r for _, r in sorted(run.ranks.items())], stats, run.node_exit_codes(),
                                             run.gpus_by_rank())
-        for record in update.checkpoint_records if update else []:
-            self.controls.requests.answer(record, Shown(run, self.view, self._live))
-        if slow:
-            self.offer_controls()
+
+    def on_screen_resume(self) -> None:
+        """Back on top: the first frame shows the panes as they were (their renders are kept, so
+        it costs one composite); everything that changed meanwhile is drawn right after it."""
+        if self._stale:
+            self._stale, self._sampled = False, float("-inf")
+            self.call_after_refresh(self.poll)
 
     def offer_controls(self) -> None:
         """Dim the buttons that cannot act now, with the reason as their tooltip: checkpoint and
@@ -274,8 +299,8 @@ class Dashboard(Screen):
     def _queue_events(self, update: Update) -> None:
         """Keep the update's event lines for the next write (every lifecycle line and the newest
         :data:`EVENT_LINES` warnings; the others are counted); rank output is dropped (the log view
-        reads it)."""
-        self._queued.merge(update).cap(EVENT_LINES, 0)
+        reads it); its checkpoint records are answered by the poll that took it, not kept."""
+        self._queued.merge(update).cap(EVENT_LINES, 0).checkpoint_records.clear()
 
     def _write_events(self) -> None:
         """Append the queued lines to the event pane in one write (one render, one scroll)."""
@@ -287,7 +312,7 @@ class Dashboard(Screen):
         lines += self._once(q.events)
         if lines:
             self.query_one(LineView).add(lines)
-        q.events, q.dropped_events, q.dropped_logs, q.checkpoint_records = [], 0, 0, []  # answered per poll
+        q.events, q.dropped_events, q.dropped_logs = [], 0, 0
 
     def _once(self, events: list[Event]) -> list[tuple[str, Text]]:
         """``(level, line)`` of ``events`` without repeats: lines that differ only in their "rank N: "
