@@ -145,3 +145,26 @@ def test_bench_launch_times_the_phases_of_a_two_rank_run(tmp_path):
     assert all(v > 0 for v in run.values()), run
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert result["revisions"] == {"this": head}
+
+
+@pytest.mark.bench
+def test_stress_test_records_every_run_and_keeps_a_failed_one(tmp_path):
+    """``stress_test.py``: a passing test twice (two records, exit 0), then a test that does not
+    exist (pytest's exit 4: counted failed, its output kept, the script's exit 1)."""
+    script = [sys.executable, str(REPO / "benchmarks" / "stress_test.py")]
+    passing = "tests/test_config_sections.py::test_a_read_outside_the_declared_section_is_found"
+    out = tmp_path / "stress.json"
+    proc = subprocess.run([*script, "--runs", "2", "--out", str(out), "--keep", str(tmp_path / "kept"), passing],
+                          cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [r["exit_code"] for r in result["runs"]] == [0, 0] and result["test"] == passing
+    assert result["summary"]["runs"] == 2 and result["summary"]["failed"] == result["summary"]["crashed"] == 0
+    assert not (tmp_path / "kept").exists()
+    proc = subprocess.run([*script, "--runs", "1", "--out", str(out), "--keep", str(tmp_path / "kept"),
+                           "tests/test_config_sections.py::no_such_test"],
+                          cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    result = json.loads(out.read_text())
+    assert result["runs"][0]["exit_code"] == 4 and result["summary"]["failed"] == 1 and result["summary"]["crashed"] == 0
+    assert "no_such_test" in (tmp_path / "kept" / "run1.txt").read_text()
