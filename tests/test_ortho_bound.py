@@ -107,7 +107,7 @@ def test_steps_between_full_checks_use_the_bound(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA] * 7)
     trainer = prepared(tiny_model_dir, data, tmp_path / "run", "--ortho-check-every", "3")
     records = [trainer.train_step(step, trainer.sampler.batch(0, step - 1)) for step in (1, 2, 3)]
-    trainer.cfg.ortho_margin_deg = 1e-6
+    trainer.train_step.ortho_margin_deg = 1e-6  # the train step keeps its settings
     records.append(trainer.train_step(4, trainer.sampler.batch(0, 3)))
     assert [r["ortho_max_dev_deg"] is not None for r in records] == [True, False, True, True]
     assert [r["osft_dw_rel_max"] is not None for r in records] == [True, False, True, False]
