@@ -87,6 +87,7 @@ ABLATIONS = [
     SequenceArm("ablate_trained_non_targets", "trainer", {"osft_unfreeze_rank_ratio": URR, "freeze_non_target": False},
                 1e-4),
 ]
+ABLATION_NAMES = {a.name for a in ABLATIONS}
 #: Share of a replay arm's batches drawn from the earlier tasks (split evenly over them).
 REPLAY_SHARE = 0.1
 
@@ -406,7 +407,7 @@ def summarize(result: dict) -> dict:
             out[arm][kind] = {"tasks": [names[j] for j in cols], "R": np.round(R[0], 3).tolist(),
                               "measures": {k: interval(v) for k, v in m.items()}}
         for arm in result["arms"]:
-            for ref in ("full_ft", "osft_unprotected") + (("osft_default",) if arm.startswith("ablate_") else ()):
+            for ref in ("full_ft", "osft_unprotected") + (("osft_default",) if arm in ABLATION_NAMES else ()):
                 if (kind, ref) in replicates and arm not in (ref, "multitask"):
                     out[arm][kind][f"minus_{ref}"] = {k: interval(v - replicates[(kind, ref)][k])
                                                       for k, v in replicates[(kind, arm)].items()}

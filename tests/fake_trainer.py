@@ -562,10 +562,10 @@ class Rank:
             self.counters["ortho_violations_total"] += record["ortho_violations"]
             self.counters["samples_seen"] += record["num_samples"]
             self.counters["tokens_seen"] += record["num_tokens"]
+            gpus = self.gpus() if args.fake_gpus else None
             self.metrics.log("step", step=self.step, epoch=(self.step - 1) // STEPS_PER_EPOCH,
-                             ortho_violations_total=self.counters["ortho_violations_total"],
-                             rss_bytes=rss_bytes(), gpu_mem_bytes=self.gpus()[self.local]["mem_bytes"] if args.fake_gpus
-                             else None, gpus=self.gpus() if args.fake_gpus else None, **record)
+                             ortho_violations_total=self.counters["ortho_violations_total"], rss_bytes=rss_bytes(),
+                             gpu_mem_bytes=gpus[self.local]["mem_bytes"] if gpus else None, gpus=gpus, **record)
             print(f"step {self.step} rank {self.rank} loss {record['loss']:.4f} "
                   f"tokens/s {record['tokens_per_s']:.0f} violations {self.counters['ortho_violations_total']}")
             decision = self.sync_rank0() if self.rank == 0 else self.sync_other()

@@ -1,7 +1,7 @@
 """The memory fields of the ``step`` record: this process's, and on CUDA every GPU of the node
 (``gpus``, what the dashboard's rank table shows). This machine has no GPU: the CUDA reads
-(``gpu_sample``) and the ranks' ``all_gather`` (``gather_rows``) are stood in for; NVML's
-refusal is real (a CPU build of torch cannot read it)."""
+(``gpu_sample``) are stood in for, and the ranks' ``all_gather`` (``gather_rows``) where the
+test needs several ranks; NVML's refusal is real (a CPU build of torch cannot read it)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ def test_a_cuda_step_record_lists_every_gpu_of_its_node(monkeypatch):
 
 def test_without_nvml_the_utilisation_is_none_and_said_once(monkeypatch):
     monkeypatch.setattr(step_record, "gpu_sample", lambda device, utilization: (10**9, 1.0 if utilization else None))
-    monkeypatch.setattr(step_record, "gather_rows", lambda row: [row])
     report = Recorded()
     recorder = StepRecorder(None, [0], 0, 0, torch.device("cuda"), report)
     recorder.log(1, 0, 0, {})
