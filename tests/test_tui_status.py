@@ -289,3 +289,44 @@ def test_attaching_to_a_live_run_never_shows_it_dead_nor_rings(tmp_path):
     finally:
         proc.kill()
         kill_run(out)
+
+
+@linux
+@pytest.mark.tui_process
+def test_a_run_that_ends_while_the_reader_lags_is_never_dead(tmp_path):
+    """The run writes its last word and its processes exit; the dashboard's process sample finds
+    none left before the reader's next poll has read that word: the run stays as it was (not dead,
+    no bell) until the word arrives."""
+    launcher = subprocess.Popen(["sleep", "60"])
+    now = time.time()
+    state = {"job_id": "j", "state": "running", "launcher_pid": launcher.pid, "hostname": socket.gethostname(),
+             "start_time": now, "updated_at": now, "config": {"max_steps": 50}, "exit_code": None}
+    (tmp_path / "run.json").write_text(json.dumps(state))
+    bells, seen = [], []
+
+    async def scenario(app, pilot):
+        from osft.tui.reader import Reader
+
+        app.bell = lambda: bells.append(header(app))
+        dash = app.dashboard
+        await wait_until(pilot, lambda: " running " in header(app), 20, "the running state")
+        dash.reader.close()
+        dash.reader = reader = Reader(tmp_path, 4.0)  # the reader lags the 1 s process samples by up to 4 s
+        arrived, receive = [], reader.receive
+        reader.receive = lambda: (update := receive()) and (arrived.append(time.time()) or update)
+        read = await wait_until(pilot, lambda: arrived and arrived[0], 10, "an update of the lagging reader")
+        (tmp_path / "run.json").write_text(json.dumps({**state, "state": "stopped", "exit_code": 0}))
+        launcher.kill()
+        launcher.wait()
+        while " stopped " not in header(app):
+            seen.append(header(app))
+            assert time.time() < read + 15, seen[-1]
+            await pilot.pause(0.05)
+        assert len(arrived) >= 2
+        assert not [s for s in seen if " dead " in s] and "dead" not in events(app) and not bells, (seen, bells)
+        assert any(" running " in s for s in seen[-5:])  # the sample found no process before the word came
+
+    try:
+        in_app(tmp_path, scenario)
+    finally:
+        launcher.kill()

@@ -38,7 +38,7 @@ from .processes import ProcessView, ProcStats, this_host
 from .reader import Reader, Update
 from .requests import CHECKPOINT, STOP
 from .run_state import Event, RunModel, Violations
-from .status import Status, judge, stalled_nodes
+from .status import Status, judge, liveness, stalled_nodes
 
 if TYPE_CHECKING:
     from .components.charts import MetricChart, ThroughputChart
@@ -94,6 +94,8 @@ class Dashboard(Screen):
         self._queued = Update(RunModel("."))
         self._live: bool | None = None
         self._live_of: tuple = ()
+        self._gone_at: float | None = None  # the first sample in a row that found no process of the run
+        self._read_at = float("-inf")  # when the reader's poll that read the model shown began
         self._sampled = float("-inf")
         self._stale = False  # a poll while another screen was on top drew nothing
         self._told: tuple[str, str] | None = None
@@ -174,6 +176,7 @@ class Dashboard(Screen):
         self._queued = Update(RunModel("."))
         self._stats, self._live, self._live_of, self._sampled, self._told, self._said = \
             {}, None, (), float("-inf"), None, {}
+        self._gone_at, self._read_at = None, float("-inf")
         if self.is_mounted:
             self.query_one(LineView).forget()
             self.query_one(CheckpointTable).show([])
@@ -205,18 +208,22 @@ class Dashboard(Screen):
             return
         if update is not None:
             self.run = self.view.model = update.model
+            self._read_at = update.read_at
             self._queue_events(update)
         slow = now - self._sampled >= SAMPLE_S  # the costly redraws: once per SAMPLE_S
         if slow:
             self._stats, self._sampled = self._sample(), now
         processes = self._processes()
         if slow or processes != self._live_of:  # at once when the run names other processes
-            self._live = self.view.any_alive() if any(processes) else None
-            self._live_of = processes
+            alive = self.view.any_alive() if any(processes) else None
+            if alive is not False or processes != self._live_of or self._gone_at is None:
+                self._gone_at = time.time() if alive is False else None
+            self._live, self._live_of = alive, processes
         run, stats = self.run, self._stats
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
         launches = self.controls.launches
-        status = judge(run, self._live if here else None, launches.starting(run), launches.failure, time.time())
+        live = liveness(self._live, self._gone_at, self._read_at) if here else None
+        status = judge(run, live, launches.starting(run), launches.failure, time.time())
         self._tell(status)
         if self.on_terminal():
             self._draw(status, slow)

@@ -53,6 +53,7 @@ class Update:
         checkpoint_records: every ``checkpoint_requested`` and ``checkpoint_saved`` record read, in
             order (never dropped: requests wait for them).
         read_s: seconds the reader spent on the polls merged here (s).
+        read_at: unix time the newest poll merged here began: every file it read was read after it.
     """
 
     model: RunModel
@@ -61,6 +62,7 @@ class Update:
     dropped_logs: int = 0
     checkpoint_records: list[dict] = field(default_factory=list)
     read_s: float = 0.0
+    read_at: float = float("-inf")
 
     def cap(self, events: int = EVENTS_PER_UPDATE, logs: int = LOG_LINES_PER_UPDATE) -> Update:
         """Keep every lifecycle line (:attr:`~.run_state.Event.lifecycle`: starts, requests, saves,
@@ -82,6 +84,7 @@ class Update:
         self.dropped_logs += later.dropped_logs
         self.checkpoint_records += later.checkpoint_records
         self.read_s += later.read_s
+        self.read_at = later.read_at
         return self
 
 
@@ -171,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout.buffer
     reading = History(root, float(poll_s))
     while os.getppid() == int(parent):
-        start = time.monotonic()
+        start, began = time.monotonic(), time.time()
         model, result = reading.poll()
-        update = Update(model, result.events, checkpoint_records=result.checkpoint_records, read_s=time.monotonic() - start)
+        update = Update(model, result.events, checkpoint_records=result.checkpoint_records,
+                        read_s=time.monotonic() - start, read_at=began)
         data = pickle.dumps(update.cap(), pickle.HIGHEST_PROTOCOL)
         try:
             out.write(_HEADER.pack(len(data)) + data)  # blocks while the dashboard is behind

@@ -110,6 +110,22 @@ def judge(model: RunModel, live: bool | None, starting: bool, failure: LaunchFai
     return Status(state, detail, elapsed, model.eta_s() if running else None, age, stalled, model.step)
 
 
+def liveness(alive: bool | None, gone_at: float | None, read_at: float) -> bool | None:
+    """The liveness :func:`judge` may go by: ``alive`` as sampled, except that "no process left"
+    stays unknown (None) until the run directory has been read after the sample that first found
+    none (``gone_at``, unix time): a run writes its last word (``stopped``, ``completed``) before
+    its processes exit, and the reader may not have delivered that word yet.
+
+    Args:
+        alive: the latest process sample (None: not known).
+        gone_at: unix time of the first sample in a row that found no process of the run.
+        read_at: unix time the poll that read the model shown began.
+    """
+    if alive is False and (gone_at is None or read_at < gone_at):
+        return None
+    return alive
+
+
 def current(model: RunModel, node: NodeStats) -> bool:
     """Whether ``node``'s latest step record is of the job ``run.json`` names (not of the job a
     resume replaces, while the new one loads its model)."""
