@@ -1,8 +1,13 @@
 """``osft-train estimate-memory``: the estimator's arithmetic on a model small enough to count by
 hand, and its estimate against one real CPU run."""
 
+import json
+from dataclasses import asdict
+
 import pytest
 from transformers import LlamaConfig
+
+from osft.trainer.config import TrainConfig
 
 from osft.trainer.launch.cli import main
 from osft.trainer.tools.memory_plan import CPU_RUNTIME_BYTES, MemoryPlan, estimate
@@ -65,6 +70,16 @@ def test_the_command_prints_the_parts_and_a_one_line_verdict(model_dir, capsys):
     assert main(["estimate-memory", model_dir, "--device", "cuda", "--device-memory-gb", "80"]) == 0
     assert "fits: peak per rank ≈ 0.00 GiB (training) of 74.5 GiB (0%)" in capsys.readouterr().err
 
+
+def test_the_training_flags_default_as_a_training_run_does(model_dir, capsys):
+    """The flags shared with ``osft-train`` come from its declarations: an estimate with none given is
+    the estimate of a run with the training defaults (its micro-batch budget, OSFT on, URR 0.25)."""
+    assert main(["estimate-memory", model_dir, "--device", "cuda", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().err)  # the console is stderr's
+    expected = estimate(model_dir, tokens_per_gpu=TrainConfig.max_tokens_per_gpu, device="cuda", dtype="bfloat16")
+    assert {k: plan[k] for k in asdict(expected)} == asdict(expected)
+    assert main(["estimate-memory", model_dir, "--device", "cuda", "--json", "--no-osft"]) == 0
+    assert json.loads(capsys.readouterr().err)["frozen"] == 0
 
 @pytest.mark.torchrun
 def test_the_estimate_is_within_15_percent_of_a_real_cpu_run(tiny_model_dir, tmp_path):

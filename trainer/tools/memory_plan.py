@@ -214,35 +214,38 @@ def render(plan: MemoryPlan, device_bytes: float | None) -> list[str]:
     return ["memory per rank:", *rows, *phases, plan.verdict(device_bytes)]
 
 
+#: Training settings the estimate depends on; their flags come from :mod:`..config`'s declarations.
+_RUN_SETTINGS = ("osft", "osft_unfreeze_rank_ratio", "max_tokens_per_gpu", "activation_checkpointing",
+                 "osft_cache_v_high", "osft_protect_basis", "osft_protect_input_memory_gb", "save_dtype")
+
+
 def main(argv: list[str], console) -> None:
     """``osft-train estimate-memory MODEL [...]``; prints the table and the verdict (``--json``: the plan)."""
     import argparse
 
+    from ..config import FIELDS
+    from ..setting import add_flag
+
     p = argparse.ArgumentParser(prog="osft-train estimate-memory", description=__doc__.splitlines()[0])
     p.add_argument("model", help="a model directory (its config.json) or an osft export")
-    p.add_argument("--no-osft", action="store_true", help="full fine-tuning")
-    p.add_argument("--osft-unfreeze-rank-ratio", type=float, default=0.25, metavar="URR")
     p.add_argument("--protected-rank", type=int, default=None, metavar="P",
                    help="p_L = p_R = P for every target (default: the model's osft_subspaces.json, else 0)")
     p.add_argument("--dtype", choices=tuple(_BYTES), default=None, help="compute dtype (default: by --device)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--max-tokens-per-gpu", type=int, default=2048)
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--osft-cache-v-high", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--osft-protect-basis", choices=("auto", "update", "inputs"), default="auto",
-                   help="the export's right-side bases (input bases hold M×M Grams)")
-    p.add_argument("--osft-protect-input-memory-gb", type=float, default=4.0, metavar="GB")
-    p.add_argument("--save-dtype", choices=tuple(_BYTES), default="bfloat16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="where the ranks train")
+    p.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (FSDP2)")
     p.add_argument("--device-memory-gb", type=float, default=None, help="memory of one device, GB (10^9 bytes)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+    g = p.add_argument_group("training settings (as osft-train's, same defaults)")
+    for field in FIELDS:
+        if field.name in _RUN_SETTINGS:
+            add_flag(g, field, require_paths=False)
     args = p.parse_args(argv)
     protected = None
     if args.protected_rank is not None:
         from ..model.build import target_shapes
 
         protected = {name: (args.protected_rank, args.protected_rank) for name in target_shapes(args.model, None)}
-    plan = estimate(args.model, osft=not args.no_osft, urr=args.osft_unfreeze_rank_ratio, protected=protected,
+    plan = estimate(args.model, osft=args.osft, urr=args.osft_unfreeze_rank_ratio, protected=protected,
                     dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"), world_size=args.world_size,
                     tokens_per_gpu=args.max_tokens_per_gpu, activation_checkpointing=args.activation_checkpointing,
                     cache_v=args.osft_cache_v_high, device=args.device, protect_basis=args.osft_protect_basis,
