@@ -332,6 +332,22 @@ def test_every_sequence_arm_sets_real_trainer_settings():
         assert value != fields[key] and arm.learning_rate == default.learning_rate, arm.name
 
 
+def test_parts_of_one_sequence_result_share_their_base_evaluation_up_to_summation_order():
+    """Parts run with other thread counts differ in the base NLLs' last digits only: merged; a real
+    difference in an NLL, a token count or an exact match is refused."""
+    import continual_sequence
+
+    base = {"trivia": {"nll": [38.98617, 42.76373], "tokens": [5, 6], "hit": [0, 1]}, "foldoc": {"nll": [3.5], "tokens": [9]}}
+
+    def changed(task, key, value):
+        return {t: {k: (value if (t, k) == (task, key) else v) for k, v in e.items()} for t, e in base.items()}
+
+    assert continual_sequence._same_base(base, changed("trivia", "nll", [38.98609, 42.76365]))  # 2e-6 relative
+    assert not continual_sequence._same_base(base, changed("trivia", "nll", [38.99617, 42.76373]))  # 2.6e-4
+    assert not continual_sequence._same_base(base, changed("trivia", "hit", [1, 1]))
+    assert not continual_sequence._same_base(base, changed("foldoc", "tokens", [10]))
+    assert not continual_sequence._same_base(base, {"trivia": base["trivia"]})
+
 def test_sequence_measures_of_a_hand_made_accuracy_matrix():
     from continual_learning.matrix import sequence_measures
 
