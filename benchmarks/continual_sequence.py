@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
 import shutil
 import statistics
 import sys
@@ -183,18 +184,22 @@ PART_SETTINGS = ("arms", "seeds", "work_dir", "out", "merge", "markdown")
 
 
 #: Relative tolerance of the base model's NLLs that parts of one result must share: a part run with
-#: another number of intra-op threads sums in another order (relative differences near 1e-6).
+#: another number of intra-op threads sums in another order and differs in the last digits.
 BASE_NLL_RTOL = 1e-4
 
 
 def _same_base(a: dict, b: dict) -> bool:
     """Whether two base evaluations (task → {"nll": [...], "tokens": [...], "hit": [...]}) agree:
     every value exactly but the NLLs, which agree within :data:`BASE_NLL_RTOL`."""
-    if a.keys() != b.keys() or any(a[t].keys() != b[t].keys() for t in a):
+    if a.keys() != b.keys() or any(a[task].keys() != b[task].keys() for task in a):
         return False
-    return all(len(a[t][k]) == len(b[t][k]) and all(
-        math.isclose(x, y, rel_tol=BASE_NLL_RTOL) if k == "nll" else x == y for x, y in zip(a[t][k], b[t][k]))
-        for t in a for k in a[t])
+    for task, values in a.items():
+        for key, xs in values.items():
+            ys = b[task][key]
+            agree = (lambda x, y: math.isclose(x, y, rel_tol=BASE_NLL_RTOL)) if key == "nll" else operator.eq
+            if len(xs) != len(ys) or not all(map(agree, xs, ys)):
+                return False
+    return True
 
 
 def merge(paths: list[Path]) -> dict:
@@ -217,7 +222,8 @@ def merge(paths: list[Path]) -> dict:
     out.update(arms=[], seeds=[], evals={"base": first["evals"]["base"]}, stages={}, arm_settings={},
                wall_s=0.0, parts=[str(path) for path in paths])
     for path, r in parts:
-        differ = [k for k in same(r) if same(r)[k] != same(first)[k]]
+        mine, theirs = same(r), same(first)
+        differ = [k for k in mine if mine[k] != theirs[k]]
         differ += [] if _same_base(r["evals"]["base"], first["evals"]["base"]) else ["base"]
         if differ:
             raise SystemExit(f"{path}: its {', '.join(differ)} differ from {first_path}'s: not parts of one result")

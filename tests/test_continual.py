@@ -348,6 +348,7 @@ def test_parts_of_one_sequence_result_share_their_base_evaluation_up_to_summatio
     assert not continual_sequence._same_base(base, changed("foldoc", "tokens", [10]))
     assert not continual_sequence._same_base(base, {"trivia": base["trivia"]})
 
+
 def test_sequence_measures_of_a_hand_made_accuracy_matrix():
     from continual_learning.matrix import sequence_measures
 

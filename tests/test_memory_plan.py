@@ -8,7 +8,6 @@ import pytest
 from transformers import LlamaConfig
 
 from osft.trainer.config import TrainConfig
-
 from osft.trainer.launch.cli import main
 from osft.trainer.tools.memory_plan import CPU_RUNTIME_BYTES, MemoryPlan, estimate
 
@@ -80,6 +79,7 @@ def test_the_training_flags_default_as_a_training_run_does(model_dir, capsys):
     assert {k: plan[k] for k in asdict(expected)} == asdict(expected)
     assert main(["estimate-memory", model_dir, "--device", "cuda", "--json", "--no-osft"]) == 0
     assert json.loads(capsys.readouterr().err)["frozen"] == 0
+
 
 @pytest.mark.torchrun
 def test_the_estimate_is_within_15_percent_of_a_real_cpu_run(tiny_model_dir, tmp_path):

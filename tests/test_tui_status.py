@@ -313,7 +313,14 @@ def test_a_run_that_ends_while_the_reader_lags_is_never_dead(tmp_path):
         dash.reader.close()
         dash.reader = reader = Reader(tmp_path, 4.0)  # the reader lags the 1 s process samples by up to 4 s
         arrived, receive = [], reader.receive
-        reader.receive = lambda: (update := receive()) and (arrived.append(time.time()) or update)
+
+        def receive_and_note():
+            update = receive()
+            if update is not None:
+                arrived.append(time.time())
+            return update
+
+        reader.receive = receive_and_note
         read = await wait_until(pilot, lambda: arrived and arrived[0], 10, "an update of the lagging reader")
         (tmp_path / "run.json").write_text(json.dumps({**state, "state": "stopped", "exit_code": 0}))
         launcher.kill()

@@ -216,8 +216,10 @@ class Dashboard(Screen):
         processes = self._processes()
         if slow or processes != self._live_of:  # at once when the run names other processes
             alive = self.view.any_alive() if any(processes) else None
-            if alive is not False or processes != self._live_of or self._gone_at is None:
-                self._gone_at = time.time() if alive is False else None
+            if alive is not False:
+                self._gone_at = None
+            elif self._gone_at is None or processes != self._live_of:  # the first sample to find none
+                self._gone_at = time.time()
             self._live, self._live_of = alive, processes
         run, stats = self.run, self._stats
         here = any(this_host(i.hostname) for i in run.launchers.values()) or any(s is not None for s in stats.values())
