@@ -63,6 +63,7 @@ def test_modules_reading_one_input_share_its_gram_and_get_the_per_module_bases(l
                                          fold_cap(m.plan.k_low, 1.0))
         got, kept = found.directions[name]
         assert kept == ref_kept and 0 < kept.rank, name
+        assert got.untyped_storage().nbytes() == got.numel() * 8, name  # its own M×r, not the M×M eigenvectors
         torch.testing.assert_close(got @ got.t(), ref @ ref.t(), rtol=0, atol=1e-10, msg=name)
     assert (found.directions[modules[0][0]][0].t() @ q[modules[0][0]]).abs().max() < 1e-10
 

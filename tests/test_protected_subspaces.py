@@ -27,7 +27,7 @@ from osft.trainer.osft.projection import Projector
 from osft.trainer.osft.settings import OSFTSettings
 from osft.trainer.osft.chain import chain_budget
 from osft.trainer.osft.input_grams import calibration_indices
-from osft.trainer.osft.protect import EnergyRank, ModuleFold, energy_rank, fold_cap, fold_module, input_directions, update_svd
+from osft.trainer.osft.protect import EnergyRank, ModuleFold, energy_rank, fold_cap, fold_module, input_directions, input_spectrum, update_svd
 
 FOLD_KEYS = ("P", "Q", "U_low", "S_low", "V_low", "U_start", "S_start", "V_start")
 
@@ -229,6 +229,10 @@ def test_input_energy_criterion_counts_the_old_basis_as_gpm_does():
     assert got.shape == (6, 0) and (kept.rank, kept.cap_bound) == (0, False) and kept.energy == pytest.approx(0.9)
     got, kept = input_directions(gram, q, 0.9, cap=1)  # the cap binds: e_1 only, 15 of 20 kept
     assert (kept.rank, kept.cap_bound) == (1, True) and kept.energy == pytest.approx(15 / 20)
+    shared = input_spectrum(gram, q)  # one eigendecomposition serves modules of other caps
+    for cap in (1, 6):
+        again, kept_again = input_directions(gram, q, 0.9, cap, spectrum=shared)
+        assert torch.equal(again, input_directions(gram, q, 0.9, cap)[0]) and kept_again.rank == min(cap, 2)
     assert energy_rank(torch.tensor([3.0, 1.0]), 0.5, 2, kept=6.0) == EnergyRank(0, 0.6, False)
     with pytest.raises(ValueError, match="criterion"):
         input_directions(gram, q, 0.9, 6, criterion="sum")

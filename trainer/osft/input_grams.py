@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .protect import EnergyRank, fold_cap, input_directions
+from .protect import EnergyRank, InputSpectrum, fold_cap, input_directions, input_spectrum
 
 #: Bytes of one Gram entry (float64).
 GRAM_ENTRY_BYTES = 8
@@ -286,11 +286,16 @@ def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, 
                 grams[i] = summed.cpu()
                 del summed
             if main:
+                spectra: list[tuple[torch.Tensor, InputSpectrum]] = []  # one eigendecomposition per distinct Q
                 for name in members:
                     m = by_name[name]
                     q = (bases_q or {}).get(name, grams[i].new_zeros(m.in_features, 0))
+                    spectrum = next((s for q0, s in spectra if q0.shape == q.shape and torch.equal(q0, q)), None)
+                    if spectrum is None:
+                        spectrum = input_spectrum(grams[i], q, criterion)
+                        spectra.append((q, spectrum))
                     directions[name] = input_directions(grams[i], q, energy, fold_cap(m.plan.k_low, max_rank_ratio),
-                                                       criterion)
+                                                       criterion, spectrum)
             grams[i] = None
 
     for group in groups:

@@ -97,17 +97,20 @@ def update_svd(U_now: torch.Tensor, S_now: torch.Tensor, V_now: torch.Tensor, U_
 INPUT_CRITERIA = ("total", "residual")
 
 
-def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: int,
-                     criterion: str = "total") -> tuple[torch.Tensor, EnergyRank]:
-    """Top eigenvectors of (I − QQᵀ) G (I − QQᵀ), G = X Xᵀ (M×M) of a run's layer inputs X (M×T).
+@dataclass(frozen=True)
+class InputSpectrum:
+    """The eigenpairs of (I − QQᵀ) G (I − QQᵀ) (:func:`input_spectrum`): ``eigvals`` (descending,
+    clamped at 0) and ``vecs`` (M×M float64, columns in the same order), and ``old``, ‖QᵀX‖_F² =
+    tr(QᵀGQ) for the ``total`` criterion (0.0 for ``residual``)."""
 
-    ``total``: the fewest with ‖QᵀX‖_F² + Σ λ_new ≥ ``target``·‖X‖_F² (‖QᵀX‖² = tr(QᵀGQ),
-    ‖X‖² = tr G = tr(QᵀGQ) + tr of the projected Gram); ``residual``: Σ λ_new ≥ ``target``·tr of
-    the projected Gram. Capped at ``cap`` either way.
+    eigvals: torch.Tensor
+    vecs: torch.Tensor
+    old: float
 
-    Returns:
-        ``(Q_t, kept)``: M×r float64 with r from :func:`energy_rank` of the eigenvalues; ``kept.energy``
-        the share of the criterion's total held (for ``total``, by Q and Q_t together).
+
+def input_spectrum(gram: torch.Tensor, Q: torch.Tensor, criterion: str = "total") -> InputSpectrum:
+    """The spectrum :func:`input_directions` cuts, of G = X Xᵀ (M×M) and an old basis Q (M×p_R),
+    in float64; modules that share G and Q (the first run of a chain: Q empty) share it.
 
     Raises:
         ValueError: an unknown criterion.
@@ -120,8 +123,29 @@ def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: in
     g = g - q @ (q.t() @ g)
     g = g - (g @ q) @ q.t()
     eigvals, vecs = torch.linalg.eigh((g + g.t()) / 2)
-    kept = energy_rank(eigvals.flip(0).clamp_min(0), target, cap, kept=old)
-    return vecs.flip(1)[:, : kept.rank], kept
+    return InputSpectrum(eigvals.flip(0).clamp_min(0), vecs.flip(1), old)
+
+
+def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: int,
+                     criterion: str = "total", spectrum: InputSpectrum | None = None) -> tuple[torch.Tensor, EnergyRank]:
+    """Top eigenvectors of (I − QQᵀ) G (I − QQᵀ), G = X Xᵀ (M×M) of a run's layer inputs X (M×T).
+
+    ``total``: the fewest with ‖QᵀX‖_F² + Σ λ_new ≥ ``target``·‖X‖_F² (‖QᵀX‖² = tr(QᵀGQ),
+    ‖X‖² = tr G = tr(QᵀGQ) + tr of the projected Gram); ``residual``: Σ λ_new ≥ ``target``·tr of
+    the projected Gram. Capped at ``cap`` either way. ``spectrum``: :func:`input_spectrum` of the
+    same ``gram``, ``Q`` and ``criterion``, computed once for modules that share them (None: computed here).
+
+    Returns:
+        ``(Q_t, kept)``: M×r float64 (its own storage, not a view of the M×M eigenvectors) with r
+        from :func:`energy_rank` of the eigenvalues; ``kept.energy`` the share of the criterion's
+        total held (for ``total``, by Q and Q_t together).
+
+    Raises:
+        ValueError: an unknown criterion.
+    """
+    spectrum = spectrum or input_spectrum(gram, Q, criterion)
+    kept = energy_rank(spectrum.eigvals, target, cap, kept=spectrum.old)
+    return spectrum.vecs[:, : kept.rank].clone(), kept
 
 
 def extend_basis(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
