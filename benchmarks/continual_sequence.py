@@ -19,6 +19,12 @@ BWT, FWT, F; goals are paired bootstrap differences (arm - sequential full FT, a
 OSFT; an ablation - the default chain), never ratios; each stage's
 fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
 
+``--probes``: also the probes no arm trains on (``continual_learning/probes.py``: capitals, two-digit
+arithmetic, simple instructions, R1 = the base model's own replies) on the base model and after the
+last stage, and the recovery check: :data:`RECOVERY_STEPS` steps of the first task from the last
+stage's model, then that task scored again (a score that comes back in two steps was alignment, not
+knowledge, lost).
+
 ``--quick``: a tiny random Llama, 1 step per stage, 4 items per task: a pipeline check for CI whose
 numbers mean nothing.
 
@@ -52,7 +58,8 @@ from machine import machine_info
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
-QUICK_SIZES = {"steps": 1, "batch": 4, "eval_items": 4, "max_new_tokens": 8, "bootstrap": 100}
+QUICK_SIZES = {"steps": 1, "batch": 4, "eval_items": 4, "max_new_tokens": 8, "bootstrap": 100, "probe_items": 4,
+               "r1_max_new_tokens": 8}
 URR = 0.25
 
 
@@ -92,6 +99,8 @@ ABLATIONS = [
 ABLATION_NAMES = {a.name for a in ABLATIONS}
 #: Share of a replay arm's batches drawn from the earlier tasks (split evenly over them).
 REPLAY_SHARE = 0.1
+#: Optimizer steps of the first task in the recovery check (``--probes``), from the last stage's model.
+RECOVERY_STEPS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--gen-batch", type=int, default=16)
     p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--probes", action="store_true",
+                   help="also score the probes no arm trains on and the recovery check after the last stage")
+    p.add_argument("--probe-items", type=int, default=48, help="items per probe (R1: the user turns of this many chit-chat rows)")
+    p.add_argument("--r1-max-new-tokens", type=int, default=32, help="length of the base model's R1 replies")
     p.add_argument("--data-dir", type=Path, default=None, help="where the built-in tasks are built (default: user cache)")
     p.add_argument("--foldoc-dir", type=Path, default=None)
     p.add_argument("--demo-dir", type=Path, default=None, help="demo assets (the base model)")
@@ -134,10 +147,10 @@ def markdown(result: dict) -> str:
     :data:`MATCHED_LA` off full FT's is marked unmatched); per arm the matrix R on the scored tasks; the
     ablations' paired differences to the default chain; the goal checks; the fold records of the
     default chain per stage."""
-    def iv(v: dict, sign: bool = False) -> str:
+    def iv(v: dict, sign: bool = False, digits: int = 1) -> str:
         if v["value"] is None:
             return "–"
-        f = "{:+.1f}" if sign else "{:.1f}"
+        f = f"{{:{'+' if sign else ''}.{digits}f}}"
         return f"{f.format(v['value'])} [{f.format(v['low'])}, {f.format(v['high'])}]".replace("-", "−")
 
     arms, summary = result["arms"], result["summary"]["arms"]
@@ -167,6 +180,20 @@ def markdown(result: dict) -> str:
         for arm in ablations:
             diff = summary[arm]["points"]["minus_osft_default"]
             lines.append(f"| {arm} | " + " | ".join(iv(diff[k], True) for k in ("AA", "LA", "BWT")) + " |")
+    probes = result["summary"].get("probes")
+    if probes:
+        base = result["summary"]["probes_base"]
+        lines += ["", f"Probes no arm trains on (base model: knowledge {base['knowledge']:.1f}, arithmetic "
+                  f"{base['arithmetic']:.1f}, instruction {base['instruction']:.1f} points; R1 NLL {base['r1']:.3f} "
+                  f"nats/token): change after the last stage (points; R1: NLL drift, nats/token). Recovery: the first "
+                  f"task after {RECOVERY_STEPS} steps of it, gain over the last stage and gap left to right after its "
+                  "own stage:", "",
+                  "| arm | knowledge | arithmetic | instruction | R1 drift | recovery gain | gap left |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for arm, m in probes.items():
+            lines.append(f"| {arm} | " + " | ".join(iv(m[k], True, 3 if k == "r1" else 1) if k in m else "–" for k in
+                                                    ("knowledge", "arithmetic", "instruction", "r1", "recovery_gain",
+                                                     "recovery_gap")) + " |")
     lines += ["", "| goal | value [95 % interval] | met |", "| --- | --- | --- |"]
     for g in result["summary"]["goals"]:
         lines.append(f"| {g['check']} | {iv(g, True)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
@@ -207,15 +234,16 @@ def merge(paths: list[Path]) -> dict:
     records of each, summarized again (:func:`summarize`); ``wall_s`` is the parts' sum.
 
     Raises:
-        SystemExit: naming the file, when the parts differ in tasks, settings or base evaluation
-            (NLLs within :data:`BASE_NLL_RTOL`),
+        SystemExit: naming the file, when the parts differ in tasks, settings (one a part lacks
+            counts as its default) or base evaluation (NLLs within :data:`BASE_NLL_RTOL`),
             hold the same arm and seed twice, or leave an arm without a seed another arm has.
     """
     parts = [(path, json.loads(path.read_text())) for path in paths]
     first_path, first = parts[0]
+    defaults = {k: str(v) if isinstance(v, Path) else v for k, v in vars(build_parser().parse_args([])).items()}
 
-    def same(r: dict) -> dict:
-        return {"settings": {k: v for k, v in r["settings"].items() if k not in PART_SETTINGS},
+    def same(r: dict) -> dict:  # a setting a part lacks was added after it ran: it ran with the default
+        return {"settings": {k: v for k, v in {**defaults, **r["settings"]}.items() if k not in PART_SETTINGS},
                 "tasks": r["tasks"], "model": r["model"]}
 
     out = {k: v for k, v in first.items() if k not in ("summary",)}
@@ -262,14 +290,18 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _data_dir(args) -> Path:
+    import platformdirs
+
+    return args.data_dir or Path(platformdirs.user_cache_dir("osft")) / "continual"
+
+
 def prepare(args, work: Path) -> tuple[list, dict, Path]:
     """The task specs in order, each task's subsets (train: 4x the samples a stage draws; eval items)
     under ``work``, and the base model directory."""
-    import platformdirs
     from continual_learning.sequence_tasks import builtin_specs, read_specs
 
-    data_dir = args.data_dir or Path(platformdirs.user_cache_dir("osft")) / "continual"
-    specs = read_specs(args.spec) if args.spec else builtin_specs(data_dir, args.foldoc_dir)
+    specs = read_specs(args.spec) if args.spec else builtin_specs(_data_dir(args), args.foldoc_dir)
     if args.order:
         by_name = {s.name: s for s in specs}
         if len(set(args.order)) != len(args.order) or len(args.order) < 2 or not set(args.order) <= set(by_name):
@@ -324,6 +356,44 @@ def evaluate(model_dir: Path, specs, files: dict, args) -> dict:
     return out
 
 
+def prepare_probes(args, work: Path, base: Path) -> dict:
+    """The probes of ``--probes``: ``items``, the generated ones
+    (:func:`continual_learning.probes.build_probes`, ``--probe-items`` each), and ``r1``, the base
+    model's greedy replies to the user turns of ``--probe-items`` held-out chit-chat rows (the demo's
+    eval file), tokenized as the trainer does (a reply that comes out empty is dropped)."""
+    from assets import demo_assets
+    from continual_learning.probes import build_probes
+    from osft.trainer.data.tokenize import tokenize_chat_file
+    from osft.trainer.model.loading import load_tokenizer
+    from osft.trainer.tools.retention_set import chat_prompts, make_retention_set
+
+    prompts, lines = chat_prompts(demo_assets(args.demo_dir).eval_path, args.probe_items)
+    make_retention_set(base, work / "r1.jsonl", prompts, args.r1_max_new_tokens, args.gen_batch, source_lines=lines)
+    r1 = tokenize_chat_file(work / "r1.jsonl", load_tokenizer(base), args.max_seq_len, "truncate")
+    return {"items": build_probes(_data_dir(args), args.probe_items), "r1": [r1[i] for i in range(len(r1))]}
+
+
+def evaluate_probes(model_dir: Path, probes: dict, args) -> dict:
+    """Per probe of :func:`prepare_probes`: ``hit`` per item (0/1, the greedy reply by
+    :func:`continual_learning.probes.hit`); ``r1``: ``nll``/``tokens`` per item."""
+    import torch
+    from continual_learning.evaluate import sample_nll
+    from continual_learning.probes import hit
+    from osft.trainer.model.loading import load_model, load_tokenizer
+    from osft.trainer.tools.retention_set import greedy_replies
+
+    model = load_model(model_dir, torch.float32, "cpu").eval()
+    tokenizer = load_tokenizer(model_dir)
+    out = {}
+    for name, items in probes["items"].items():
+        replies = greedy_replies(model, tokenizer, [i.prompt for i in items], args.max_new_tokens, args.gen_batch)
+        out[name] = {"hit": [int(hit(i, r)) for i, r in zip(items, replies)]}
+    nll, tokens = sample_nll(model, probes["r1"], args.max_tokens)
+    out["r1"] = {"nll": [round(float(x), 5) for x in nll], "tokens": [int(t) for t in tokens]}
+    del model
+    return out
+
+
 def fold_record(export: Path) -> dict | None:
     """The chain-health summary of an export's ``osft_subspaces.json`` (None without one)."""
     path = Path(export) / "osft_subspaces.json"
@@ -349,9 +419,13 @@ def _phase(name: str, data, steps: int, args, seed: int):
     return Phase(name, data, steps, args.batch, args.max_seq_len, args.max_tokens, "constant", 0, seed)
 
 
-def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, seed: int) -> tuple[dict, list]:
+def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, seed: int,
+            probes: dict | None = None) -> tuple[dict, list]:
     """Train ``arm`` through the sequence; returns its evaluations by stage (``"1"``..``"T"``; the
-    multi-task arm only ``"T"``) and the stages' records (seconds, fold records)."""
+    multi-task arm only ``"T"``) and the stages' records (seconds, fold records). With ``probes``
+    (:func:`prepare_probes`) the evaluations also hold ``"probes"`` (:func:`evaluate_probes` of the
+    last model) and, but for the multi-task arm, ``"recovery"``: the first task scored after
+    :data:`RECOVERY_STEPS` steps of it from the last model."""
     from continual_learning.methods import train_phase
 
     evals, stages, model = {}, [], base
@@ -360,6 +434,8 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
         out = train_phase(_spec(arm), _phase("all", data, len(specs) * args.steps, args, seed), base, work / "mt",
                           work / "cache")
         evals[str(len(specs))] = evaluate(out["model_dir"], specs, files, args)
+        if probes is not None:
+            evals["probes"] = evaluate_probes(out["model_dir"], probes, args)
         stages.append({"task": "all", "train_s": out["setup_s"] + out["train_s"], "fold": None})
         shutil.rmtree(work / "mt")
         return evals, stages
@@ -376,6 +452,13 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
         if i:
             shutil.rmtree(work / f"{arm.name}-{i - 1}")
         model = out["model_dir"]
+    if probes is not None:
+        evals["probes"] = evaluate_probes(model, probes, args)
+        first = specs[0]
+        out = train_phase(_spec(arm), _phase(f"{first.name}-recovery", files[first.name]["train"], RECOVERY_STEPS, args,
+                                             seed), model, work / f"{arm.name}-recovery", work / "cache")
+        evals["recovery"] = evaluate(out["model_dir"], [first], files, args)
+        shutil.rmtree(work / f"{arm.name}-recovery")
     shutil.rmtree(work / f"{arm.name}-{len(specs) - 1}")
     return evals, stages
 
@@ -390,12 +473,21 @@ GOALS = (("BWT", "full_ft", 0, None, None, -15), ("BWT", "osft_default", 0, None
          ("AA", "osft_default", 0.85, "multitask", 0, None))
 
 
+#: Goals on the probes (``--probes``), for the default recipe: (probe, factor, arm B, at least, at
+#: most) on the change from the base model (points; R1: its drift, nats/token, lower is better).
+PROBE_GOALS = (("r1", 0.5, "full_ft", None, 0), ("knowledge", 0, None, -3, None), ("arithmetic", 0, None, -3, None))
+
+
 def summarize(result: dict) -> dict:
     """Per arm and matrix (``points``: the tasks scored by exact match or format, in points; ``nll``:
     every task, minus the reference NLL in nats per token) the point matrix R, the measures (AA, LA,
     BWT, FWT, F) with 95 % paired bootstrap intervals and their differences to ``full_ft`` and
     ``osft_unprotected`` (an ablation's to ``osft_default`` too); and the goal checks on the points
-    matrix (:data:`GOALS`)."""
+    matrix (:data:`GOALS`). With probes (``probes_base`` in the result): per arm the change of each
+    probe from the base model (points; ``r1``: the NLL drift, nats per token), the recovery check's
+    ``recovery_gain`` (the first task's score after the recovery steps minus after the last stage)
+    and ``recovery_gap`` (right after its own stage minus after recovery), their differences to full
+    FT, and the goals of :data:`PROBE_GOALS`."""
     import numpy as np
     from continual_learning.matrix import sequence_measures
     from continual_learning.stats import Bootstrap, interval
@@ -406,6 +498,8 @@ def summarize(result: dict) -> dict:
     base = result["evals"]["base"]
     sizes = {**{f"{n}:nll": len(base[n]["nll"]) for n in names},
              **{f"{n}:hit": len(base[n]["hit"]) for n in names if "hit" in base[n]}}
+    probes_base = {f"probe.{k}": v for k, v in result.get("probes_base", {}).items()}
+    sizes.update({f"{n}:{key}": len(v[key]) for n, v in probes_base.items() for key in ("hit", "nll") if key in v})
     boot = Bootstrap(len(seeds), sizes, result["settings"]["bootstrap"])
     empty = np.full(boot.seeds.shape[0], np.nan)
 
@@ -436,17 +530,50 @@ def summarize(result: dict) -> dict:
                     out[arm][kind][f"minus_{ref}"] = {k: interval(v - replicates[(kind, ref)][k])
                                                       for k, v in replicates[(kind, arm)].items()}
     goals = []
+
+    def check(what: str, diff: np.ndarray, at_least: float | None, at_most: float | None) -> None:
+        iv = interval(diff)
+        met = None if iv["value"] is None else (iv["value"] >= at_least if at_least is not None else iv["value"] <= at_most)
+        goals.append({"check": what + (f" >= {at_least:g}" if at_least is not None else f" <= {at_most:g}"),
+                      **iv, "met": met, "interval_clear": None if iv["low"] is None else
+                      (iv["low"] > at_least if at_least is not None else iv["high"] < at_most)})
+
     for measure, arm, factor, ref, at_least, at_most in GOALS:
         if ("points", arm) not in replicates or (ref and ("points", ref) not in replicates):
             continue
         diff = replicates[("points", arm)][measure] - (factor * replicates[("points", ref)][measure] if ref else 0)
-        iv = interval(diff)
-        met = None if iv["value"] is None else (iv["value"] >= at_least if at_least is not None else iv["value"] <= at_most)
-        what = f"{arm} {measure}" + (f" - {factor:g} x {ref}'s" if ref else "")
-        goals.append({"check": what + (f" >= {at_least:g}" if at_least is not None else f" <= {at_most:g}"),
-                      **iv, "met": met, "interval_clear": None if iv["low"] is None else
-                      (iv["low"] > at_least if at_least is not None else iv["high"] < at_most)})
-    return {"arms": out, "goals": goals}
+        check(f"{arm} {measure}" + (f" - {factor:g} x {ref}'s" if ref else ""), diff, at_least, at_most)
+    if not probes_base:
+        return {"arms": out, "goals": goals}
+    probes, at_base = {}, {}
+    for name, v in probes_base.items():
+        kind = "nll" if "nll" in v else "hit"
+        at_base[name.removeprefix("probe.")] = float(score([probes_base] * len(seeds), name, kind)[0]) * (-1 if kind == "nll" else 1)
+    for arm in result["arms"]:
+        after = [result["evals"][s][arm].get("probes") for s in seeds]
+        if not all(after):
+            continue
+        after = [{f"probe.{k}": v for k, v in a.items()} for a in after]
+        probes[arm] = {name.removeprefix("probe."): score(after, name, "nll" if "nll" in v else "hit")
+                       - score([probes_base] * len(seeds), name, "nll" if "nll" in v else "hit")
+                       for name, v in probes_base.items()}
+        probes[arm]["r1"] = -probes[arm]["r1"]  # the drift: NLL after - NLL before
+        recovered = [result["evals"][s][arm].get("recovery") for s in seeds]
+        if all(recovered):
+            first, kind = names[0], "nll" if metrics[names[0]] == "nll" else "hit"
+            now = score(recovered, first, kind)
+            probes[arm]["recovery_gain"] = now - score([result["evals"][s][arm][str(T)] for s in seeds], first, kind)
+            probes[arm]["recovery_gap"] = score([result["evals"][s][arm]["1"] for s in seeds], first, kind) - now
+    table = {arm: {k: interval(v) for k, v in m.items()} for arm, m in probes.items()}
+    for arm, m in probes.items():
+        if "full_ft" in probes and arm != "full_ft":
+            table[arm]["minus_full_ft"] = {k: interval(v - probes["full_ft"][k]) for k, v in m.items() if k in probes["full_ft"]}
+    for measure, factor, ref, at_least, at_most in PROBE_GOALS:
+        if "osft_default" not in probes or (ref and ref not in probes):
+            continue
+        check(f"osft_default {measure} {'drift' if measure == 'r1' else 'change'}" + (f" - {factor:g} x {ref}'s" if ref else ""),
+              probes["osft_default"][measure] - (factor * probes[ref][measure] if ref else 0), at_least, at_most)
+    return {"arms": out, "goals": goals, "probes": table, "probes_base": at_base}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,12 +599,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs, files, base = prepare(args, work)
         evals = {"base": evaluate(base, specs, files, args)}
+        probes = prepare_probes(args, work, base) if args.probes else None
+        probes_base = evaluate_probes(base, probes, args) if probes else None
         stages = {}
         for seed in args.seeds:
             evals[str(seed)], stages[str(seed)] = {}, {}
             for arm in arms:
                 t = time.time()
-                evals[str(seed)][arm.name], stages[str(seed)][arm.name] = run_arm(arm, specs, files, base, work, args, seed)
+                evals[str(seed)][arm.name], stages[str(seed)][arm.name] = run_arm(arm, specs, files, base, work, args, seed,
+                                                                                   probes)
                 console.print(f"seed {seed}, {arm.name}: {time.time() - t:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -488,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
               "arm_settings": {a.name: {"kind": a.kind, "config": a.config, "learning_rate": a.learning_rate}
                                for a in arms},
               "seeds": [str(s) for s in args.seeds], "evals": evals, "stages": stages}
+    if probes_base is not None:
+        result["probes_base"] = probes_base
     result["summary"] = summarize(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -349,6 +349,25 @@ def test_parts_of_one_sequence_result_share_their_base_evaluation_up_to_summatio
     assert not continual_sequence._same_base(base, {"trivia": base["trivia"]})
 
 
+def test_a_part_made_before_a_setting_existed_merges_as_if_run_with_its_default(tmp_path):
+    """The committed parts predate ``--probes``: a new part without probes merges with them, one with
+    probes does not."""
+    import continual_sequence
+
+    results = REPO / "benchmarks" / "results"
+    old = results / "continual_sequence_pilot.json"
+    new = json.loads((results / "continual_sequence_pilot_protection.json").read_text())
+    assert "probes" not in new["settings"] and "probes" not in json.loads(old.read_text())["settings"]
+    new["settings"].update(probes=False, probe_items=48, r1_max_new_tokens=32)
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    assert continual_sequence.merge([old, tmp_path / "new.json"])["arms"] == [
+        "full_ft", "osft_unprotected", "osft_update", "osft_default"]
+    new["settings"]["probes"] = True
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    with pytest.raises(SystemExit, match="new.json: its settings differ"):
+        continual_sequence.merge([old, tmp_path / "new.json"])
+
+
 def test_sequence_measures_of_a_hand_made_accuracy_matrix():
     from continual_learning.matrix import sequence_measures
 
@@ -406,16 +425,48 @@ def test_task_spec_file_names_the_entry_that_is_wrong(tmp_path):
             read_specs(spec)
 
 
+def test_probe_quiz_patterns_expand_and_replies_are_scored_by_rule(tmp_path):
+    from continual_learning.probes import ProbeItem, arithmetic_items, expand, hit, instruction_items, read_quiz
+
+    assert expand("Central Africa{n Rep{ublic}}") == ["Central Africa", "Central African Rep", "Central African Republic"]
+    assert expand("N'Djamena|Ndjamena") == ["N'Djamena", "Ndjamena"]
+    assert expand("St. [John's|Johns]") == ["St. John's", "St. Johns"]
+    with pytest.raises(ValueError, match="unbalanced"):
+        expand("a}b")
+    quiz = tmp_path / "africa"
+    quiz.write_text("Chad:N'Djamena|Ndjamena\nC[^o|o^|o]te d'Ivoire:Yamoussoukro\n\nCentral Africa{n Rep{ublic}}:Bangui\n")
+    assert read_quiz(quiz) == [("Chad", ("N'Djamena", "Ndjamena")), ("Central African Republic", ("Bangui",))]
+    quiz.write_text("Chad:N'Djamena\nno colon here\n")
+    with pytest.raises(ValueError, match=r"africa:2: expected 'country:capital'"):
+        read_quiz(quiz)
+
+    capital = ProbeItem("What is the capital of Chad?", "contains", ("N'Djamena", "Ndjamena"))
+    assert hit(capital, "The capital of Chad is ndjamena.\nIt lies on a river.")
+    assert not hit(capital, "Chad's capital?\nN'Djamena")  # first line only
+    assert not hit(ProbeItem("?", "contains", ("Rome",)), "Romeo")  # whole words
+    total = ProbeItem("What is 79 + 67?", "result", ("146",))
+    assert hit(total, "79 + 67 = 146") and hit(total, "146.") and not hit(total, "To add 79 and 67, ...")
+    assert [i.answers[0] for i in arithmetic_items(4)] == [str(eval(i.prompt.split("?")[0].removeprefix("What is ")))
+                                                          for i in arithmetic_items(4)]
+    capitals, thrice, yes_no, repeat = (instruction_items()[i * 12] for i in range(4))
+    assert hit(capitals, " APPLE.") and not hit(capitals, "Apple") and not hit(capitals, "APPLE is a fruit")
+    assert hit(thrice, "apple, apple, apple") and not hit(thrice, "apple apple apple")
+    assert hit(yes_no, "Yes.") and not hit(yes_no, "Yes. Apple is a word.")
+    assert hit(repeat, "I like the colour apple.") and not hit(repeat, "I like the colour of apple.")
+
+
 @pytest.mark.bench
-def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
-    """``continual_sequence.py --quick``: every arm through the four built-in tasks (data built at
-    run time), a matrix of T + 1 rows per arm whose measures are those of its point matrix, paired
-    differences to full FT, and the chained OSFT arms' fold records per stage."""
+def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets):
+    """``continual_sequence.py --quick --probes``: every arm through the four built-in tasks (data
+    built at run time), a matrix of T + 1 rows per arm whose measures are those of its point matrix,
+    paired differences to full FT, the chained OSFT arms' fold records per stage, and the probes and
+    recovery check, whose changes are those of their per-item outcomes."""
     from continual_learning.matrix import sequence_measures
 
     out = tmp_path / "seq.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "continual_sequence.py"), "--quick", "--seeds", "0",
-                           "--out", str(out), "--data-dir", str(tmp_path / "data")],
+                           "--out", str(out), "--data-dir", str(tmp_path / "data"), "--probes",
+                           "--demo-dir", str(demo_assets.model_dir.parent)],
                           cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -430,7 +481,24 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path):
                 for name, value in sequence_measures(R, stages).items():
                     assert kinds[kind]["measures"][name]["value"] == pytest.approx(float(value), abs=1e-3), (arm, name)  # R rounded
                 assert arm == "full_ft" or "minus_full_ft" in kinds[kind]
-    assert len(result["summary"]["goals"]) == 9
+    assert len(result["summary"]["goals"]) == 9 + 3
+    base, probes = result["probes_base"], result["summary"]["probes"]
+    assert [len(base[k]["hit"]) for k in ("knowledge", "arithmetic", "instruction")] == [4, 4, 4] and base["r1"]["nll"]
+    assert list(probes) == result["arms"]
+    for arm in result["arms"]:
+        evals = result["evals"]["0"][arm]
+        after = evals["probes"]
+        for name in ("knowledge", "arithmetic", "instruction"):
+            change = 100 * (np.mean(after[name]["hit"]) - np.mean(base[name]["hit"]))
+            assert probes[arm][name]["value"] == pytest.approx(change), (arm, name)
+        drift = sum(after["r1"]["nll"]) / sum(after["r1"]["tokens"]) - sum(base["r1"]["nll"]) / sum(base["r1"]["tokens"])
+        assert probes[arm]["r1"]["value"] == pytest.approx(drift, rel=1e-6), arm
+        if arm == "multitask":
+            assert "recovery" not in evals and "recovery_gain" not in probes[arm]
+            continue
+        recovered, last, learned = (100 * np.mean(e["trivia"]["hit"]) for e in (evals["recovery"], evals["4"], evals["1"]))
+        assert probes[arm]["recovery_gain"]["value"] == pytest.approx(recovered - last)
+        assert probes[arm]["recovery_gap"]["value"] == pytest.approx(learned - recovered)
     stages = result["stages"]["0"]
     assert [s["task"] for s in stages["osft_default"]] == ["trivia", "foldoc", "spell", "roman"]
     folds = [s["fold"] for s in stages["osft_default"]]
