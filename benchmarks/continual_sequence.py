@@ -545,25 +545,9 @@ def summarize(result: dict) -> dict:
         check(f"{arm} {measure}" + (f" - {factor:g} x {ref}'s" if ref else ""), diff, at_least, at_most)
     if not probes_base:
         return {"arms": out, "goals": goals}
-    probes, at_base = {}, {}
-    for name, v in probes_base.items():
-        kind = "nll" if "nll" in v else "hit"
-        at_base[name.removeprefix("probe.")] = float(score([probes_base] * len(seeds), name, kind)[0]) * (-1 if kind == "nll" else 1)
-    for arm in result["arms"]:
-        after = [result["evals"][s][arm].get("probes") for s in seeds]
-        if not all(after):
-            continue
-        after = [{f"probe.{k}": v for k, v in a.items()} for a in after]
-        probes[arm] = {name.removeprefix("probe."): score(after, name, "nll" if "nll" in v else "hit")
-                       - score([probes_base] * len(seeds), name, "nll" if "nll" in v else "hit")
-                       for name, v in probes_base.items()}
-        probes[arm]["r1"] = -probes[arm]["r1"]  # the drift: NLL after - NLL before
-        recovered = [result["evals"][s][arm].get("recovery") for s in seeds]
-        if all(recovered):
-            first, kind = names[0], "nll" if metrics[names[0]] == "nll" else "hit"
-            now = score(recovered, first, kind)
-            probes[arm]["recovery_gain"] = now - score([result["evals"][s][arm][str(T)] for s in seeds], first, kind)
-            probes[arm]["recovery_gap"] = score([result["evals"][s][arm]["1"] for s in seeds], first, kind) - now
+    kinds = {name: "nll" if "nll" in v else "hit" for name, v in probes_base.items()}
+    at_base = {name: score([probes_base] * len(seeds), name, kind) for name, kind in kinds.items()}
+    probes = {arm: m for arm in result["arms"] if (m := _probe_changes(result, arm, at_base, kinds, score))}
     table = {arm: {k: interval(v) for k, v in m.items()} for arm, m in probes.items()}
     for arm, m in probes.items():
         if "full_ft" in probes and arm != "full_ft":
@@ -573,7 +557,28 @@ def summarize(result: dict) -> dict:
             continue
         check(f"osft_default {measure} {'drift' if measure == 'r1' else 'change'}" + (f" - {factor:g} x {ref}'s" if ref else ""),
               probes["osft_default"][measure] - (factor * probes[ref][measure] if ref else 0), at_least, at_most)
-    return {"arms": out, "goals": goals, "probes": table, "probes_base": at_base}
+    return {"arms": out, "goals": goals, "probes": table,
+            "probes_base": {n.removeprefix("probe."): float(v[0]) * (-1 if kinds[n] == "nll" else 1) for n, v in at_base.items()}}
+
+
+def _probe_changes(result: dict, arm: str, at_base: dict, kinds: dict, score) -> dict | None:
+    """Replicates of ``arm``'s probe changes from the base model (``at_base``: each probe's
+    replicates there; ``kinds``: ``hit`` or ``nll`` per probe; ``score``: :func:`summarize`'s), its
+    R1 drift, and with a recovery check its ``recovery_gain`` and ``recovery_gap``; None for an arm
+    run without probes."""
+    evals = [result["evals"][s][arm] for s in result["seeds"]]
+    if not all("probes" in e for e in evals):
+        return None
+    after = [{f"probe.{k}": v for k, v in e["probes"].items()} for e in evals]
+    out = {name.removeprefix("probe."): score(after, name, kind) - at_base[name] for name, kind in kinds.items()}
+    out["r1"] = -out["r1"]  # the drift: NLL after - NLL before
+    if all("recovery" in e for e in evals):
+        first = result["tasks"][0]
+        kind = "nll" if first["metric"] == "nll" else "hit"
+        now = score([e["recovery"] for e in evals], first["name"], kind)
+        out["recovery_gain"] = now - score([e[str(len(result["tasks"]))] for e in evals], first["name"], kind)
+        out["recovery_gap"] = score([e["1"] for e in evals], first["name"], kind) - now
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
