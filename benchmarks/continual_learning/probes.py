@@ -30,7 +30,6 @@ from pathlib import Path
 QUIZ_PACKAGE = "bsdgames"
 QUIZ_DIR = "usr/share/games/bsdgames/quiz"
 CAPITAL_FILES = ("africa", "america", "asia", "europe")
-_WORD = re.compile(r"[A-Za-z]+")
 _NUMBER = re.compile(r"-?\d+")
 #: A diacritic written as alternatives of an accent and a letter (``C[^o|o^|o]te``).
 _ESCAPE = re.compile(r"\[[^\]]*[\^'`~\"][^\]]*\]")
@@ -140,12 +139,15 @@ def instruction_items() -> list[ProbeItem]:
 
 
 def hit(item: ProbeItem, reply: str) -> bool:
-    """Whether ``reply`` satisfies ``item``: ``contains`` an answer in its first line (whole words,
-    case-insensitive); ``result`` the number after its first ``=`` (else its first
-    number) is the answer; ``exact`` its text equals
-    the answer once stripped of whitespace and a final full stop (case-insensitive but for
-    capitals asked for: an all-capitals answer must be matched in capitals); ``yes_no`` it is
-    ``yes`` or ``no`` alone (a full stop allowed)."""
+    """Whether ``reply`` satisfies ``item``: ``contains``, an answer in its first line (whole words,
+    case-insensitive); ``result``, the number after its first ``=`` (else its first number) is the
+    answer; ``exact``, its text once stripped of whitespace and a final full stop equals the answer
+    (case-insensitive, but an all-capitals answer only in capitals); ``yes_no``, it is ``yes`` or
+    ``no`` alone (a full stop allowed).
+
+    Raises:
+        ValueError: an unknown ``item.kind``.
+    """
     text = reply.strip()
     first = (text.splitlines() or [""])[0]
     if item.kind == "contains":
