@@ -448,7 +448,7 @@ def test_probe_quiz_patterns_expand_and_replies_are_scored_by_rule(tmp_path):
     assert hit(total, "79 + 67 = 146") and hit(total, "146.") and not hit(total, "To add 79 and 67, ...")
     assert [i.answers[0] for i in arithmetic_items(4)] == [str(eval(i.prompt.split("?")[0].removeprefix("What is ")))
                                                           for i in arithmetic_items(4)]
-    capitals, thrice, yes_no, repeat = (instruction_items()[i * 12] for i in range(4))
+    capitals, thrice, yes_no, repeat = instruction_items()[:4]
     assert hit(capitals, " APPLE.") and not hit(capitals, "Apple") and not hit(capitals, "APPLE is a fruit")
     assert hit(thrice, "apple, apple, apple") and not hit(thrice, "apple apple apple")
     assert hit(yes_no, "Yes.") and not hit(yes_no, "Yes. Apple is a word.")

@@ -231,7 +231,7 @@ def test_input_energy_criterion_counts_the_old_basis_as_gpm_does():
     assert (kept.rank, kept.cap_bound) == (1, True) and kept.energy == pytest.approx(15 / 20)
     shared = input_spectrum(gram, q)  # one eigendecomposition serves modules of other caps
     for cap in (1, 6):
-        again, kept_again = input_directions(gram, q, 0.9, cap, spectrum=shared)
+        again, kept_again = shared.directions(0.9, cap)
         assert torch.equal(again, input_directions(gram, q, 0.9, cap)[0]) and kept_again.rank == min(cap, 2)
     assert energy_rank(torch.tensor([3.0, 1.0]), 0.5, 2, kept=6.0) == EnergyRank(0, 0.6, False)
     with pytest.raises(ValueError, match="criterion"):

@@ -11,7 +11,7 @@ scored by NLL:
   after its first ``=``, else its first number;
 - ``instruction``: simple instructions whose following is checked by rule (:data:`INSTRUCTIONS`):
   a word in capitals and nothing else, a word three times separated by commas, yes or no only, a
-  sentence repeated exactly;
+  sentence repeated exactly (the first of each with the first word, then the next word);
 - ``r1``: the base model's own greedy replies to held-out chit-chat prompts (the demo's eval file,
   ``osft-train make-retention-set``); the score is their NLL in nats per token, so its change is
   the drift away from what the base model would say.
@@ -120,30 +120,30 @@ def arithmetic_items(n: int, seed: int = 0) -> list[ProbeItem]:
     return items
 
 
-#: Instruction templates: (prompt with ``{w}``, rule of :func:`hit`, accepted reply built from ``w``).
+#: Instruction templates: (prompt with ``{w}``, rule of :func:`hit`, accepted replies built from ``w``).
 INSTRUCTIONS = (
-    ("Reply with the word {w} in capital letters and nothing else.", "exact", lambda w: w.upper()),
+    ("Reply with the word {w} in capital letters and nothing else.", "exact", lambda w: (w.upper(),)),
     ("Write the word {w} three times, separated by commas, and nothing else.", "exact",
-     lambda w: f"{w}, {w}, {w}"),
-    ("Is {w} a word? Answer with only yes or no.", "yes_no", lambda w: "yes|no"),
-    ("Repeat this sentence exactly: I like the colour {w}.", "contains", lambda w: f"I like the colour {w}."),
+     lambda w: (f"{w}, {w}, {w}",)),
+    ("Is {w} a word? Answer with only yes or no.", "exact", lambda w: ("yes", "no")),
+    ("Repeat this sentence exactly: I like the colour {w}.", "contains", lambda w: (f"I like the colour {w}.",)),
 )
 INSTRUCTION_WORDS = ("apple", "river", "green", "window", "tiger", "music", "cloud", "pencil", "garden",
                      "silver", "bread", "winter")
 
 
 def instruction_items() -> list[ProbeItem]:
-    """Every template of :data:`INSTRUCTIONS` with every word of :data:`INSTRUCTION_WORDS`."""
-    return [ProbeItem(prompt.format(w=w), kind, (answer(w),))
-            for prompt, kind, answer in INSTRUCTIONS for w in INSTRUCTION_WORDS]
+    """Every template of :data:`INSTRUCTIONS` with every word of :data:`INSTRUCTION_WORDS`, word by
+    word (the first four items are the four templates with the first word)."""
+    return [ProbeItem(prompt.format(w=w), kind, answers(w))
+            for w in INSTRUCTION_WORDS for prompt, kind, answers in INSTRUCTIONS]
 
 
 def hit(item: ProbeItem, reply: str) -> bool:
     """Whether ``reply`` satisfies ``item``: ``contains``, an answer in its first line (whole words,
     case-insensitive); ``result``, the number after its first ``=`` (else its first number) is the
-    answer; ``exact``, its text once stripped of whitespace and a final full stop equals the answer
-    (case-insensitive, but an all-capitals answer only in capitals); ``yes_no``, it is ``yes`` or
-    ``no`` alone (a full stop allowed).
+    answer; ``exact``, its text once stripped of whitespace and a final full stop equals an answer
+    (case-insensitive, but an all-capitals answer only in capitals).
 
     Raises:
         ValueError: an unknown ``item.kind``.
@@ -155,18 +155,15 @@ def hit(item: ProbeItem, reply: str) -> bool:
     if item.kind == "result":
         found = _NUMBER.search(text.split("=", 1)[1] if "=" in text else text)
         return bool(found) and found.group() == item.answers[0]
-    bare = text.rstrip(".!").strip()
     if item.kind == "exact":
-        answer = item.answers[0]
-        return bare == answer if answer.isupper() else bare.lower() == answer.lower()
-    if item.kind == "yes_no":
-        return bare.lower() in ("yes", "no")
+        bare = text.rstrip(".!").strip()
+        return any(bare == a if a.isupper() else bare.lower() == a.lower() for a in item.answers)
     raise ValueError(f"unknown probe rule {item.kind!r}")
 
 
 def build_probes(data_dir: Path, items: int, seed: int = 0) -> dict[str, list[ProbeItem]]:
     """The generated probes, ``items`` of each at most (a seeded sample of the capitals; the first
-    ``items`` instructions in template-interleaved order), the quiz files fetched when missing
+    ``items`` instructions), the quiz files fetched when missing
     (:func:`.debian.package_dir`).
 
     Raises:
@@ -177,8 +174,5 @@ def build_probes(data_dir: Path, items: int, seed: int = 0) -> dict[str, list[Pr
     quiz = package_dir(QUIZ_PACKAGE, QUIZ_DIR, CAPITAL_FILES, data_dir, "install bsdgames")
     capitals = knowledge_items(quiz)
     chosen = sorted(random.Random(seed).sample(range(len(capitals)), min(items, len(capitals))))
-    knowledge = [capitals[i] for i in chosen]
-    words = len(INSTRUCTION_WORDS)
-    instructions = instruction_items()
-    interleaved = [instructions[t * words + w] for w in range(words) for t in range(len(INSTRUCTIONS))]
-    return {"knowledge": knowledge, "arithmetic": arithmetic_items(items, seed), "instruction": interleaved[:items]}
+    return {"knowledge": [capitals[i] for i in chosen], "arithmetic": arithmetic_items(items, seed),
+            "instruction": instruction_items()[:items]}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .protect import EnergyRank, InputSpectrum, fold_cap, input_directions, input_spectrum
+from .protect import EnergyRank, InputSpectrum, fold_cap, input_spectrum
 
 #: Bytes of one Gram entry (float64).
 GRAM_ENTRY_BYTES = 8
@@ -290,12 +290,11 @@ def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, 
                 for name in members:
                     m = by_name[name]
                     q = (bases_q or {}).get(name, grams[i].new_zeros(m.in_features, 0))
-                    spectrum = next((s for q0, s in spectra if q0.shape == q.shape and torch.equal(q0, q)), None)
+                    spectrum = next((s for q0, s in spectra if torch.equal(q0, q)), None)
                     if spectrum is None:
                         spectrum = input_spectrum(grams[i], q, criterion)
                         spectra.append((q, spectrum))
-                    directions[name] = input_directions(grams[i], q, energy, fold_cap(m.plan.k_low, max_rank_ratio),
-                                                       criterion, spectrum)
+                    directions[name] = spectrum.directions(energy, fold_cap(m.plan.k_low, max_rank_ratio))
             grams[i] = None
 
     for group in groups:

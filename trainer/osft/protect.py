@@ -107,6 +107,12 @@ class InputSpectrum:
     vecs: torch.Tensor
     old: float
 
+    def directions(self, target: float, cap: int) -> tuple[torch.Tensor, EnergyRank]:
+        """The cut of :func:`input_directions`: the top r eigenvectors, r from :func:`energy_rank`
+        of the eigenvalues with ``old`` counted, as an M×r float64 copy (not a view of ``vecs``)."""
+        kept = energy_rank(self.eigvals, target, cap, kept=self.old)
+        return self.vecs[:, : kept.rank].clone(), kept
+
 
 def input_spectrum(gram: torch.Tensor, Q: torch.Tensor, criterion: str = "total") -> InputSpectrum:
     """The spectrum :func:`input_directions` cuts, of G = X Xᵀ (M×M) and an old basis Q (M×p_R),
@@ -127,13 +133,13 @@ def input_spectrum(gram: torch.Tensor, Q: torch.Tensor, criterion: str = "total"
 
 
 def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: int,
-                     criterion: str = "total", spectrum: InputSpectrum | None = None) -> tuple[torch.Tensor, EnergyRank]:
+                     criterion: str = "total") -> tuple[torch.Tensor, EnergyRank]:
     """Top eigenvectors of (I − QQᵀ) G (I − QQᵀ), G = X Xᵀ (M×M) of a run's layer inputs X (M×T).
 
     ``total``: the fewest with ‖QᵀX‖_F² + Σ λ_new ≥ ``target``·‖X‖_F² (‖QᵀX‖² = tr(QᵀGQ),
     ‖X‖² = tr G = tr(QᵀGQ) + tr of the projected Gram); ``residual``: Σ λ_new ≥ ``target``·tr of
-    the projected Gram. Capped at ``cap`` either way. ``spectrum``: :func:`input_spectrum` of the
-    same ``gram``, ``Q`` and ``criterion``, computed once for modules that share them (None: computed here).
+    the projected Gram. Capped at ``cap`` either way: :meth:`InputSpectrum.directions` of
+    :func:`input_spectrum` (modules that share G and Q call those two themselves, the spectrum once).
 
     Returns:
         ``(Q_t, kept)``: M×r float64 (its own storage, not a view of the M×M eigenvectors) with r
@@ -143,9 +149,7 @@ def input_directions(gram: torch.Tensor, Q: torch.Tensor, target: float, cap: in
     Raises:
         ValueError: an unknown criterion.
     """
-    spectrum = spectrum or input_spectrum(gram, Q, criterion)
-    kept = energy_rank(spectrum.eigvals, target, cap, kept=spectrum.old)
-    return spectrum.vecs[:, : kept.rank].clone(), kept
+    return input_spectrum(gram, Q, criterion).directions(target, cap)
 
 
 def extend_basis(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
