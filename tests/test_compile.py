@@ -9,7 +9,7 @@ import torch
 from helpers import tiny_llama
 from osft.trainer.model.activation_checkpointing import enable_activation_checkpointing
 from osft.trainer.model.compile import compile_blocks
-from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.plan import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft
 
 

@@ -189,7 +189,7 @@ def test_osft_cache_v_env_sets_the_flag_default(monkeypatch):
 def test_v_bases_are_cached_on_cpu_ranks_unless_set_and_the_setting_reaches_the_workers(tmp_path, monkeypatch):
     from osft.trainer.config import build_parser, config_from_args
     from osft.trainer.config_file import parse_with_config_file, worker_config_yaml
-    from osft.trainer.osft.settings import OSFTSettings
+    from osft.trainer.osft.plan import OSFTSettings
 
     monkeypatch.delenv("OSFT_CACHE_V", raising=False)
     argv = ["--model-name-or-path", "m", "--data-path", "d", "--output-dir", "o"]

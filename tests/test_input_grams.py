@@ -9,7 +9,7 @@ from helpers import tiny_llama
 
 from osft.trainer.osft.input_grams import gram_bytes, input_bases, shared_inputs
 from osft.trainer.osft.protect import fold_cap, input_directions
-from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.plan import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft
 
 

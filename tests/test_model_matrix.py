@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from osft.trainer.checkpoint.subspaces import load_bases
-from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.plan import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft, dense_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]

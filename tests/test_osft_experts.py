@@ -14,7 +14,7 @@ from osft.trainer.checkpoint.subspaces import load_bases
 from osft.trainer.osft.decomposition import OSFTLinear
 from osft.trainer.osft.experts import ExpertLayout, OSFTExperts
 from osft.trainer.osft.projection import Projector
-from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.plan import OSFTSettings
 from osft.trainer.osft.surgery import apply_osft, dense_state_dict
 from osft.trainer.osft.targets import describe_unconstrained
 

@@ -24,7 +24,7 @@ from osft.trainer.exit_codes import EXIT_STOPPED
 from osft.trainer.osft.decomposition import OSFTLinear, protected_svd
 from osft.trainer.osft.plan import plan_module, plan_table
 from osft.trainer.osft.projection import Projector
-from osft.trainer.osft.settings import OSFTSettings
+from osft.trainer.osft.plan import OSFTSettings
 from osft.trainer.osft.chain import chain_budget
 from osft.trainer.osft.input_grams import calibration_indices
 from osft.trainer.osft.protect import EnergyRank, ModuleFold, energy_rank, fold_cap, fold_module, input_directions, input_spectrum, update_svd

@@ -33,9 +33,8 @@ from .loading import load_config, load_model, model_vocab_size
 from ..osft.freeze import count_parameters, freeze_non_targets, freeze_routers, non_targets_frozen
 from ..osft.input_grams import describe_bases, input_basis_modules
 from ..osft.layer_importance import RankPlan, calibration_batches, importance_rank_plan
-from ..osft.plan import ForwardForm, ModulePlan, plan_table
+from ..osft.plan import ForwardForm, ModulePlan, OSFTSettings, plan_table
 from ..osft.projection import Projector
-from ..osft.settings import OSFTSettings
 from ..osft.surgery import Bases, Check, OSFTModel, apply_osft, skeleton_osft, target_weights
 from ..run.router_loss import describe as describe_router_loss
 from ..run.router_loss import router_aux_coef
@@ -78,7 +77,7 @@ def build_model(cfg: DataConfig, env: DistEnv, device: torch.device, dtype: torc
     Args:
         dtype: compute dtype (float32 on CPU, bfloat16 on GPU). With FSDP2 the sharded
             parameters stay float32 and ``dtype`` is the mixed-precision compute dtype.
-        osft: the run's :class:`.osft.settings.OSFTSettings`, or None for plain fine-tuning.
+        osft: the run's :class:`.osft.plan.OSFTSettings`, or None for plain fine-tuning.
         vocab_size: embedding rows to resize to (a larger tokenizer, or the vocab a checkpoint
             was saved with); None keeps the model's.
         from_checkpoint: build the structure only (OSFT skeletons laid out by ``plans``, no SVD, no

@@ -6,9 +6,9 @@ part (the directions of the k_high largest singular values: the model's prior kn
 trainable low-rank part; the trainable factors are kept orthogonal to the frozen subspaces.
 
 Modules:
-- :mod:`.settings`: the run's OSFT settings, made once from the config.
 - :mod:`.targets`: which weights are decomposed (per-architecture name patterns).
-- :mod:`.plan`: the layout of one module (ranks, keep modes, forward form).
+- :mod:`.plan`: the run's OSFT settings, made once from the config, and the layout of one module
+  under them (ranks, keep modes, forward form).
 - :mod:`.decomposition`: SVD, rank split and the :class:`OSFTLinear` module that replaces a target.
 - :mod:`.surgery`: every OSFT module is built there (one rank, several ranks, resume), and undone.
 - :mod:`.projection`: gradient projection before and parameter re-projection after the optimizer step.

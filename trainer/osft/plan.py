@@ -1,4 +1,7 @@
-"""The layout of one OSFT module: one place decides ranks, keep modes and forward form.
+"""The layout of one OSFT module: one place decides ranks, keep modes and forward form, from the
+run's OSFT settings (:class:`OSFTSettings`, made once from the config by
+:meth:`OSFTSettings.from_config` and passed to the surgery, :mod:`.surgery`, and the projector,
+:class:`.projection.Projector`).
 
 With protected subspaces (sequential OSFT, see :mod:`.protect`) a target W (N×M) carries
 orthonormal bases P (N×p_L) and Q (M×p_R) of what earlier runs changed. This run decomposes
@@ -13,6 +16,11 @@ A fresh model has p_L = p_R = 0, which is the plain OSFT split (Nayak et al. 202
 
 The plan is plain data (:meth:`ModulePlan.to_dict`), stored with every full-state checkpoint, so a
 resumed skeleton is built with exactly the layout of the module it is loaded into.
+
+Names: a config field carries its command-line flag's name (``max_tokens_per_gpu`` is
+``--max-tokens-per-gpu``, written so in ``config.yaml`` and in checkpoints); from here on each
+concept has one name: ``max_tokens_per_micro_batch`` (the token budget of one packed micro-batch, the
+same name :func:`..data.packing.plan_micro_batches` uses), ``v_projection``, ``cache_v_basis``.
 """
 
 from __future__ import annotations
@@ -22,7 +30,12 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import TrainConfig
 
 ForwardForm = Literal["dense", "hybrid", "split"]
 #: How a module with protected subspaces splits its rank R (``--osft-frozen-rank``, :func:`split_protected_rank`).
@@ -243,6 +256,61 @@ def plan_module(n: int, m: int, urr: float, max_tokens_per_micro_batch: int, p_l
         form = forward_form
     return ModulePlan(n=n, m=m, urr=float(urr), p_left=p_left, p_right=p_right, rank=rank, k_high=k_high,
                       k_low=k_low, u_keep=u_keep, v_keep=v_keep, forward_form=form, experts=experts)
+
+
+#: How the V side is projected (``--osft-v-projection``), see :mod:`.projection`.
+VProjection = Literal["factored", "gram"]
+
+
+@dataclass(frozen=True)
+class OSFTSettings:
+    """What OSFT needs of a run's config.
+
+    Fields: ``urr`` (unfreeze rank ratio in (0, 1], ``--osft-unfreeze-rank-ratio``; a per-module
+    rank plan overrides it), ``max_tokens_per_micro_batch`` (tokens, ``--max-tokens-per-gpu``: the
+    T of :func:`choose_forward_form`), ``forward_form`` (``auto``, ``dense``,
+    ``hybrid`` or ``split``, ``--osft-forward``), ``target_patterns`` (regular expressions, None
+    for the built-in ones, ``--osft-target-patterns``), ``v_projection`` (``--osft-v-projection``),
+    ``cache_v_basis`` (``--osft-cache-v-high``; None: :meth:`caches_v_basis` decides by device) and
+    ``frozen_rank`` (``--osft-frozen-rank``: how a module with protected subspaces splits its rank,
+    :func:`split_protected_rank`).
+    """
+
+    urr: float
+    max_tokens_per_micro_batch: int
+    forward_form: ForwardForm | Literal["auto"] = "auto"
+    target_patterns: tuple[str, ...] | None = None
+    v_projection: VProjection = "factored"
+    cache_v_basis: bool | None = None
+    frozen_rank: FrozenRank = "reduced"
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> OSFTSettings:
+        """The OSFT settings of a :class:`..config.TrainConfig` (whether or not ``cfg.osft`` is on)."""
+        patterns = cfg.osft_target_patterns
+        return cls(urr=cfg.osft_unfreeze_rank_ratio, max_tokens_per_micro_batch=cfg.max_tokens_per_gpu,
+                   forward_form=cfg.osft_forward, target_patterns=None if patterns is None else tuple(patterns),
+                   v_projection=cfg.osft_v_projection, cache_v_basis=cfg.osft_cache_v_high,
+                   frozen_rank=cfg.osft_frozen_rank)
+
+    def caches_v_basis(self, device: torch.device) -> bool:
+        """Whether the all-gathered V bases are kept (:class:`.projection.Projector`): as set, else
+        on CPU ranks, whose gloo all-gathers of SmolLM2's V bases (220 MB per projection, two
+        projections a step) took about 1 s of a 12 s two-rank step, and off under NCCL, where a
+        gather is cheap and device memory is not."""
+        return self.cache_v_basis if self.cache_v_basis is not None else device.type != "cuda"
+
+    def plan(self, n: int, m: int, p_left: int = 0, p_right: int = 0, urr: float | None = None,
+             experts: int = 0) -> ModulePlan:
+        """The layout of an N×M target (``experts`` = E: a bank of E) with protected ranks (p_L, p_R)
+        under these settings (:func:`plan_module`); ``urr`` overrides :attr:`urr` (a per-module
+        rank plan).
+
+        Raises:
+            ValueError: from :func:`plan_module`.
+        """
+        return plan_module(n, m, self.urr if urr is None else urr, self.max_tokens_per_micro_batch, p_left, p_right,
+                           self.forward_form, experts, self.frozen_rank)
 
 
 #: A module name inside a numbered block: ``(model.layers.)(self_attn.q_proj)`` of ``model.layers.3.self_attn.q_proj``.

@@ -48,7 +48,7 @@ from . import indicators
 from .decomposition import OSFTLinear
 from .indicators import IndicatorReport
 from .orthogonality import OrthoReport, basis_error, fraction_to_degrees, projection_bound, unit_roundoff
-from .settings import VProjection
+from .plan import VProjection
 
 
 def _max_or_zero(values: torch.Tensor) -> torch.Tensor:
@@ -69,9 +69,9 @@ class Projector:
 
     Args:
         modules: ``(name, module)`` pairs in the same order on every rank.
-        v_projection: ``"factored"`` (default) or ``"gram"`` (:attr:`.settings.OSFTSettings.v_projection`).
+        v_projection: ``"factored"`` (default) or ``"gram"`` (:attr:`.plan.OSFTSettings.v_projection`).
         cache_v_basis: keep each all-gathered V basis after its first use
-            (:attr:`.settings.OSFTSettings.cache_v_basis`, ``--osft-cache-v-high``).
+            (:attr:`.plan.OSFTSettings.cache_v_basis`, ``--osft-cache-v-high``).
     """
 
     def __init__(self, modules: Sequence[tuple[str, OSFTLinear]], v_projection: VProjection = "factored",

@@ -2,7 +2,7 @@
 dense weights.
 
 Every OSFT module is built here, on one of three paths with one layout rule (each target's
-:class:`.plan.ModulePlan` from :meth:`.settings.OSFTSettings.plan` or a checkpoint, then
+:class:`.plan.ModulePlan` from :meth:`.plan.OSFTSettings.plan` or a checkpoint, then
 :meth:`OSFTLinear.from_weight` or :meth:`OSFTLinear.empty` of that plan):
 
 - one rank (:func:`apply_osft`): every target is decomposed in place, the SVDs on threads.
@@ -38,9 +38,8 @@ from ..distributed import control_group, map_on_threads
 from ..dtensor import is_sharded
 from .decomposition import OSFTLinear, dense_from_factors, protected_svd
 from .experts import ExpertLayout, OSFTExperts
-from .plan import ModulePlan
 from .protect import no_bases
-from .settings import OSFTSettings
+from .plan import ModulePlan, OSFTSettings
 from .targets import find_expert_banks, find_target_modules, weight_matrix
 
 #: Protected bases by module name: (P: N×p_L, Q: M×p_R; a bank's E×N×p, E×M×p), see :mod:`.protect`.
@@ -112,7 +111,7 @@ def plan_targets(model: nn.Module, settings: OSFTSettings, urr_by_module: Mappin
     """The targets of ``model`` (linear modules and expert banks matched by the settings' patterns),
     each with its layout.
 
-    Without ``plans``, a target's plan is :meth:`.settings.OSFTSettings.plan` of its shape, its
+    Without ``plans``, a target's plan is :meth:`.plan.OSFTSettings.plan` of its shape, its
     protected ranks (``bases``: (P, Q) by module name; others p_L = p_R = 0) and its URR
     (``urr_by_module[name]`` where given, else the settings'). With ``plans`` (the plans a
     checkpoint stored, by module name), each target takes its stored plan.
