@@ -25,6 +25,13 @@ last stage, and the recovery check: :data:`RECOVERY_STEPS` steps of the first ta
 stage's model, then that task scored again (a score that comes back in two steps was alignment, not
 knowledge, lost).
 
+``--pilot``: the learning-rate pilot instead of the sequence (``continual_learning/pilot.py``): each
+arm of ``--arms`` (default :data:`PILOT_ARMS`; full FT first, the reference) trains the first two
+tasks at a few rates on the first seed, scored on validation items (training-file rows no stage
+trains on, never the test items); the result holds every rate tried, the one chosen and whether it
+is matched to full FT's learning, and a PNG of the learning–forgetting frontier is written beside it.
+``--rates PILOT.json`` runs the sequence at the rates a pilot chose.
+
 ``--quick``: a tiny random Llama, 1 step per stage, 4 items per task: a pipeline check for CI whose
 numbers mean nothing.
 
@@ -34,6 +41,8 @@ Usage::
     python benchmarks/continual_sequence.py --arms full_ft osft_default --seeds 0 --out /tmp/pilot.json
     python benchmarks/continual_sequence.py --spec my_tasks.json --order b a c
     python benchmarks/continual_sequence.py --merge a.json b.json --out all.json
+    python benchmarks/continual_sequence.py --pilot --arms full_ft osft_default lora --out pilot.json
+    python benchmarks/continual_sequence.py --rates pilot.json --seeds 0 --out seed0.json
 
 ``--merge`` combines runs made in parts (some arms or seeds each, same tasks, settings and base
 model) into one result with one summary, so the paired differences span every arm.
@@ -50,7 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from machine import machine_info
@@ -101,6 +110,11 @@ ABLATION_NAMES = {a.name for a in ABLATIONS}
 REPLAY_SHARE = 0.1
 #: Optimizer steps of the first task in the recovery check (``--probes``), from the last stage's model.
 RECOVERY_STEPS = 2
+#: Arms the pilot tunes by default; multi-task training takes full FT's rate (it is full FT on every
+#: task at once), an ablation the default chain's.
+PILOT_ARMS = ("full_ft", "osft_unprotected", "osft_update", "osft_default", "replay", "lora")
+#: Tasks (the first of the order) the pilot trains.
+PILOT_TASKS = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="combine these results (same tasks and settings, other arms or seeds) into --out; trains nothing")
     p.add_argument("--markdown", type=Path, default=None, metavar="JSON",
-                   help="print the tables of a result (benchmarks/README.md) and exit")
+                   help="print the tables of a result or of a pilot (benchmarks/README.md) and exit")
+    p.add_argument("--pilot", action="store_true",
+                   help="choose each arm's learning rate on the first two tasks' validation items instead of "
+                        "running the sequence (default --out results/continual_sequence_lr_pilot.json)")
+    p.add_argument("--rates", type=Path, default=None, metavar="PILOT_JSON",
+                   help="train each arm at the rate this pilot result chose (others keep their built-in rate)")
     return p
 
 
@@ -581,6 +600,103 @@ def _probe_changes(result: dict, arm: str, at_base: dict, kinds: dict, score) ->
     return out
 
 
+def with_rates(arms: list[SequenceArm], path: Path) -> list[SequenceArm]:
+    """``arms`` at the rates the pilot result at ``path`` chose: an arm it tuned takes its choice, an
+    ablation the default chain's, multi-task training full FT's; any other arm keeps its own."""
+    chosen = {arm: row["chosen"] for arm, row in json.loads(Path(path).read_text())["arms"].items()}
+
+    def rate(arm: SequenceArm) -> float:
+        like = "osft_default" if arm.name in ABLATION_NAMES else "full_ft" if arm.kind == "multitask" else arm.name
+        return chosen.get(arm.name, chosen.get(like, arm.learning_rate))
+
+    return [replace(arm, learning_rate=rate(arm)) for arm in arms]
+
+
+def validation(specs, files: dict, args) -> dict:
+    """Per task of ``specs``: its stages' training pool (``train``, as :func:`prepare` made it) and
+    ``eval``, ``--eval-items`` validation rows: the training file's rows right after the pool in hash
+    order, so never trained on.
+
+    Raises:
+        SystemExit: naming the file, when it has too few rows or a validation prompt is a test item's.
+    """
+    pool = 4 * args.steps * args.batch
+    out = {}
+    for s in specs:
+        rows = _by_hash(_read(s.train), pool + args.eval_items)[pool:]
+        test = {json.dumps(r["messages"][0]) for r in files[s.name]["eval"]}
+        if len(rows) < args.eval_items:
+            raise SystemExit(f"{s.train}: {pool + len(rows)} rows, the pilot needs {pool + args.eval_items} "
+                             f"(a training pool of {pool} and {args.eval_items} validation items)")
+        if any(json.dumps(r["messages"][0]) in test for r in rows):
+            raise SystemExit(f"{s.train}: a validation prompt is also a test item of {s.eval}")
+        out[s.name] = {"train": files[s.name]["train"], "eval": rows}
+    return out
+
+
+def _nll_scores(evals: dict, names: list[str]) -> list[float]:
+    """Minus each task's reference NLL (nats per token) in one evaluation."""
+    return [-sum(evals[n]["nll"]) / sum(evals[n]["tokens"]) for n in names]
+
+
+def run_pilot(args, arms: list[SequenceArm], console) -> dict:
+    """The learning-rate pilot (``continual_learning/pilot.py``) of ``arms`` (full FT first) on the
+    first :data:`PILOT_TASKS` tasks' validation items, seed ``args.seeds[0]``: per arm every rate
+    tried with its NLL matrix, learning gain, BWT and evaluations, the rate chosen, its gain and
+    whether it is matched to full FT's.
+
+    Raises:
+        SystemExit: full FT is not the first arm, or multi-task training is among them.
+    """
+    import numpy as np
+    from continual_learning import pilot
+    from continual_learning.matrix import sequence_measures
+
+    if arms[0].name != "full_ft" or any(a.kind == "multitask" for a in arms):
+        raise SystemExit("--pilot: --arms must start with full_ft (the others are matched to its learning) "
+                         "and cannot hold multitask (it takes full FT's rate)")
+    started, seed = time.time(), args.seeds[0]
+    work = Path(tempfile.mkdtemp(prefix="osft-pilot-", dir=args.work_dir))
+    try:
+        specs, files, base = prepare(args, work)
+        specs = specs[:PILOT_TASKS]
+        names = [s.name for s in specs]
+        valid = validation(specs, files, args)
+        base_eval = evaluate(base, specs, valid, args)
+        rows, target = {}, None
+        for arm in arms:
+            tried, todo = {}, pilot.first_grid(arm.learning_rate)
+            for _ in range(pilot.MAX_EXTENSIONS + 1):
+                for lr in todo:
+                    t = time.time()
+                    evals, stages = run_arm(replace(arm, learning_rate=lr), specs, valid, base, work, args, seed)
+                    R = np.array([_nll_scores(base_eval, names)] + [_nll_scores(evals[str(i)], names)
+                                                                    for i in range(1, len(specs) + 1)])
+                    m = sequence_measures(R)
+                    tried[lr] = {"learning_rate": lr, "gain": float(m["LA"] - R[0].mean()), "BWT": float(m["BWT"]),
+                                 "R_nll": np.round(R, 5).tolist(), "evals": evals,
+                                 "train_s": [st["train_s"] for st in stages]}
+                    console.print(f"pilot {arm.name} lr {lr:.3g}: gain {tried[lr]['gain']:.3f}, BWT "
+                                  f"{tried[lr]['BWT']:+.3f} nats/token ({time.time() - t:.0f} s)")
+                nxt = pilot.next_rate({lr: v["gain"] for lr, v in tried.items()}, target)
+                if nxt is None:
+                    break
+                todo = [nxt]
+            gains = {lr: v["gain"] for lr, v in tried.items()}
+            chosen = pilot.choose(gains, target)
+            target = gains[chosen] if target is None else target
+            rows[arm.name] = {"start": arm.learning_rate, "chosen": chosen, "gain": gains[chosen],
+                              "matched": pilot.matched(gains[chosen], target),
+                              "tried": [tried[lr] for lr in sorted(tried)]}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"benchmark": "continual_sequence_lr_pilot", "created_unix": started, "wall_s": time.time() - started,
+            "machine": machine_info(), "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct",
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "tasks": [{"name": s.name, "metric": s.metric} for s in specs], "validation_items": args.eval_items,
+            "seed": seed, "base": base_eval, "arms": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
@@ -588,17 +704,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         for k, v in QUICK_SIZES.items():
             setattr(args, k, v)
-    args.out = args.out or RESULTS / ("continual_sequence_quick.json" if args.quick else "continual_sequence.json")
+    name = "continual_sequence_lr_pilot" if args.pilot else "continual_sequence"
+    args.out = args.out or RESULTS / f"{name}{'_quick' if args.quick else ''}.json"
     console = Console(stderr=True)
     if args.markdown:
-        print(markdown(json.loads(args.markdown.read_text())))
+        from continual_learning import pilot
+
+        shown = json.loads(args.markdown.read_text())
+        print(pilot.markdown(shown) if shown["benchmark"] == "continual_sequence_lr_pilot" else markdown(shown))
         return 0
     if args.merge:
         result = merge(args.merge)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         report(result, args.out, console)
         return 0
+    if args.pilot:
+        from continual_learning import pilot
+
+        named = args.arms or PILOT_ARMS
+        result = run_pilot(args, [a for a in ARMS + ABLATIONS if a.name in named], console)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        pilot.plot_frontier(result["arms"], args.out.with_suffix(".png"))
+        console.print(pilot.markdown(result))
+        console.print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({result['wall_s']:.0f} s)")
+        return 0
     arms = [a for a in ARMS + ABLATIONS if (a.name in args.arms if args.arms else a in ARMS)]
+    if args.rates:
+        arms = with_rates(arms, args.rates)
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="osft-sequence-", dir=args.work_dir))
     try:

@@ -313,6 +313,73 @@ def test_pilot_picks_the_rate_closest_to_full_fine_tuning():
     assert _choose_rates({"osft_same": {"1e-4": 0.3}}) == {}  # no full FT reference: nothing to match
 
 
+def test_sequence_pilot_matches_learning_and_widens_the_grid_at_its_edge():
+    """Full FT takes the lowest rate within 5 % of its best gain; another arm the rate closest to
+    that gain (the lower on a tie); a choice at an edge that is not matched tries one rate past it."""
+    from continual_learning import pilot
+
+    assert pilot.first_grid(1e-4) == [7.07e-5, 1e-4, 1.41e-4]
+    reference = {7.07e-5: 0.50, 1e-4: 0.98, 1.41e-4: 1.00}
+    assert pilot.choose(reference, None) == 1e-4 and pilot.next_rate(reference, None) is None
+    rising = {7.07e-5: 0.50, 1e-4: 0.80, 1.41e-4: 1.00}
+    assert pilot.choose(rising, None) == 1.41e-4 and pilot.next_rate(rising, None) == 1.99e-4
+    flat = {7.07e-5: 0.99, 1e-4: 1.00, 1.41e-4: 1.00}
+    assert pilot.choose(flat, None) == 7.07e-5 and pilot.next_rate(flat, None) == 5e-5
+    arm = {5e-5: 0.40, 7.07e-5: 0.70, 1e-4: 1.30}
+    assert pilot.choose(arm, 1.0) == 7.07e-5  # |0.70 - 1| = 0.30 < |1.30 - 1|
+    assert pilot.choose({1e-4: 0.75, 2e-4: 1.25}, 1.0) == 1e-4  # a tie: the lower rate
+    assert not pilot.matched(0.70, 1.0) and pilot.matched(0.96, 1.0) and pilot.matched(1.04, 1.0)
+    assert pilot.next_rate(arm, 1.0) is None  # not at an edge
+    assert pilot.next_rate({5e-5: 0.2, 7.07e-5: 0.5, 1e-4: 0.8}, 1.0) == 1.41e-4  # short of full FT at the top
+    assert pilot.next_rate({5e-5: 1.3, 7.07e-5: 1.6, 1e-4: 1.9}, 1.0) == 3.54e-5  # past it at the bottom
+    assert pilot.next_rate({5e-5: 0.2, 7.07e-5: 0.5, 1e-4: 0.97}, 1.0) is None  # matched at the edge
+    with pytest.raises(ValueError, match="no rate tried"):
+        pilot.choose({}, None)
+
+
+def test_sequence_run_at_a_pilots_rates(tmp_path):
+    """``--rates PILOT.json``: a tuned arm takes its chosen rate, an ablation the default chain's,
+    multi-task training full FT's, an arm the pilot did not tune its own."""
+    import continual_sequence
+
+    path = tmp_path / "pilot.json"
+    path.write_text(json.dumps({"arms": {"full_ft": {"chosen": 3e-5}, "osft_default": {"chosen": 7.07e-5}}}))
+    arms = continual_sequence.with_rates(continual_sequence.ARMS + continual_sequence.ABLATIONS, path)
+    rates = {a.name: a.learning_rate for a in arms}
+    assert rates["full_ft"] == 3e-5 and rates["multitask"] == 3e-5 and rates["osft_default"] == 7.07e-5
+    assert all(rates[a.name] == 7.07e-5 for a in continual_sequence.ABLATIONS)
+    assert rates["lora"] == 2e-4 and rates["replay"] == 5e-5  # not tuned: ARMS' rates
+
+
+def test_pilot_validation_items_are_training_rows_no_stage_trains_on_and_no_test_item(tmp_path):
+    """The pilot scores training-file rows after the stages' pool in hash order: never in the pool,
+    never a test item; a file too short for both, or sharing a prompt with the test file, is named."""
+    import argparse
+
+    import continual_sequence
+    from continual_learning.sequence_tasks import TaskSpec
+
+    def chat(i: int) -> dict:
+        return {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+
+    train, test = tmp_path / "t.train.jsonl", tmp_path / "t.eval.jsonl"
+    continual_sequence._write(train, [chat(i) for i in range(30)])
+    continual_sequence._write(test, [chat(i) for i in range(100, 104)])
+    spec = TaskSpec("t", train, test, "exact")
+    args = argparse.Namespace(steps=2, batch=2, eval_items=5)
+    pool = continual_sequence._by_hash(continual_sequence._read(train), 16)  # 4 x steps x batch
+    files = {"t": {"train": train, "eval": continual_sequence._read(test)}}
+    valid = continual_sequence.validation([spec], files, args)["t"]
+    prompts = {r["messages"][0]["content"] for r in valid["eval"]}
+    assert len(prompts) == 5 and not prompts & {r["messages"][0]["content"] for r in pool}
+    assert valid["train"] == train
+    with pytest.raises(SystemExit, match=r"t.train.jsonl: 30 rows, the pilot needs 41"):
+        continual_sequence.validation([spec], files, argparse.Namespace(steps=2, batch=2, eval_items=25))
+    files["t"]["eval"] = valid["eval"][:1]
+    with pytest.raises(SystemExit, match="t.train.jsonl: a validation prompt is also a test item of"):
+        continual_sequence.validation([spec], files, args)
+
+
 def test_every_sequence_arm_sets_real_trainer_settings():
     """The arms' and ablations' ``config`` keys are ``TrainConfig`` fields (a misspelt key would
     silently run the default), and each ablation flips one default of the default chain."""
@@ -544,3 +611,42 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets)
     parts[1].write_text(json.dumps(bad))
     with pytest.raises(SystemExit, match="part1.json: its settings differ"):
         continual_sequence.merge(parts)
+
+
+@pytest.mark.bench
+def test_sequence_pilot_quick_tries_each_arms_rates_and_matches_full_ft(tmp_path):
+    """``continual_sequence.py --quick --pilot``: each arm tries its grid (and at most the extensions)
+    on the first two tasks' validation items; each rate's gain and BWT are those of its evaluations;
+    the choice follows the pilot's rules; the frontier PNG is written; ``--markdown`` shows the table."""
+    from continual_learning import pilot
+
+    out = tmp_path / "pilot.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "continual_sequence.py"), "--quick", "--seeds", "0",
+           "--data-dir", str(tmp_path / "data")]
+    proc = subprocess.run([*cmd, "--pilot", "--arms", "full_ft", "osft_default", "--out", str(out)], cwd=REPO / "benchmarks",
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result["arms"]) == ["full_ft", "osft_default"] and [t["name"] for t in result["tasks"]] == ["trivia", "foldoc"]
+    reference = result["arms"]["full_ft"]["gain"]
+
+    def scores(evals: dict) -> list[float]:
+        return [-sum(evals[n]["nll"]) / sum(evals[n]["tokens"]) for n in ("trivia", "foldoc")]
+
+    for arm, row in result["arms"].items():
+        rates = [t["learning_rate"] for t in row["tried"]]
+        assert set(pilot.first_grid(row["start"])) <= set(rates) and len(rates) <= 3 + pilot.MAX_EXTENSIONS
+        for t in row["tried"]:
+            r0, r1, r2 = (scores(e) for e in (result["base"], t["evals"]["1"], t["evals"]["2"]))
+            assert t["gain"] == pytest.approx((r1[0] - r0[0] + r2[1] - r0[1]) / 2, abs=1e-9), (arm, t["learning_rate"])
+            assert t["BWT"] == pytest.approx(r2[0] - r1[0], abs=1e-9)
+            assert len(t["evals"]["2"]["trivia"]["nll"]) == result["validation_items"] == 4
+        gains = {t["learning_rate"]: t["gain"] for t in row["tried"]}
+        target = None if arm == "full_ft" else reference
+        assert row["chosen"] == pilot.choose(gains, target) and row["gain"] == gains[row["chosen"]]
+        assert pilot.next_rate(gains, target) is None or len(rates) == 3 + pilot.MAX_EXTENSIONS
+        assert row["matched"] == pilot.matched(row["gain"], reference)
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    shown = subprocess.run([*cmd, "--markdown", str(out)], cwd=REPO / "benchmarks", capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0 and "| osft_default |" in shown.stdout and f"**{row['chosen']:.3g}:" in shown.stdout
