@@ -42,6 +42,14 @@ COMMANDS = {"import osft.tui.app": ["-c", "import osft.tui.app"],
             "osft-train --help": ["-m", "osft.trainer.launch.cli", "--help"]}
 
 
+def in_layout(tree: Path, args: list[str]) -> list[str]:
+    """``args`` for the checkout ``tree``: one of the flat layout (before ``trainer/launch/``) has
+    ``osft-train``'s module at ``osft.trainer.cli``."""
+    if (tree / "trainer" / "launch" / "cli.py").is_file():
+        return args
+    return [a.replace("osft.trainer.launch.cli", "osft.trainer.cli") for a in args]
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # a user's cache is warm
     return dict(env, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
@@ -78,19 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"this": REPO, "baseline": args.baseline.resolve()}
     for tree in trees.values():  # warm the bytecode caches
         for command in COMMANDS.values():
-            subprocess.run([str(tree / ".venv/bin/python"), *command], cwd=tree, env=_env(), stdout=subprocess.DEVNULL,
+            subprocess.run([str(tree / ".venv/bin/python"), *in_layout(tree, command)], cwd=tree, env=_env(), stdout=subprocess.DEVNULL,
                            check=True)
     samples = {(t, c): [] for t in trees for c in COMMANDS}
     for r in range(args.rounds):
         for c, command in COMMANDS.items():
             for t in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                samples[(t, c)].append(timed(trees[t], command))
+                samples[(t, c)].append(timed(trees[t], in_layout(trees[t], command)))
     results = {}
     for c, command in COMMANDS.items():
         row = {}
         for t, tree in trees.items():
             walls, cpus = zip(*samples[(t, c)])
-            row[t] = dict(instructions=instructions(tree, command), wall_s=statistics.median(walls),
+            row[t] = dict(instructions=instructions(tree, in_layout(tree, command)), wall_s=statistics.median(walls),
                           cpu_s=statistics.median(cpus))
         row["ratio"] = {k: row["this"][k] / row["baseline"][k] for k in ("instructions", "wall_s", "cpu_s")
                         if row["this"][k] and row["baseline"][k]}

@@ -111,6 +111,17 @@ def test_bench_startup_compares_this_checkout_with_a_baseline(tmp_path):
         assert row["this"]["cpu_s"] > 0 and 0.2 < row["ratio"]["cpu_s"] < 5, name
 
 
+def test_bench_startup_runs_a_flat_layout_baseline_by_its_module_names(tmp_path):
+    """A baseline from before ``trainer/launch/`` has ``osft-train``'s module at ``osft.trainer.cli``."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_startup import COMMANDS, in_layout
+
+    assert in_layout(REPO, COMMANDS["osft-train --help"]) == ["-m", "osft.trainer.launch.cli", "--help"]
+    (tmp_path / "trainer").mkdir()
+    assert in_layout(tmp_path, COMMANDS["osft-train --help"]) == ["-m", "osft.trainer.cli", "--help"]
+    assert in_layout(tmp_path, COMMANDS["import osft.tui.app"]) == ["-c", "import osft.tui.app"]
+
+
 @pytest.mark.bench
 def test_bench_forward_forms_quick_times_every_form_against_a_dense_linear(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
