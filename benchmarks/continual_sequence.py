@@ -315,6 +315,11 @@ def _data_dir(args) -> Path:
     return args.data_dir or Path(platformdirs.user_cache_dir("osft")) / "continual"
 
 
+def _pool_size(args) -> int:
+    """Rows of a task's training file its stages draw from: 4x the samples a stage takes."""
+    return 4 * args.steps * args.batch
+
+
 def prepare(args, work: Path) -> tuple[list, dict, Path]:
     """The task specs in order, each task's subsets (train: 4x the samples a stage draws; eval items)
     under ``work``, and the base model directory."""
@@ -328,7 +333,7 @@ def prepare(args, work: Path) -> tuple[list, dict, Path]:
         specs = [by_name[n] for n in args.order]
     files = {}
     for s in specs:
-        train = _write(work / f"{s.name}.train.jsonl", _by_hash(_read(s.train), 4 * args.steps * args.batch))
+        train = _write(work / f"{s.name}.train.jsonl", _by_hash(_read(s.train), _pool_size(args)))
         files[s.name] = {"train": train, "eval": _by_hash(_read(s.eval), args.eval_items)}
     if args.quick:
         sys.path.insert(0, str(REPO / "tests"))
@@ -620,7 +625,7 @@ def validation(specs, files: dict, args) -> dict:
     Raises:
         SystemExit: naming the file, when it has too few rows or a validation prompt is a test item's.
     """
-    pool = 4 * args.steps * args.batch
+    pool = _pool_size(args)
     out = {}
     for s in specs:
         rows = _by_hash(_read(s.train), pool + args.eval_items)[pool:]
@@ -632,6 +637,15 @@ def validation(specs, files: dict, args) -> dict:
             raise SystemExit(f"{s.train}: a validation prompt is also a test item of {s.eval}")
         out[s.name] = {"train": files[s.name]["train"], "eval": rows}
     return out
+
+
+def _header(benchmark: str, started: float, args, specs) -> dict:
+    """What every result of this script starts with: its name, when and where it ran, the model,
+    the settings and the tasks."""
+    return {"benchmark": benchmark, "created_unix": started, "wall_s": time.time() - started,
+            "machine": machine_info(), "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct",
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "tasks": [{"name": s.name, "metric": s.metric} for s in specs]}
 
 
 def _nll_scores(evals: dict, names: list[str]) -> list[float]:
@@ -678,11 +692,11 @@ def run_pilot(args, arms: list[SequenceArm], console) -> dict:
                                  "train_s": [st["train_s"] for st in stages]}
                     console.print(f"pilot {arm.name} lr {lr:.3g}: gain {tried[lr]['gain']:.3f}, BWT "
                                   f"{tried[lr]['BWT']:+.3f} nats/token ({time.time() - t:.0f} s)")
-                nxt = pilot.next_rate({lr: v["gain"] for lr, v in tried.items()}, target)
+                gains = {lr: v["gain"] for lr, v in tried.items()}
+                nxt = pilot.next_rate(gains, target)
                 if nxt is None:
                     break
                 todo = [nxt]
-            gains = {lr: v["gain"] for lr, v in tried.items()}
             chosen = pilot.choose(gains, target)
             target = gains[chosen] if target is None else target
             rows[arm.name] = {"start": arm.learning_rate, "chosen": chosen, "gain": gains[chosen],
@@ -690,10 +704,7 @@ def run_pilot(args, arms: list[SequenceArm], console) -> dict:
                               "tried": [tried[lr] for lr in sorted(tried)]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"benchmark": "continual_sequence_lr_pilot", "created_unix": started, "wall_s": time.time() - started,
-            "machine": machine_info(), "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct",
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "tasks": [{"name": s.name, "metric": s.metric} for s in specs], "validation_items": args.eval_items,
+    return {**_header("continual_sequence_lr_pilot", started, args, specs), "validation_items": args.eval_items,
             "seed": seed, "base": base_eval, "arms": rows}
 
 
@@ -749,10 +760,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"seed {seed}, {arm.name}: {time.time() - t:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"benchmark": "continual_sequence", "created_unix": started, "wall_s": time.time() - started,
-              "machine": machine_info(), "model": "tiny random Llama" if args.quick else "SmolLM2-135M-Instruct",
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "tasks": [{"name": s.name, "metric": s.metric} for s in specs], "arms": [a.name for a in arms],
+    result = {**_header("continual_sequence", started, args, specs), "arms": [a.name for a in arms],
               "arm_settings": {a.name: {"kind": a.kind, "config": a.config, "learning_rate": a.learning_rate}
                                for a in arms},
               "seeds": [str(s) for s in args.seeds], "evals": evals, "stages": stages}
