@@ -50,7 +50,7 @@ def choose(gains: dict[float, float], target: float | None) -> float:
         raise ValueError("no rate tried")
     if target is None:
         best = max(gains.values())
-        return min(r for r, g in gains.items() if g >= best - MATCHED * abs(best))
+        return min(r for r, g in gains.items() if matched(g, best))
     return min(gains, key=lambda r: (abs(gains[r] - target), r))
 
 
@@ -66,13 +66,11 @@ def next_rate(gains: dict[float, float], target: float | None) -> float | None:
     the edge it is chosen at while it is not yet matched there, in the direction that closes the gap."""
     rates = sorted(gains)
     chosen = choose(gains, target)
-    if target is None:
-        return _round(chosen * FACTOR) if chosen == rates[-1] else _round(chosen / FACTOR) if chosen == rates[0] else None
-    if matched(gains[chosen], target):
+    if target is not None and matched(gains[chosen], target):
         return None
-    if chosen == rates[-1] and gains[chosen] < target:
+    if chosen == rates[-1] and (target is None or gains[chosen] < target):
         return _round(chosen * FACTOR)
-    if chosen == rates[0] and gains[chosen] > target:
+    if chosen == rates[0] and (target is None or gains[chosen] > target):
         return _round(chosen / FACTOR)
     return None
 
