@@ -104,6 +104,26 @@ def test_help_names_every_other_command():
     assert all(f"`osft-train {name}" in description for name in (*NOT_TRAINING, "demo")), description
 
 
+def test_help_starts_with_a_short_usage_and_demo_help_fetches_nothing(tmp_path, monkeypatch, capsys):
+    """``--help`` opens with the one-line usage (not a synopsis of every flag); ``demo --help`` lists
+    the flags without downloading the demo's model and data first."""
+    from osft.trainer.tools.demo_assets import DEMO_DIR_ENV
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out.splitlines()[:2]
+    assert usage == ["usage: osft-train --model-name-or-path MODEL --data-path DATA --output-dir DIR [options]",
+                     "       osft-train COMMAND --help"]
+    monkeypatch.setenv(DEMO_DIR_ENV, str(tmp_path / "demo"))
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: osft-train demo [options]") and "--eval-max-samples" in out
+    assert not (tmp_path / "demo").exists()
+
+
 def test_cross_flag_and_path_errors_before_training(tiny_model_dir, chat_file, tmp_path, capsys):
     base = ["--data-path", str(chat_file), "--output-dir", str(tmp_path / "r")]
     assert main(["--model-name-or-path", str(tmp_path / "nope"), *base]) == 2

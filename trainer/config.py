@@ -368,8 +368,10 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
 
     ``require_paths=False`` makes model, data and output dir optional (``osft-train demo`` fills them).
     """
+    paths = "--model-name-or-path MODEL --data-path DATA --output-dir DIR " if require_paths else ""
     p = argparse.ArgumentParser(
         prog=prog,
+        usage=f"%(prog)s {paths}[options]\n       osft-train COMMAND --help",
         description="Fine-tune a Hugging Face causal LM on chat data (messages jsonl) with Orthogonal "
         "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`, "
         "`osft-train plot RUN_DIR`, `osft-train make-retention-set` (a model's greedy replies as a retention "

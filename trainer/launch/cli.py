@@ -58,7 +58,8 @@ DEMO_DEFAULTS = dict(
 )
 #: The demo's retention set: the base model's greedy replies to this many of the user turns of
 #: :data:`DEMO_RETENTION_ROWS` rows of the chit-chat evaluation file (``make-retention-set
-#: --from-chat eval.jsonl --held-out 16``, prompts spread evenly), written once into the run directory.
+#: --from-chat eval.jsonl --held-out 16``, prompts spread evenly), written once into the run directory;
+#: fewer when ``--eval-max-samples`` evaluates fewer (the same prompts an evaluation of the 16 would read).
 DEMO_RETENTION_ROWS = 16
 DEMO_RETENTION_PROMPTS = 16
 DEMO_RETENTION_NEW_TOKENS = 48
@@ -102,8 +103,10 @@ def _plot(argv: list[str], console: Console) -> None:
 DEMO_PROMPT = "Hi! What do you like to do on the weekend?"
 
 
-def _demo_retention_set(path: Path, assets, console: Console) -> None:
-    """Make the demo's retention set at ``path`` unless it exists (see :data:`DEMO_RETENTION_ROWS`)."""
+def _demo_retention_set(path: Path, assets, console: Console, evaluated: int | None) -> None:
+    """Make the demo's retention set at ``path`` unless it exists (see :data:`DEMO_RETENTION_ROWS`):
+    replies to :data:`DEMO_RETENTION_PROMPTS` prompts, or to the ``evaluated`` of them
+    (``--eval-max-samples``) when that is fewer."""
     from ..run.eval_sets import spread_indices
     from ..tools.retention_set import chat_prompts, make_retention_set
 
@@ -111,6 +114,7 @@ def _demo_retention_set(path: Path, assets, console: Console) -> None:
         return
     prompts, _lines = chat_prompts(assets.eval_path, DEMO_RETENTION_ROWS)
     prompts = [prompts[i] for i in spread_indices(len(prompts), DEMO_RETENTION_PROMPTS)]
+    prompts = [prompts[i] for i in spread_indices(len(prompts), evaluated or len(prompts))]
     # one generate call for all prompts: 6.6 s instead of 9.5 s in batches of 8 on 2 cores, the same replies
     made = make_retention_set(assets.model_dir, path, prompts, max_new_tokens=DEMO_RETENTION_NEW_TOKENS,
                               batch_size=len(prompts))
@@ -379,10 +383,13 @@ def _main(argv: list[str]) -> int:
             if "--dir" in argv:
                 at = argv.index("--dir")
                 demo_dir, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
+            parser.set_defaults(**DEMO_DEFAULTS)
+            args = parse_with_config_file(parser, argv[1:])  # --help ends here, before anything is fetched
             assets = _fetch_demo(["--dir", demo_dir] if demo_dir else [], console)
-            parser.set_defaults(model_name_or_path=str(assets.model_dir), data_path=str(assets.train_path),
-                                eval_data_path=str(assets.eval_path), **DEMO_DEFAULTS)
-            args = parse_with_config_file(parser, argv[1:])
+            for name, path in (("model_name_or_path", assets.model_dir), ("data_path", assets.train_path),
+                               ("eval_data_path", assets.eval_path)):
+                if getattr(args, name) is None:  # not given on the command line or in a --config file
+                    setattr(args, name, str(path))
             made_here = args.retention_data_path is None
             if made_here:
                 args.retention_data_path = [str(Path(args.output_dir) / "retention.jsonl")]
@@ -396,7 +403,7 @@ def _main(argv: list[str]) -> int:
             return EXIT_COMPLETED
         if demo and made_here:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            _demo_retention_set(Path(cfg.retention_data_path[0]), assets, console)
+            _demo_retention_set(Path(cfg.retention_data_path[0]), assets, console, cfg.eval_max_samples)
         end = run_training(cfg, console, argv, sys.argv)
         if demo and end.export_dir:
             _demo_reply(end.export_dir, console)
