@@ -45,6 +45,14 @@ Is water wet?:
 """
 
 
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    """One data directory for the benchmark runs of this file: each task's files are built at run
+    time by the first run that needs them (downloads and parsing) and reused by the others, as a
+    user's ``--data-dir`` is."""
+    return tmp_path_factory.mktemp("task-data")
+
+
 def _wheel(tmp_path: Path) -> Path:
     path = tmp_path / "red_discordbot-3.5.24-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
@@ -218,11 +226,11 @@ def test_paired_bootstrap_pools_items_and_seeds():
 @pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.demo
-def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets):
+def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets, task_data):
     out, png, md = tmp_path / "c.json", tmp_path / "c.png", tmp_path / "c.md"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "continual.py"), "--quick", "--out", str(out), "--plot", str(png),
-         "--markdown", str(md), "--demo-dir", str(demo_assets.model_dir.parent), "--data-dir", str(tmp_path / "data")],
+         "--markdown", str(md), "--demo-dir", str(demo_assets.model_dir.parent), "--data-dir", str(task_data)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
@@ -236,9 +244,9 @@ def test_continual_quick_runs_every_arm_and_seed(tmp_path, demo_assets):
     assert stats["train"] + stats["eval"] == stats["questions"] - stats["dropped_url"] - stats["dropped_duplicate"]
     fol = result["data"]["foldoc_stats"]
     assert fol["train"] > 5000 and fol["eval"] > 500 and fol["entries"] > 10000
-    eval_questions = [json.loads(r)["question"] for r in (tmp_path / "data" / "trivia_quiz" / "eval_answers.jsonl")
+    eval_questions = [json.loads(r)["question"] for r in (task_data / "trivia_quiz" / "eval_answers.jsonl")
                       .read_text().splitlines()]
-    train_questions = {json.loads(r)["messages"][0]["content"] for r in (tmp_path / "data" / "trivia_quiz" /
+    train_questions = {json.loads(r)["messages"][0]["content"] for r in (task_data / "trivia_quiz" /
                                                                          "train.jsonl").read_text().splitlines()}
     assert not {trivia.CUE + q for q in eval_questions} & train_questions
     assert not any(q in text for q in eval_questions if len(q) > 20)  # per-item results by index only
@@ -523,7 +531,7 @@ def test_probe_quiz_patterns_expand_and_replies_are_scored_by_rule(tmp_path):
 
 
 @pytest.mark.bench
-def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets):
+def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets, task_data):
     """``continual_sequence.py --quick --probes``: every arm through the four built-in tasks (data
     built at run time), a matrix of T + 1 rows per arm whose measures are those of its point matrix,
     paired differences to full FT, the chained OSFT arms' fold records per stage, and the probes and
@@ -532,7 +540,7 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets)
 
     out = tmp_path / "seq.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "continual_sequence.py"), "--quick", "--seeds", "0",
-                           "--out", str(out), "--data-dir", str(tmp_path / "data"), "--probes",
+                           "--out", str(out), "--data-dir", str(task_data), "--probes",
                            "--demo-dir", str(demo_assets.model_dir.parent)],
                           cwd=REPO / "benchmarks", capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -614,7 +622,7 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets)
 
 
 @pytest.mark.bench
-def test_sequence_pilot_quick_tries_each_arms_rates_and_matches_full_ft(tmp_path):
+def test_sequence_pilot_quick_tries_each_arms_rates_and_matches_full_ft(tmp_path, task_data):
     """``continual_sequence.py --quick --pilot``: each arm tries its grid (and at most the extensions)
     on the first two tasks' validation items; each rate's gain and BWT are those of its evaluations;
     the choice follows the pilot's rules; the frontier PNG is written; ``--markdown`` shows the table."""
@@ -622,7 +630,7 @@ def test_sequence_pilot_quick_tries_each_arms_rates_and_matches_full_ft(tmp_path
 
     out = tmp_path / "pilot.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "continual_sequence.py"), "--quick", "--seeds", "0",
-           "--data-dir", str(tmp_path / "data")]
+           "--data-dir", str(task_data)]
     proc = subprocess.run([*cmd, "--pilot", "--arms", "full_ft", "osft_default", "--out", str(out)], cwd=REPO / "benchmarks",
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
