@@ -153,3 +153,15 @@ def test_the_guide_example_runs(tiny_model_dir, chat_file, tmp_path, monkeypatch
     assert (outcome.exit_code, outcome.reason) == (0, "completed")
     assert Path(outcome.export_dir, "model.safetensors").is_file()
     assert f"0 completed {outcome.step} {outcome.export_dir}" in capsys.readouterr().out
+
+
+def test_the_import_path_of_earlier_releases_still_gives_the_api(monkeypatch):
+    """``from osft.trainer.api import train`` (the path before ``osft.trainer.launch``) gives the same
+    functions and warns once where they live now."""
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, "osft.trainer.api", raising=False)
+    with pytest.warns(DeprecationWarning, match="osft.trainer.api is osft.trainer.launch.api now"):
+        old = importlib.import_module("osft.trainer.api")
+    assert (old.train, old.InputError, old.TrainConfig) == (train, InputError, TrainConfig)

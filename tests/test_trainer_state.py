@@ -111,6 +111,11 @@ def test_inputs_of_another_content_are_refused_naming_them_an_identical_copy_is_
     with pytest.raises(CheckpointError, match=r"other inputs than this run's: the chat template: sha256 \w{12} at the "
                                               r"checkpoint, \w{12} now\. A resume"):
         state.accept_inputs(cfg, run_inputs(cfg, other_template, [(str(d64), None)]), tmp_path)
+    other_vocabulary = tiny_chat_tokenizer()  # the same chat template, one token more
+    other_vocabulary.add_tokens(["<new_token>"])
+    with pytest.raises(CheckpointError, match=r"other inputs than this run's: the tokenizer: sha256 \w{12} at the "
+                                              r"checkpoint, \w{12} now\. A resume"):
+        state.accept_inputs(cfg, run_inputs(cfg, other_vocabulary, [(str(d64), None)]), tmp_path)
 
     # accepted: the training data alone changed: the evaluation state still compares the same set
     accepting = dataclasses.replace(cfg, resume_accept_changed_inputs=True)
