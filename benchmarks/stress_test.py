@@ -65,23 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--keep", type=Path, default=Path(tempfile.gettempdir()) / "osft-stress", help="failed runs' output")
     args = p.parse_args(argv)
-    runs = []
+    runs: list[dict] = []
+    bad = 0
     for i in range(1, args.runs + 1):
         runs.append(one_run(str(REPO / args.test), args.keep, i))
         r = runs[-1]
         print(f"run {i}: exit {r['exit_code']} in {r['seconds']} s, load {r['loadavg_1min']}"
               + (" FATAL" if r["fatal_line"] or r["cores"] else ""), flush=True)
+        bad = write_results(args.out, args.test, args.runs, runs)  # after every run: a cut-short series keeps its record
+    print(f"{len(runs)} runs, {bad} failed; wrote {args.out}")
+    return 1 if bad else 0
+
+
+def write_results(out: Path, test: str, planned: int, runs: list[dict]) -> int:
+    """Write the record of ``runs`` (of ``planned``) to ``out``; returns how many failed."""
     bad = [r for r in runs if r["exit_code"] != 0 or r["fatal_line"] or r["cores"]]
     seconds = sorted(r["seconds"] for r in runs)
-    out = {"benchmark": "stress_test", "test": args.test, "rev": git_revision(REPO), "machine": machine_info(),
-           "runs": runs, "summary": {"runs": len(runs), "failed": len(bad), "crashed": sum(r["fatal_line"] or bool(r["cores"])
-                                                                                          for r in runs),
-                                     "median_s": seconds[len(seconds) // 2],
-                                     "median_loadavg": sorted(r["loadavg_1min"] for r in runs)[len(runs) // 2]}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{len(runs)} runs, {len(bad)} failed; wrote {args.out}")
-    return 1 if bad else 0
+    record = {"benchmark": "stress_test", "test": test, "rev": git_revision(REPO), "machine": machine_info(),
+              "runs": runs, "summary": {"runs": len(runs), "planned": planned, "failed": len(bad),
+                                        "crashed": sum(r["fatal_line"] or bool(r["cores"]) for r in runs),
+                                        "median_s": seconds[len(seconds) // 2],
+                                        "median_loadavg": sorted(r["loadavg_1min"] for r in runs)[len(runs) // 2]}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return len(bad)
 
 
 if __name__ == "__main__":

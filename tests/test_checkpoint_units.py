@@ -17,6 +17,7 @@ import time
 import uuid
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -207,9 +208,10 @@ def test_the_failure_paragraph_names_the_failed_ranks_last_error_line_from_its_l
 def test_the_wait_for_the_previous_background_write_is_the_next_saves_blocking_time(tiny_model_dir, tmp_path,
                                                                                     monkeypatch):
     """--async-checkpoint with a checkpoint every step and every write held 3 s (test hook), so
-    each save (and each step's orthogonality check, every step here) waits for the write before
-    it: that wait is counted in the next save's ``blocking_s`` (and ``seconds``), never in
-    ``step_time_s`` (nor tokens/s and MFU, computed from it). Every checkpoint is complete."""
+    each save waits for the write before it (the orthogonality check, every step here, does not):
+    that wait is counted in the next save's ``blocking_s`` (and ``seconds``), never in
+    ``step_time_s`` (nor tokens/s and MFU, computed from it). Every checkpoint is complete, and
+    DCP's checkpoint process has ended with the run (nothing is left behind)."""
     monkeypatch.setenv("OSFT_TEST_SAVE_DELAY_S", "3")
     data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA[:4]] * 3)
     out = tmp_path / "run"
@@ -225,6 +227,32 @@ def test_the_wait_for_the_previous_background_write_is_the_next_saves_blocking_t
         assert saved[step]["blocking_s"] + steps[step]["step_time_s"] >= 2.9, (saved[step], steps[step])
         assert saved[step]["blocking_s"] <= saved[step]["seconds"]
         assert steps[step]["tokens_per_s"] == pytest.approx(steps[step]["num_tokens"] / steps[step]["step_time_s"])
+    assert not [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_a_collective_off_the_watching_thread_is_recorded(tmp_path, monkeypatch):
+    """The watch of the asynchronous checkpoint test in tests/test_resume.py
+    (``OSFT_TEST_COLLECTIVE_THREADS``): a collective of another thread is recorded with the
+    thread's name, those of the watching thread are not; unset, the watch ends."""
+    import threading
+
+    import torch.distributed as dist
+    from osft.trainer import test_hooks
+
+    monkeypatch.setenv(test_hooks.COLLECTIVE_THREADS_ENV, str(tmp_path))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        test_hooks.watch_collective_threads(0)
+        dist.all_reduce(torch.zeros(1))
+        beside = threading.Thread(target=dist.barrier, name="beside")
+        beside.start()
+        beside.join()
+    finally:
+        monkeypatch.delenv(test_hooks.COLLECTIVE_THREADS_ENV)
+        test_hooks.watch_collective_threads(0)
+        dist.barrier()  # not recorded: no watch
+        dist.destroy_process_group()
+    assert (tmp_path / "collectives_rank0.txt").read_text().splitlines() == ["watching", "barrier beside"]
 
 
 def test_async_checkpoint_needs_checkpoints_to_write(tiny_model_dir, tmp_path, capsys):

@@ -241,12 +241,15 @@ def test_sigusr1_to_the_launcher_checkpoints_and_training_goes_on(job, reference
 def test_async_checkpoints_let_training_go_on_a_stop_waits_and_the_resume_is_bit_identical(job, reference, tmp_path):
     """``--async-checkpoint``: periodic checkpoints (every 2 steps) and a SIGUSR1 checkpoint (after
     step 3) are written in the background with a manifest each; the trajectory is the reference's.
+    No collective runs on a thread of a rank other than the training thread (DCP's planning runs in
+    its checkpoint process; test hook ``OSFT_TEST_COLLECTIVE_THREADS``).
     Step 4's write is slowed (test hook: 3 s before its manifest), and a SIGTERM agreed before the
     forward of step 5 waits for it: the stop is served by that very checkpoint (same step), exit 75.
     The resume from it, with async periodic checkpoints again (the last one in flight during the
     final export), goes on bit for bit."""
     out = tmp_path / "run"
-    job_env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12]}
+    threads = tmp_path / "threads"
+    job_env = {"OSFT_JOB_ID": uuid.uuid4().hex[:12], "OSFT_TEST_COLLECTIVE_THREADS": str(threads)}
     flags = ("--async-checkpoint", "--checkpoint-every-steps", "2")
     code, output = train(job, out, *flags, env={**job_env, "OSFT_TEST_SAVE_DELAY_S": "3@4",
                                                 "OSFT_TEST_SIGNAL_AT": "3:after_step:0:SIGUSR1,5:before_forward:0:SIGTERM"})
@@ -277,6 +280,8 @@ def test_async_checkpoints_let_training_go_on_a_stop_waits_and_the_resume_is_bit
     assert_same_steps(out, reference, 5)
     assert complete_checkpoints(out) == ["step_2", "step_3", "step_4", "step_6", "step_8"]
     assert [r["step"] for r in records(out, "checkpoint_saved")] == [2, 3, 4, 6, 8]
+    for rank in (0, 1):  # both runs watched every collective of the rank's threads
+        assert (threads / f"collectives_rank{rank}.txt").read_text().splitlines() == ["watching"] * 2
 
 
 def assert_same_steps_upto(run, reference, last):

@@ -99,10 +99,23 @@ def shutdown_distributed() -> None:
         _control = None
 
 
+#: What :func:`exit_rank` runs first (:func:`on_rank_exit`), in order.
+_at_exit: list[Callable[[], None]] = []
+
+
+def on_rank_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the rank ends through :func:`exit_rank` (once, however often it is
+    registered): what must not outlive the rank, such as DCP's checkpoint process, which
+    ``os._exit`` would leave to notice the end by itself. Exceptions of ``fn`` are ignored."""
+    if fn not in _at_exit:
+        _at_exit.append(fn)
+
+
 def exit_rank(code: int) -> NoReturn:
-    """End this rank's process with exit ``code`` after flushing stdout, stderr and ``logging``,
-    without Python's interpreter finalization (``os._exit``). Call it last, once everything the rank
-    writes is closed (metrics, checkpoints, exports).
+    """End this rank's process with exit ``code`` after the :func:`on_rank_exit` functions and
+    flushing stdout, stderr and ``logging``, without Python's interpreter finalization
+    (``os._exit``). Call it last, once everything the rank writes is closed (metrics, checkpoints,
+    exports).
 
     Why: gloo's worker thread can still be destroying the last collective's work object when the
     main thread returns from it. That work holds earlier works and their tensors, and releasing a
@@ -116,6 +129,11 @@ def exit_rank(code: int) -> NoReturn:
     thread was in ``Py_FinalizeEx``. Skipping finalization removes the race; an ``atexit`` hook
     would run too late for it (pytorch/pytorch PR 179291 tried and dropped one).
     """
+    for fn in _at_exit:
+        try:
+            fn()
+        except Exception:  # the rank ends regardless
+            pass
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

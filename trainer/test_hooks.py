@@ -1,11 +1,15 @@
 """Every test-only hook of the trainer: ``OSFT_TEST_*`` environment variables that make a rank do
 something at an exact point, so a test can reach a path it could not time from outside. Unset, each
-reader returns its "no hook" value; nothing else reads these variables. Standard library only.
+reader returns its "no hook" value; nothing else reads these variables. Standard library only (the
+collective watch imports ``torch.distributed`` when it is asked for).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+from pathlib import Path
 
 #: "STEP:LOCAL_RANK": that local rank logs a warning after that step (tests/test_distributed.py,
 #: local-rank-1 warnings).
@@ -18,9 +22,13 @@ STATE_HASH_ENV = "OSFT_TEST_STATE_HASH"
 #: NaN into one gradient; "STEP:spike" multiplies the loss by 1000. Each fires once per process (a
 #: rollback replays the step on another batch).
 DIVERGE_AT_ENV = "OSFT_TEST_DIVERGE_AT"
-#: "SECONDS" or "SECONDS@STEP": sleep that long after a checkpoint's shards are written and before
-#: its manifest (of every save, or of the save of that step; tests/test_resume.py, the grace-period test).
+#: "SECONDS" or "SECONDS@STEP": rank 0 sleeps that long after its part of a checkpoint is written
+#: (its shards and files), so before the manifest (of every save, or of the save of that step; with
+#: ``--async-checkpoint`` on its background thread; tests/test_resume.py, the grace-period test).
 SAVE_DELAY_ENV = "OSFT_TEST_SAVE_DELAY_S"
+#: A directory: each rank records there every collective a thread other than the training thread
+#: issues (:func:`watch_collective_threads`; tests/test_resume.py, the asynchronous checkpoint test).
+COLLECTIVE_THREADS_ENV = "OSFT_TEST_COLLECTIVE_THREADS"
 #: "STEP:POINT:MICRO:SIGNAL[,...]": rank 0 sends SIGNAL (to $OSFT_LAUNCHER_PID when set, else to
 #: itself) at that safe point of that step and micro-batch (0-based; ignored for after_step), and
 #: waits until the request is recorded, so the request is served exactly there.
@@ -63,7 +71,7 @@ def injected_divergence(step: int, fired: set[int]) -> str | None:
 
 
 def save_delay(step: int) -> float:
-    """Seconds :data:`SAVE_DELAY_ENV` makes the save of ``step`` wait before its manifest (0.0: none)."""
+    """Seconds :data:`SAVE_DELAY_ENV` makes rank 0's part of the save of ``step`` wait (0.0: none)."""
     seconds, _, at = (os.environ.get(SAVE_DELAY_ENV) or "0").partition("@")
     return float(seconds) if not at or int(at) == step else 0.0
 
@@ -92,3 +100,56 @@ def svd_delay() -> float:
 def generate_delay() -> float:
     """Seconds :data:`GENERATE_DELAY_ENV` makes each batch of ``make-retention-set`` sleep (0.0: none)."""
     return float(os.environ.get(GENERATE_DELAY_ENV) or 0)
+
+
+#: The ``torch.distributed`` collectives :func:`watch_collective_threads` wraps.
+WATCHED_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+)
+#: (log file, thread id of the watching thread) while :data:`COLLECTIVE_THREADS_ENV` is set
+_watch: tuple[Path, int] | None = None
+
+
+def watch_collective_threads(rank: int) -> None:
+    """With :data:`COLLECTIVE_THREADS_ENV` set to a directory: from now on, every call of a
+    ``torch.distributed`` collective (:data:`WATCHED_COLLECTIVES`, as ``torch.distributed.<name>``
+    and ``torch.distributed.distributed_c10d.<name>``) made by a thread other than the calling one
+    (the training thread) appends ``<name> <thread name>`` to ``collectives_rank<rank>.txt`` there,
+    whose first line is ``watching``. Unset: any earlier watch of this process ends."""
+    global _watch
+    directory = os.environ.get(COLLECTIVE_THREADS_ENV)
+    if not directory:
+        _watch = None
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    log = Path(directory) / f"collectives_rank{rank}.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write("watching\n")
+    _watch = (log, threading.get_ident())
+    for name in WATCHED_COLLECTIVES:
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "osft_watched", False):
+            continue
+        watched = _watched(name, fn)
+        setattr(c10d, name, watched)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, watched)
+
+
+def _watched(name: str, fn):
+    """``fn`` that first records a call from a thread other than the watching one (:data:`_watch`)."""
+
+    @functools.wraps(fn)
+    def watched(*args, **kwargs):
+        if _watch is not None and threading.get_ident() != _watch[1]:
+            with _watch[0].open("a") as f:
+                f.write(f"{name} {threading.current_thread().name}\n")
+        return fn(*args, **kwargs)
+
+    watched.osft_watched = True
+    return watched

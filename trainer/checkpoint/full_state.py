@@ -28,7 +28,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
-from .background import BackgroundWriter
+from .background import BackgroundWriter, PendingSave
 from .safe_load import SafeFileSystemReader, load_plain
 from .store import NO_ROOM_ERRNOS, apply_retention, newest_complete, no_room_line, versions
 from .trainer_state import TRAINER_STATE, TrainerState
@@ -113,11 +112,13 @@ def with_run_hyperparameters(saved: dict, optimizer: torch.optim.Optimizer) -> d
 @dataclass(frozen=True)
 class SavedCheckpoint:
     """A complete checkpoint just written: its step and directory, its size (bytes, frozen factors
-    excluded), the time from the start of the save to its manifest (s), how long the training
-    thread was blocked by it (s; ``seconds`` for a synchronous save, the staging time with
-    ``--async-checkpoint``; both include the time training waited for the previous background
-    write before this save could begin, wherever it waited), the bytes of the frozen factors written with it (0 when reused), and
-    what retention removed after it (rank 0; empty elsewhere)."""
+    excluded), the time from the start of the save to its manifest and retention (s; with
+    ``--async-checkpoint`` to the step boundary that completed it), how long the training thread
+    was blocked by it (s; ``seconds`` for a synchronous save; with ``--async-checkpoint`` the
+    staging, the polls while it was written and its completion), the bytes of the frozen factors
+    written with it (0 when reused), and what retention removed after it (rank 0; empty
+    elsewhere). Both times include the time training waited for the previous background write
+    before this save could begin, wherever it waited."""
 
     step: int
     path: Path
@@ -126,37 +127,6 @@ class SavedCheckpoint:
     blocking_s: float
     frozen_bytes: int
     removed: tuple[Path, ...] = ()
-
-
-@dataclass(frozen=True)
-class PendingSave:
-    """A checkpoint being written in the background (:meth:`Checkpointer.save_async`): its step,
-    its final directory (which exists only once it is complete), how long the training thread was
-    blocked by it (s: the wait for the previous write and the staging), the write's future (a
-    :class:`SavedCheckpoint`) and what is told how long :meth:`result` waited (s)."""
-
-    step: int
-    path: Path
-    blocking_s: float
-    future: Future
-    on_wait: Callable[[float], None]
-
-    def done(self) -> bool:
-        """True once the write has finished, complete or failed (never blocks)."""
-        return self.future.done()
-
-    def result(self) -> SavedCheckpoint:
-        """Wait for the write to finish; the time waited is handed to ``on_wait`` (the training
-        thread's wait, counted in the next save's ``blocking_s`` and kept out of the step's time).
-
-        Raises:
-            CheckpointWriteError: a rank's write failed; the checkpoint has no manifest.
-        """
-        start = time.perf_counter()
-        try:
-            return self.future.result()
-        finally:
-            self.on_wait(time.perf_counter() - start)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -260,7 +230,7 @@ class Checkpointer:
         #: name of the frozen store this run references (written at the first save, or the resumed one's)
         self.frozen_dir: str | None = None
         #: seconds the training thread waited for background writes since the last save began
-        #: (:meth:`PendingSave.result`): the next save counts them in its ``blocking_s`` and ``seconds``
+        #: (:meth:`.background.PendingSave.result`): the next save counts them in its ``blocking_s`` and ``seconds``
         self.waited_s = 0.0
 
     # -- model ---------------------------------------------------------------------------------
@@ -329,16 +299,20 @@ class Checkpointer:
             dcp.save(rest, checkpoint_id=tmp / "model", no_dist=not is_distributed())
             return self._write_rank_files(tmp, optim, rng, trainer_state)
 
-        return self._complete(step, tmp, write, None, start, None, frozen_bytes, _nbytes(rest) + _nbytes(optim))
+        report = self._write_local(step, tmp, write)
+        return self._finish(step, tmp, report, _nbytes(rest) + _nbytes(optim), None, start, None, frozen_bytes)
 
     def save_async(self, step: int, trainer_state: TrainerState, rng: dict[str, Any]) -> PendingSave:
-        """Stage ``step_<step>`` on this thread and write it on the writer's thread (collective,
-        ``--async-checkpoint``): the model shards through DCP's ``async_save``, this rank's optimizer
-        and generator states as CPU copies, ``trainer_state.json`` as a copy of ``trainer_state``;
-        the files, the manifest (once every rank's files are on disk), the rename and the retention
-        then follow as in :meth:`save`. Training may change the model and optimizer as soon as this
-        returns. The caller waits for the previous save's :class:`PendingSave` first (at most one in
-        flight); :meth:`PendingSave.result` raises :class:`CheckpointWriteError` when a write failed.
+        """Stage ``step_<step>`` on this thread and start writing it (collective,
+        ``--async-checkpoint``): the model shards through DCP's process-based ``async_save`` (staged
+        into shared memory, written by DCP's checkpoint process), this rank's optimizer and
+        generator states as CPU copies and ``trainer_state.json`` as a copy of ``trainer_state``,
+        written, synced and described by the writer's thread once DCP is done (no collective
+        there). Training may change the model and optimizer as soon as this returns. The manifest
+        (once every rank's files are on disk), the rename and the retention follow as in
+        :meth:`save`, on the training thread, in :meth:`.background.PendingSave.result` (after
+        :meth:`.background.PendingSave.done` agreed every rank is done, or as a wait). The caller
+        waits for the previous save's :class:`.background.PendingSave` first (at most one in flight).
 
         The frozen OSFT factors of a run's first save are still written on this thread (once per run).
         """
@@ -347,16 +321,18 @@ class Checkpointer:
         model = self.writer.save_model(rest, tmp / "model")
         staged = self.writer.stage({"optimizer": self._optimizer_state(), "rng": rng})
         state = TrainerState.from_json(trainer_state.to_json())  # a copy: to_json copies every container
-        blocking = time.perf_counter() - start
+        needed = _nbytes(rest) + _nbytes(staged["optimizer"])
 
         def write() -> list[str]:
             model.result()
             return self._write_rank_files(tmp, staged["optimizer"], staged["rng"], state)
 
-        needed = _nbytes(rest) + _nbytes(staged["optimizer"])
-        future = self.writer.submit(lambda: self._complete(step, tmp, write, self.writer.group, start, blocking,
-                                                           frozen_bytes, needed))
-        return PendingSave(step, self.root / f"step_{step}", blocking, future, self._add_wait)
+        def finish(report: dict | _RankFailure, blocking_s: float) -> SavedCheckpoint:
+            return self._finish(step, tmp, report, needed, self.writer.group, start, blocking_s, frozen_bytes)
+
+        future = self.writer.submit(lambda: self._write_local(step, tmp, write))
+        return PendingSave(step, self.root / f"step_{step}", time.perf_counter() - start, future, self._add_wait,
+                           self.writer.all_done, finish)
 
     def _add_wait(self, seconds: float) -> None:
         self.waited_s += seconds
@@ -419,24 +395,36 @@ class Checkpointer:
                 os.close(fd)
         return names
 
-    def _complete(self, step: int, tmp: Path, write: Callable[[], list[str]], group: dist.ProcessGroup | None,
-                  start: float, blocking_s: float | None, frozen_bytes: int, local_bytes: int) -> SavedCheckpoint:
-        """Run this rank's ``write`` (returns the names of the files it wrote besides the DCP
-        shards), gather every rank's file entries (or error) over ``group``, and, when no rank
-        failed, let rank 0 write the manifest, rename ``tmp`` to ``step_<step>`` and apply retention.
-        ``local_bytes``: what this rank's part needs on disk (for the report of a full disk).
+    def _write_local(self, step: int, tmp: Path, write: Callable[[], list[str]]) -> dict | _RankFailure:
+        """This rank's part of a save (no collective): run ``write`` (returns the names of the files
+        it wrote besides the DCP shards), then describe this rank's files (size, SHA-256:
+        :func:`.manifest.describe_files`). Returns the entries, or this rank's failure."""
+        r = self.env.rank
+        try:
+            written = write()  # first: the DCP shards are listed once they are on disk
+            if r == 0 and (delay := test_hooks.save_delay(step)):
+                time.sleep(delay)
+            return describe_files(tmp, self._my_files(tmp, "model") + written, r)
+        except (Exception, CheckpointException) as exc:  # every rank learns it in _finish: none writes a manifest or waits alone
+            return _rank_failure(r, exc)
+
+    def _finish(self, step: int, tmp: Path, report: dict | _RankFailure, local_bytes: int,
+                group: dist.ProcessGroup | None, start: float, blocking_s: float | None,
+                frozen_bytes: int) -> SavedCheckpoint:
+        """Complete a save from this rank's ``report`` (:meth:`_write_local`; collective over
+        ``group``, on the training thread): gather every rank's report, and, when no rank failed,
+        let rank 0 write the manifest and rename ``tmp`` to ``step_<step>``; broadcast the outcome;
+        then rank 0 applies retention. ``local_bytes``: what this rank's part needs on disk (for the
+        report of a full disk). ``blocking_s``: None for a synchronous save (it blocked all along),
+        else the training thread's seconds on it so far, to which this call's time is added.
 
         Raises:
             CheckpointWriteError: on every rank, naming each rank's error, when a write failed
                 (:meth:`_failed`).
         """
+        begun = time.perf_counter()
         r = self.env.rank
         final = self.root / f"step_{step}"
-        try:
-            written = write()  # first: the DCP shards are listed once they are on disk
-            report: dict | _RankFailure = describe_files(tmp, self._my_files(tmp, "model") + written, r)
-        except (Exception, CheckpointException) as exc:  # every rank learns it below: none writes a manifest or waits alone
-            report = _rank_failure(r, exc)
         reports = self._gather((report, local_bytes), group)
         failures = [e for e, _ in reports if isinstance(e, _RankFailure)]
         outcome: list = [None]
@@ -452,10 +440,10 @@ class Checkpointer:
         if outcome[0] is not None:
             raise CheckpointWriteError(*outcome[0])
         size = sum(f["size"] for e, _ in reports for f in e.values()) if r == 0 else 0
-        seconds = time.perf_counter() - start
         removed = tuple(apply_retention(self.root, self.keep_last, self.frozen_dir)) if r == 0 else ()
-        return SavedCheckpoint(step, final, size, seconds, seconds if blocking_s is None else blocking_s,
-                               frozen_bytes, removed)
+        end = time.perf_counter()
+        blocking = end - start if blocking_s is None else blocking_s + end - begun
+        return SavedCheckpoint(step, final, size, end - start, blocking, frozen_bytes, removed)
 
     def _failed(self, final: Path, tmp: Path, failures: list[_RankFailure], needed: int) -> tuple[str, str | None, dict]:
         """Rank 0, a write failed: the :class:`CheckpointWriteError` arguments. For lack of space or
@@ -480,8 +468,6 @@ class Checkpointer:
 
     def _write_manifest(self, step: int, tmp: Path, final: Path, files: dict[str, dict]) -> None:
         """Rank 0: the manifest (last, after every rank's files are on disk), then ``tmp`` renamed to ``final``."""
-        if delay := test_hooks.save_delay(step):
-            time.sleep(delay)
         frozen_ref = None
         if self.frozen_dir:
             digest = hashlib.sha256((self.root / self.frozen_dir / MANIFEST).read_bytes()).hexdigest()

@@ -13,8 +13,9 @@ What a checkpoint holds of the run beside the model and optimizer (:meth:`Checkp
 counters, data position, schedule, monitor state) and how it is put back
 (:meth:`CheckpointManager.restore`) are the manager's too. The loop calls
 :meth:`CheckpointManager.poll` at its safe points, :meth:`CheckpointManager.save_if_due`
-once after every step, :meth:`CheckpointManager.check` before every step (a failed background
-write ends the run there) and :meth:`CheckpointManager.close` at the end.
+once after every step, :meth:`CheckpointManager.check` before every step (a background write is
+completed there, collectively; a failed one ends the run there) and :meth:`CheckpointManager.close`
+at the end.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from ..distributed import DistEnv, barrier
 from ..observe.metrics import Reporter
 from ..osft.surgery import OSFTModel
 from ..rundir import RunDir
-from .background import BackgroundWriter
-from .full_state import Checkpointer, PendingSave, SavedCheckpoint, capture_rng, restore_rng
+from .background import BackgroundWriter, PendingSave
+from .full_state import Checkpointer, SavedCheckpoint, capture_rng, restore_rng
 from .requests import Request, RequestPoller, Seen
 from .signals import Action, TriggerDir, install_handlers, job_start_time, restore_handlers
 from .store import check_shared
@@ -154,12 +155,6 @@ class CheckpointManager:
         self.report.say(f"resumed from {path} at step {step}")
         return step
 
-    @property
-    def waited_s(self) -> float:
-        """Seconds training has waited for background writes since the last save began (the next
-        save's ``blocking_s``: :attr:`.full_state.Checkpointer.waited_s`)."""
-        return self.checkpointer.waited_s if self.checkpointer is not None else 0.0
-
     def stop_check(self, point: str, step: int) -> Callable[[int], None] | None:
         """The poll of a long pass after ``step`` steps (:meth:`.requests.RequestPoller.stop_check`;
         None without ``--on-demand-checkpointing``)."""
@@ -217,12 +212,16 @@ class CheckpointManager:
         return str(saved.path)
 
     def check(self, wait: bool = False) -> None:
-        """Finish the checkpoint written in the background, if any, once it is complete (with
-        ``wait``: wait for it): log it and serve the requests it was written for. Not collective
-        without ``wait``; every rank waits before anything that depends on the newest checkpoint.
+        """Complete the checkpoint written in the background, if any, once every rank's part of it
+        is written (with ``wait``: wait for it), on this (the training) thread: its manifest and
+        rename (:meth:`.background.PendingSave.result`), then log it and serve the requests it was
+        written for. Collective while a write is in flight: without ``wait``, one all-reduce of
+        one integer over the writer's gloo group (:meth:`.background.PendingSave.done`), so every
+        rank calls it at the same points (the loop: before every step); every rank waits before
+        anything that depends on the newest checkpoint. Nothing happens without a write in flight.
 
         Raises:
-            CheckpointWriteError: its write failed on some rank (it has no manifest).
+            CheckpointWriteError: on every rank, when its write failed on some rank (it has no manifest).
         """
         if self._writing is None or not (wait or self._writing[0].done()):
             return

@@ -38,7 +38,7 @@ All products are computed in float32, also for bf16 factors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -341,14 +341,13 @@ class Projector:
         return torch.tensor([dw, gap], dtype=torch.float64)
 
 
-def check_after_step(projector: Projector | None, step: int, every: int, margin_deg: float,
-                     before: Callable[[], None]) -> tuple[OrthoReport | None, dict]:
+def check_after_step(projector: Projector | None, step: int, every: int,
+                     margin_deg: float) -> tuple[OrthoReport | None, dict]:
     """The orthogonality check after optimizer step ``step`` (collective): the full check
     (:meth:`Projector.check`) at step 1 and every ``every`` steps, and between them wherever
     :meth:`Projector.deviation_bound` fails to rule out a deviation above ``margin_deg`` (no bound
-    with ``--osft-v-projection gram``); ``before()`` runs before a check. Returns the report (None:
-    no check, or no OSFT) and the forgetting indicators of the step record (measured on the
-    scheduled steps, else None values)."""
+    with ``--osft-v-projection gram``). Returns the report (None: no check, or no OSFT) and the
+    forgetting indicators of the step record (measured on the scheduled steps, else None values)."""
     forgetting = dict.fromkeys(indicators.INDICATOR_FIELDS)
     if projector is None:
         return None, forgetting
@@ -357,6 +356,5 @@ def check_after_step(projector: Projector | None, step: int, every: int, margin_
         bound = projector.deviation_bound()
         if bound is None or bound <= margin_deg:
             return None, forgetting
-    before()
     report = projector.check(margin_deg)
     return report, projector.indicators().fields() if scheduled else forgetting

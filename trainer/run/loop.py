@@ -16,6 +16,7 @@ from functools import partial
 
 from rich.console import Console
 
+from .. import test_hooks
 from ..checkpoint.export import Exporter
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.requests import Request, StopRequested
@@ -60,6 +61,7 @@ class Trainer:
         False when a stop was agreed during the start-up SVDs (nothing trained; :meth:`run` ends
         the run stopped, with no checkpoint)."""
         cfg, dist = self.cfg, self.dist
+        test_hooks.watch_collective_threads(dist.rank)
         seed_everything(cfg.seed)
         flops = model_flops(cfg)
         self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=flops.to_json())
@@ -113,7 +115,7 @@ class Trainer:
             self.monitor.start(step)
             with TrainProgress(self.total_steps, self.console, enabled=self.dist.is_local_main) as progress:
                 while step < self.total_steps:
-                    self.checkpoints.check()  # a failed background write ends the run here
+                    self.checkpoints.check()  # completes a background write (collective); a failed one ends the run
                     position = self.monitor.position(step + 1)
                     indices = self.sampler.indices(position)
                     try:

@@ -96,7 +96,7 @@ class TrainStep:
         """Forward/backward every micro-batch of this rank (:meth:`_forward_backward`), project,
         clip, check for divergence, step, re-project, check orthogonality."""
         parts = self.parts
-        start, waited = time.perf_counter(), self.checkpoints.waited_s  # a wait for a background write is a save's
+        start = time.perf_counter()
         total_loss_tokens = int(self.loss_tokens[idx].sum())
         if total_loss_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has zero trainable tokens (lines {self.lines(idx)})")
@@ -120,13 +120,10 @@ class TrainStep:
         parts.optimizer.zero_grad(set_to_none=True)
         if parts.projector:
             parts.projector.project_parameters()
-        # The check gathers whole factors (DTensor.full_tensor, functional collectives); one ran beside a
-        # background checkpoint's collectives and crashed rank 0 (SIGSEGV): the write in flight finishes first.
-        report, forgetting = check_after_step(parts.projector, step, self.ortho_check_every, self.ortho_margin_deg,
-                                              lambda: self.checkpoints.check(wait=True))
+        report, forgetting = check_after_step(parts.projector, step, self.ortho_check_every, self.ortho_margin_deg)
         if report and report.violating:
             self.report.warn(f"step {step}: orthogonality violations in {report.violating}")
-        elapsed = time.perf_counter() - start - (self.checkpoints.waited_s - waited)
+        elapsed = time.perf_counter() - start
         return parts.recorder.fields(step, elapsed, loss=loss, grad_norm=grad_norm, lr=lr,
                                      tokens_by_rank=tokens_by_rank, loss_tokens=total_loss_tokens, samples=len(idx),
                                      lengths_by_rank=batches.lengths_by_rank(),
