@@ -7,7 +7,7 @@ DCP's process plans and writes the shards, with its collectives on a gloo group 
 worker thread of this rank waits for it and writes, syncs and hashes the rank's own files. Neither
 runs a collective of the training process: every collective of a checkpoint (the agreement that
 every rank's write is done, the file entries, the outcome) runs on the training thread
-(:meth:`PendingSave.done`, :meth:`PendingSave.result`;
+(:meth:`.full_state.PendingSave.done`, :meth:`.full_state.PendingSave.result`;
 docs/architecture.md section 5, "Asynchronous save"). At most one write is in flight. How the
 trainer waits for it and serves requests with it: :class:`.manager.CheckpointManager`.
 """
@@ -18,13 +18,12 @@ import atexit
 import contextlib
 import os
 import signal
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,9 +34,6 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..distributed import is_distributed, on_rank_exit
 from .signals import CHECKPOINT_SIGNALS
-
-if TYPE_CHECKING:
-    from .full_state import SavedCheckpoint
 
 T = TypeVar("T")
 
@@ -137,45 +133,6 @@ class BackgroundWriter:
         if self._own_world and dist.is_initialized():
             dist.destroy_process_group()
             self._own_world = False
-
-
-class PendingSave:
-    """A checkpoint being written in the background (:meth:`.full_state.Checkpointer.save_async`): its step,
-    its final directory (which exists only once it is complete), the training thread's seconds
-    spent on it so far (``blocking_s``: the wait for the previous write, the staging, and then each
-    :meth:`done`), and this rank's part of the write (``future``: its file entries, or its failure).
-
-    Every rank calls :meth:`done` and :meth:`result` at the same points, on the training thread:
-    both are collective. ``all_done`` agrees over the ranks (:meth:`BackgroundWriter.all_done`),
-    ``finish`` completes the checkpoint from this rank's report and the blocking seconds so far
-    (``.full_state.Checkpointer._finish``), ``on_wait`` is told how long :meth:`result` waited (s)."""
-
-    def __init__(self, step: int, path: Path, blocking_s: float, future: Future, on_wait: Callable[[float], None],
-                 all_done: Callable[[bool], bool], finish: Callable[[Any, float], SavedCheckpoint]) -> None:
-        self.step, self.path, self.blocking_s, self.future = step, path, blocking_s, future
-        self._on_wait, self._all_done, self._finish = on_wait, all_done, finish
-
-    def done(self) -> bool:
-        """True once every rank's part of the write has finished, complete or failed. Never waits
-        for the write; collective while there are several ranks (one all-reduce of one integer)."""
-        start = time.perf_counter()
-        try:
-            return self._all_done(self.future.done())
-        finally:
-            self.blocking_s += time.perf_counter() - start
-
-    def result(self) -> SavedCheckpoint:
-        """Wait for this rank's part (the time waited goes to ``on_wait``: the training thread's
-        wait, counted in the next save's ``blocking_s`` and kept out of the step's time), then
-        complete the checkpoint with every rank (collective: gather, manifest, rename, outcome).
-
-        Raises:
-            CheckpointWriteError: on every rank, when a rank's write failed; the checkpoint has no manifest.
-        """
-        start = time.perf_counter()
-        report = self.future.result()  # a rank's failure is a report too: every rank goes on to the gather
-        self._on_wait(time.perf_counter() - start)
-        return self._finish(report, self.blocking_s)
 
 
 class _QuietStart(dcp_process._ProcessGroupInitInfo):

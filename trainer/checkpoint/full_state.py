@@ -28,6 +28,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
-from .background import BackgroundWriter, PendingSave
+from .background import BackgroundWriter
 from .safe_load import SafeFileSystemReader, load_plain
 from .store import NO_ROOM_ERRNOS, apply_retention, newest_complete, no_room_line, versions
 from .trainer_state import TRAINER_STATE, TrainerState
@@ -127,6 +128,45 @@ class SavedCheckpoint:
     blocking_s: float
     frozen_bytes: int
     removed: tuple[Path, ...] = ()
+
+
+class PendingSave:
+    """A checkpoint being written in the background (:meth:`Checkpointer.save_async`): its step,
+    its final directory (which exists only once it is complete), the training thread's seconds
+    spent on it so far (``blocking_s``: the wait for the previous write, the staging, and then each
+    :meth:`done`), and this rank's part of the write (``future``: its file entries, or its failure).
+
+    Every rank calls :meth:`done` and :meth:`result` at the same points, on the training thread:
+    both are collective. ``all_done`` agrees over the ranks (``BackgroundWriter.all_done``),
+    ``finish`` completes the checkpoint from this rank's report and the blocking seconds so far
+    (``Checkpointer._finish``), ``on_wait`` is told how long :meth:`result` waited (s)."""
+
+    def __init__(self, step: int, path: Path, blocking_s: float, future: Future, on_wait: Callable[[float], None],
+                 all_done: Callable[[bool], bool], finish: Callable[[Any, float], SavedCheckpoint]) -> None:
+        self.step, self.path, self.blocking_s, self.future = step, path, blocking_s, future
+        self._on_wait, self._all_done, self._finish = on_wait, all_done, finish
+
+    def done(self) -> bool:
+        """True once every rank's part of the write has finished, complete or failed. Never waits
+        for the write; collective while there are several ranks (one all-reduce of one integer)."""
+        start = time.perf_counter()
+        try:
+            return self._all_done(self.future.done())
+        finally:
+            self.blocking_s += time.perf_counter() - start
+
+    def result(self) -> SavedCheckpoint:
+        """Wait for this rank's part (the time waited goes to ``on_wait``: the training thread's
+        wait, counted in the next save's ``blocking_s`` and kept out of the step's time), then
+        complete the checkpoint with every rank (collective: gather, manifest, rename, outcome).
+
+        Raises:
+            CheckpointWriteError: on every rank, when a rank's write failed; the checkpoint has no manifest.
+        """
+        start = time.perf_counter()
+        report = self.future.result()  # a rank's failure is a report too: every rank goes on to the gather
+        self._on_wait(time.perf_counter() - start)
+        return self._finish(report, self.blocking_s)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -230,7 +270,7 @@ class Checkpointer:
         #: name of the frozen store this run references (written at the first save, or the resumed one's)
         self.frozen_dir: str | None = None
         #: seconds the training thread waited for background writes since the last save began
-        #: (:meth:`.background.PendingSave.result`): the next save counts them in its ``blocking_s`` and ``seconds``
+        #: (:meth:`PendingSave.result`): the next save counts them in its ``blocking_s`` and ``seconds``
         self.waited_s = 0.0
 
     # -- model ---------------------------------------------------------------------------------
@@ -310,9 +350,9 @@ class Checkpointer:
         written, synced and described by the writer's thread once DCP is done (no collective
         there). Training may change the model and optimizer as soon as this returns. The manifest
         (once every rank's files are on disk), the rename and the retention follow as in
-        :meth:`save`, on the training thread, in :meth:`.background.PendingSave.result` (after
-        :meth:`.background.PendingSave.done` agreed every rank is done, or as a wait). The caller
-        waits for the previous save's :class:`.background.PendingSave` first (at most one in flight).
+        :meth:`save`, on the training thread, in :meth:`PendingSave.result` (after
+        :meth:`PendingSave.done` agreed every rank is done, or as a wait). The caller waits for the
+        previous save's :class:`PendingSave` first (at most one in flight).
 
         The frozen OSFT factors of a run's first save are still written on this thread (once per run).
         """

@@ -35,8 +35,8 @@ from ..distributed import DistEnv, barrier
 from ..observe.metrics import Reporter
 from ..osft.surgery import OSFTModel
 from ..rundir import RunDir
-from .background import BackgroundWriter, PendingSave
-from .full_state import Checkpointer, SavedCheckpoint, capture_rng, restore_rng
+from .background import BackgroundWriter
+from .full_state import Checkpointer, PendingSave, SavedCheckpoint, capture_rng, restore_rng
 from .requests import Request, RequestPoller, Seen
 from .signals import Action, TriggerDir, install_handlers, job_start_time, restore_handlers
 from .store import check_shared
@@ -214,9 +214,9 @@ class CheckpointManager:
     def check(self, wait: bool = False) -> None:
         """Complete the checkpoint written in the background, if any, once every rank's part of it
         is written (with ``wait``: wait for it), on this (the training) thread: its manifest and
-        rename (:meth:`.background.PendingSave.result`), then log it and serve the requests it was
+        rename (:meth:`.full_state.PendingSave.result`), then log it and serve the requests it was
         written for. Collective while a write is in flight: without ``wait``, one all-reduce of
-        one integer over the writer's gloo group (:meth:`.background.PendingSave.done`), so every
+        one integer over the writer's gloo group (:meth:`.full_state.PendingSave.done`), so every
         rank calls it at the same points (the loop: before every step); every rank waits before
         anything that depends on the newest checkpoint. Nothing happens without a write in flight.
 
