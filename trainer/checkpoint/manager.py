@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .. import test_hooks
 from ..config import CheckpointConfig
 from ..contract import LAUNCHER_PID_ENV, Event
 from ..data.sampler import GlobalBatchSampler, MixtureSampler
@@ -70,6 +71,7 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, settings: dict, dist: DistEnv, job_id: str, run_dir: RunDir,
                  report: Reporter) -> None:
         self.cfg, self.settings, self.dist, self.job_id, self.report = cfg, settings, dist, job_id, report
+        test_hooks.watch_collective_threads(dist.rank)  # before any thread of the checkpoints starts
         self.root = run_dir.checkpoints
         self.trigger = TriggerDir(job_id)
         self.poller: RequestPoller | None = None

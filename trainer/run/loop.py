@@ -16,7 +16,6 @@ from functools import partial
 
 from rich.console import Console
 
-from .. import test_hooks
 from ..checkpoint.export import Exporter
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.requests import Request, StopRequested
@@ -61,7 +60,6 @@ class Trainer:
         False when a stop was agreed during the start-up SVDs (nothing trained; :meth:`run` ends
         the run stopped, with no checkpoint)."""
         cfg, dist = self.cfg, self.dist
-        test_hooks.watch_collective_threads(dist.rank)
         seed_everything(cfg.seed)
         flops = model_flops(cfg)
         self.metrics.log(Event.RUN_STARTED, pid=os.getpid(), config=cfg.to_json(), model_flops=flops.to_json())
