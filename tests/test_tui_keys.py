@@ -79,6 +79,7 @@ def test_the_checkpoint_cursor_stays_where_the_user_put_it(tmp_path):
         table.focus()
         await pilot.press("down")  # newest first: the first checkpoint is the second row
         assert table.selected().step == first
+        await pilot.pause(REPEAT_S)  # a press, not the auto-repeat of the second checkpoint's
         await pilot.press("c")
         await wait_until(pilot, lambda: len(table.rows) == 3, 20, "the third checkpoint listed")
         await pilot.pause(0.5)
