@@ -14,9 +14,13 @@ pre-chain-recipe protection (update bases, non-targets trained); OSFT with the d
 from the earlier tasks' training files, through ``--data-path`` weights); sequential LoRA (PEFT,
 merged after each stage); multi-task training on every task at once for T x the steps (the upper
 bound, one row); named in ``--arms``, the ablations (:data:`ABLATIONS`: one default of the recipe
-flipped each, compared with the default chain). Measures (``continual_learning/matrix.py``): AA, LA,
+flipped each, compared with the default chain) and ``osft_general`` (:data:`GENERAL`: the default
+chain after a stage-0 basis, ``continual_learning/general_basis.py``: before the first task the base
+model's input directions on ``--general-samples`` rows of the demo's chit-chat training file are
+protected, Q only, so every stage trains orthogonally to what general inputs use; compared with the
+default chain too). Measures (``continual_learning/matrix.py``): AA, LA,
 BWT, FWT, F; goals are paired bootstrap differences (arm - sequential full FT, arm - unprotected
-OSFT; an ablation - the default chain), never ratios; each stage's
+OSFT; an ablation or ``osft_general`` - the default chain), never ratios; each stage's
 fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
 
 ``--probes``: also the probes no arm trains on (``continual_learning/probes.py``: capitals, two-digit
@@ -43,6 +47,7 @@ Usage::
     python benchmarks/continual_sequence.py --merge a.json b.json --out all.json
     python benchmarks/continual_sequence.py --pilot --arms full_ft osft_default lora --out pilot.json
     python benchmarks/continual_sequence.py --rates pilot.json --seeds 0 --out seed0.json
+    python benchmarks/continual_sequence.py --rates pilot.json --arms osft_general --seeds 0 --probes --out general.json
 
 ``--merge`` combines runs made in parts (some arms or seeds each, same tasks, settings and base
 model) into one result with one summary, so the paired differences span every arm.
@@ -68,14 +73,15 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 QUICK_SIZES = {"steps": 1, "batch": 4, "eval_items": 4, "max_new_tokens": 8, "bootstrap": 100, "probe_items": 4,
-               "r1_max_new_tokens": 8}
+               "r1_max_new_tokens": 8, "general_samples": 16}
 URR = 0.25
 
 
 @dataclass(frozen=True)
 class SequenceArm:
     """One arm: ``name``, ``kind`` (``trainer``, ``peft_lora``; ``multitask`` and ``replay`` are
-    trainer runs whose data differ), ``config`` (``TrainConfig`` fields) and ``learning_rate``."""
+    trainer runs whose data differ, ``general_basis`` trainer runs chained from a stage-0 basis),
+    ``config`` (``TrainConfig`` fields) and ``learning_rate``."""
 
     name: str
     kind: str
@@ -106,6 +112,17 @@ ABLATIONS = [
                 1e-4),
 ]
 ABLATION_NAMES = {a.name for a in ABLATIONS}
+#: The default chain after a stage-0 basis (run when named in ``--arms``; compared with
+#: ``osft_default``, paired, at its rate): before stage 1 the base model directory is copied with
+#: protected subspaces P = N×0, Q = the input directions of ``--general-samples`` rows of general
+#: chat data (``continual_learning/general_basis.py``); stages 1..T then chain from it with the
+#: default chain's config. Its stage 1 starts from a directory with subspaces, so, as every chained
+#: run, it freezes the non-target parameters, which the default chain's stage 1 trains.
+GENERAL = [SequenceArm("osft_general", "general_basis", {"osft_unfreeze_rank_ratio": URR}, 1e-4)]
+#: Arms run only when named in ``--arms``.
+OPT_IN = ABLATIONS + GENERAL
+#: Arms compared with the default chain (paired differences) that take its pilot rate.
+LIKE_DEFAULT = ABLATION_NAMES | {a.name for a in GENERAL}
 #: Share of a replay arm's batches drawn from the earlier tasks (split evenly over them).
 REPLAY_SHARE = 0.1
 #: Optimizer steps of the first task in the recovery check (``--probes``), from the last stage's model.
@@ -124,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", type=Path, default=None, help="JSON list of task specs (default: the built-in four)")
     p.add_argument("--order", nargs="+", default=None,
                    help="task names in training order, at least 2 (default: every task, in the spec's order)")
-    p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS + ABLATIONS], default=None,
-                   help="arms to run (default: every arm of ARMS; the ablations only when named)")
+    p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS + OPT_IN], default=None,
+                   help="arms to run (default: every arm of ARMS; the ablations and osft_general only when named)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per stage")
     p.add_argument("--batch", type=int, default=8)
@@ -139,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also score the probes no arm trains on and the recovery check after the last stage")
     p.add_argument("--probe-items", type=int, default=48, help="items per probe (R1: the user turns of this many chit-chat rows)")
     p.add_argument("--r1-max-new-tokens", type=int, default=32, help="length of the base model's R1 replies")
+    p.add_argument("--general-samples", type=int, default=64,
+                   help="osft_general's stage-0 calibration rows, drawn with the seed from the demo's chit-chat "
+                        "training file (never its eval file, which R1 uses)")
     p.add_argument("--data-dir", type=Path, default=None, help="where the built-in tasks are built (default: user cache)")
     p.add_argument("--foldoc-dir", type=Path, default=None)
     p.add_argument("--demo-dir", type=Path, default=None, help="demo assets (the base model)")
@@ -164,8 +184,9 @@ def markdown(result: dict) -> str:
     """The tables of a result, as benchmarks/README.md shows them: per arm its rate, AA, LA, BWT and
     F with their intervals, the paired differences to sequential full FT (an arm whose LA is more than
     :data:`MATCHED_LA` off full FT's is marked unmatched); per arm the matrix R on the scored tasks; the
-    ablations' paired differences to the default chain; the goal checks; the fold records of the
-    default chain per stage."""
+    paired differences of the ablations and ``osft_general`` to the default chain (their probe
+    changes' too); the goal checks; the fold records of the default chain per stage;
+    ``osft_general``'s stage-0 basis per unit."""
     def iv(v: dict, sign: bool = False, digits: int = 1) -> str:
         if v["value"] is None:
             return "–"
@@ -194,8 +215,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {arm} | " + " | ".join(", ".join("–" if x != x else f"{x:.1f}" for x in row) for row in rows) + " |")
     ablations = [arm for arm in arms if "minus_osft_default" in summary[arm]["points"]]
     if ablations:
-        lines += ["", "One default flipped, paired difference to the default chain (osft_default):", "",
-                  "| ablation | AA − default | LA − default | BWT − default |", "| --- | --- | --- | --- |"]
+        lines += ["", "One default flipped (ablate_*) or a stage-0 basis added (osft_general), paired difference to the "
+                  "default chain (osft_default):", "",
+                  "| arm | AA − default | LA − default | BWT − default |", "| --- | --- | --- | --- |"]
         for arm in ablations:
             diff = summary[arm]["points"]["minus_osft_default"]
             lines.append(f"| {arm} | " + " | ".join(iv(diff[k], True) for k in ("AA", "LA", "BWT")) + " |")
@@ -213,6 +235,14 @@ def markdown(result: dict) -> str:
             lines.append(f"| {arm} | " + " | ".join(iv(m[k], True, 3 if k == "r1" else 1) if k in m else "–" for k in
                                                     ("knowledge", "arithmetic", "instruction", "r1", "recovery_gain",
                                                      "recovery_gap")) + " |")
+        versus = {arm: m["minus_osft_default"] for arm, m in probes.items() if "minus_osft_default" in m}
+        if versus:
+            lines += ["", "Probe changes, paired difference to the default chain's:", "",
+                      "| arm | knowledge − default | arithmetic − default | instruction − default | R1 drift − default |",
+                      "| --- | --- | --- | --- | --- |"]
+            for arm, d in versus.items():
+                lines.append(f"| {arm} | " + " | ".join(iv(d[k], True, 3 if k == "r1" else 1) for k in
+                                                        ("knowledge", "arithmetic", "instruction", "r1")) + " |")
     lines += ["", "| goal | value [95 % interval] | met |", "| --- | --- | --- |"]
     for g in result["summary"]["goals"]:
         lines.append(f"| {g['check']} | {iv(g, True)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
@@ -222,6 +252,17 @@ def markdown(result: dict) -> str:
             f = stage["fold"]
             lines.append(f"| {seed} | {i} ({stage['task']}) | {f['inputs_modules']} of {f['modules']} | "
                          f"{f['cap_bound_share']:.0%} | {f['median_next_k_low_share']:.2f} |")
+    stage0 = [(seed, stages[0]["general_basis"]) for seed in result["seeds"]
+              if (stages := result["stages"][seed].get("osft_general")) and "general_basis" in stages[0]]
+    if stage0:
+        lines += ["", "osft_general's stage-0 basis (the base model's input directions on general chat rows):", "",
+                  "| unit | rows used of drawn | modules with input bases | p_R median [min, max] | cap bound | "
+                  "input energy kept median (lowest) | median next k_low share |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for seed, g in stage0:
+            p, e = g["p_right"], g["input_energy_kept"]
+            lines.append(f"| {seed} | {g['samples_used']} of {g['samples_drawn']} | {g['inputs_modules']} of {g['modules']} | "
+                         f"{p['median']:g} [{p['min']}, {p['max']}] | {g['cap_bound_share']:.0%} | "
+                         f"{e['median']:.3f} ({e['min']:.3f}) | {g['median_next_k_low_share']:.2f} |")
     return "\n".join(lines)
 
 
@@ -282,7 +323,7 @@ def merge(paths: list[Path]) -> dict:
                     raise SystemExit(f"{path}: arm {arm}, seed {seed} is in an earlier part too")
                 out["evals"].setdefault(seed, {})[arm] = r["evals"][seed][arm]
                 out["stages"].setdefault(seed, {})[arm] = r["stages"][seed][arm]
-    out["arms"] = [a.name for a in ARMS + ABLATIONS if a.name in out["arm_settings"]]
+    out["arms"] = [a.name for a in ARMS + OPT_IN if a.name in out["arm_settings"]]
     out["seeds"] = sorted(out["evals"].keys() - {"base"}, key=int)
     for seed in out["seeds"]:
         missing = [arm for arm in out["arms"] if arm not in out["evals"][seed]]
@@ -446,7 +487,9 @@ def _phase(name: str, data, steps: int, args, seed: int):
 def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, seed: int,
             probes: dict | None = None) -> tuple[dict, list]:
     """Train ``arm`` through the sequence; returns its evaluations by stage (``"1"``..``"T"``; the
-    multi-task arm only ``"T"``) and the stages' records (seconds, fold records). With ``probes``
+    multi-task arm only ``"T"``) and the stages' records (seconds, fold records; ``osft_general``'s
+    list starts with its stage 0, task ``general``: the seconds it took, its fold record and
+    ``general_basis``, :func:`continual_learning.general_basis.write_general_basis`'s record). With ``probes``
     (:func:`prepare_probes`) the evaluations also hold ``"probes"`` (:func:`evaluate_probes` of the
     last model) and, but for the multi-task arm, ``"recovery"``: the first task scored after
     :data:`RECOVERY_STEPS` steps of it from the last model."""
@@ -463,6 +506,11 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
         stages.append({"task": "all", "train_s": out["setup_s"] + out["train_s"], "fold": None})
         shutil.rmtree(work / "mt")
         return evals, stages
+    if arm.kind == "general_basis":
+        stage0 = general_basis(arm, base, work, args, seed)
+        stages.append({"task": "general", "train_s": stage0["record"]["seconds"], "fold": fold_record(stage0["dir"]),
+                       "general_basis": stage0["record"]})
+        model = stage0["dir"]
     for i, s in enumerate(specs):
         data = files[s.name]["train"]
         if arm.kind == "replay" and i:
@@ -475,6 +523,8 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
                        "ortho_violations": out["ortho_violations"]})
         if i:
             shutil.rmtree(work / f"{arm.name}-{i - 1}")
+        elif arm.kind == "general_basis":
+            shutil.rmtree(model)
         model = out["model_dir"]
     if probes is not None:
         evals["probes"] = evaluate_probes(model, probes, args)
@@ -487,6 +537,23 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
     return evals, stages
 
 
+def general_basis(arm: SequenceArm, base: Path, work: Path, args, seed: int) -> dict:
+    """Stage 0 of ``arm`` (``osft_general``): ``dir``, the base model with the protected input
+    directions of ``--general-samples`` rows of the demo's chit-chat training file drawn with
+    ``seed``, written under ``work`` by :func:`continual_learning.general_basis.write_general_basis`
+    with the arm's config and the stages' sequence lengths and micro-batches, and its ``record``."""
+    from assets import demo_assets
+    from continual_learning.general_basis import write_general_basis
+    from continual_learning.methods import _train_config
+
+    spec = _spec(arm)
+    spec = replace(spec, config={**spec.config, "osft_protect_input_samples": args.general_samples})
+    out = work / f"{arm.name}-general"
+    cfg = _train_config(spec, _phase("general", demo_assets(args.demo_dir).train_path, 1, args, seed), base,
+                        out.with_name(out.name + "-run"), work / "cache", arm.learning_rate)
+    return {"dir": out, "record": write_general_basis(cfg, out)}
+
+
 #: Goals for the default recipe (reported, never asserted): (check, arm A, factor, arm B, bound): the
 #: paired difference A − factor·B of the points matrix's measure must be at least ``bound`` (at most,
 #: for the headroom check on full FT's own BWT: arm B None).
@@ -497,21 +564,24 @@ GOALS = (("BWT", "full_ft", 0, None, None, -15), ("BWT", "osft_default", 0, None
          ("AA", "osft_default", 0.85, "multitask", 0, None))
 
 
-#: Goals on the probes (``--probes``), for the default recipe: (probe, factor, arm B, at least, at
-#: most) on the change from the base model (points; R1: its drift, nats/token, lower is better).
+#: Goals on the probes (``--probes``), for the default recipe and the chain after a stage-0 basis
+#: (:data:`PROBE_GOAL_ARMS`): (probe, factor, arm B, at least, at most) on the change from the base
+#: model (points; R1: its drift, nats/token, lower is better).
 PROBE_GOALS = (("r1", 0.5, "full_ft", None, 0), ("knowledge", 0, None, -3, None), ("arithmetic", 0, None, -3, None))
+PROBE_GOAL_ARMS = ("osft_default", "osft_general")
 
 
 def summarize(result: dict) -> dict:
     """Per arm and matrix (``points``: the tasks scored by exact match or format, in points; ``nll``:
     every task, minus the reference NLL in nats per token) the point matrix R, the measures (AA, LA,
     BWT, FWT, F) with 95 % paired bootstrap intervals and their differences to ``full_ft`` and
-    ``osft_unprotected`` (an ablation's to ``osft_default`` too); and the goal checks on the points
-    matrix (:data:`GOALS`). With probes (``probes_base`` in the result): per arm the change of each
-    probe from the base model (points; ``r1``: the NLL drift, nats per token), the recovery check's
-    ``recovery_gain`` (the first task's score after the recovery steps minus after the last stage)
-    and ``recovery_gap`` (right after its own stage minus after recovery), their differences to full
-    FT, and the goals of :data:`PROBE_GOALS`."""
+    ``osft_unprotected`` (those of :data:`LIKE_DEFAULT` to ``osft_default`` too); and the goal checks
+    on the points matrix (:data:`GOALS`). With probes (``probes_base`` in the result): per arm the
+    change of each probe from the base model (points; ``r1``: the NLL drift, nats per token), the
+    recovery check's ``recovery_gain`` (the first task's score after the recovery steps minus after
+    the last stage) and ``recovery_gap`` (right after its own stage minus after recovery), their
+    differences to full FT (and, for :data:`LIKE_DEFAULT`, to the default chain), and the goals of
+    :data:`PROBE_GOALS` for each arm of :data:`PROBE_GOAL_ARMS` run."""
     import numpy as np
     from continual_learning.matrix import sequence_measures
     from continual_learning.stats import Bootstrap, interval
@@ -549,7 +619,7 @@ def summarize(result: dict) -> dict:
             out[arm][kind] = {"tasks": [names[j] for j in cols], "R": np.round(R[0], 3).tolist(),
                               "measures": {k: interval(v) for k, v in m.items()}}
         for arm in result["arms"]:
-            for ref in ("full_ft", "osft_unprotected") + (("osft_default",) if arm in ABLATION_NAMES else ()):
+            for ref in ("full_ft", "osft_unprotected") + (("osft_default",) if arm in LIKE_DEFAULT else ()):
                 if (kind, ref) in replicates and arm not in (ref, "multitask"):
                     out[arm][kind][f"minus_{ref}"] = {k: interval(v - replicates[(kind, ref)][k])
                                                       for k, v in replicates[(kind, arm)].items()}
@@ -574,13 +644,15 @@ def summarize(result: dict) -> dict:
     probes = {arm: m for arm in result["arms"] if (m := _probe_changes(result, arm, at_base, kinds, score))}
     table = {arm: {k: interval(v) for k, v in m.items()} for arm, m in probes.items()}
     for arm, m in probes.items():
-        if "full_ft" in probes and arm != "full_ft":
-            table[arm]["minus_full_ft"] = {k: interval(v - probes["full_ft"][k]) for k, v in m.items() if k in probes["full_ft"]}
-    for measure, factor, ref, at_least, at_most in PROBE_GOALS:
-        if "osft_default" not in probes or (ref and ref not in probes):
-            continue
-        check(f"osft_default {measure} {'drift' if measure == 'r1' else 'change'}" + (f" - {factor:g} x {ref}'s" if ref else ""),
-              probes["osft_default"][measure] - (factor * probes[ref][measure] if ref else 0), at_least, at_most)
+        for ref in ("full_ft",) + (("osft_default",) if arm in LIKE_DEFAULT else ()):
+            if ref in probes and arm != ref:
+                table[arm][f"minus_{ref}"] = {k: interval(v - probes[ref][k]) for k, v in m.items() if k in probes[ref]}
+    for arm in PROBE_GOAL_ARMS:
+        for measure, factor, ref, at_least, at_most in PROBE_GOALS:
+            if arm not in probes or (ref and ref not in probes):
+                continue
+            check(f"{arm} {measure} {'drift' if measure == 'r1' else 'change'}" + (f" - {factor:g} x {ref}'s" if ref else ""),
+                  probes[arm][measure] - (factor * probes[ref][measure] if ref else 0), at_least, at_most)
     return {"arms": out, "goals": goals, "probes": table,
             "probes_base": {n.removeprefix("probe."): float(v[0]) * (-1 if kinds[n] == "nll" else 1) for n, v in at_base.items()}}
 
@@ -607,11 +679,12 @@ def _probe_changes(result: dict, arm: str, at_base: dict, kinds: dict, score) ->
 
 def with_rates(arms: list[SequenceArm], path: Path) -> list[SequenceArm]:
     """``arms`` at the rates the pilot result at ``path`` chose: an arm it tuned takes its choice, an
-    ablation the default chain's, multi-task training full FT's; any other arm keeps its own."""
+    ablation and ``osft_general`` (:data:`LIKE_DEFAULT`) the default chain's, multi-task training
+    full FT's; any other arm keeps its own."""
     chosen = {arm: row["chosen"] for arm, row in json.loads(Path(path).read_text())["arms"].items()}
 
     def rate(arm: SequenceArm) -> float:
-        like = "osft_default" if arm.name in ABLATION_NAMES else "full_ft" if arm.kind == "multitask" else arm.name
+        like = "osft_default" if arm.name in LIKE_DEFAULT else "full_ft" if arm.kind == "multitask" else arm.name
         return chosen.get(arm.name, chosen.get(like, arm.learning_rate))
 
     return [replace(arm, learning_rate=rate(arm)) for arm in arms]
@@ -733,14 +806,14 @@ def main(argv: list[str] | None = None) -> int:
         from continual_learning import pilot
 
         named = args.arms or PILOT_ARMS
-        result = run_pilot(args, [a for a in ARMS + ABLATIONS if a.name in named], console)
+        result = run_pilot(args, [a for a in ARMS + OPT_IN if a.name in named], console)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         pilot.plot_frontier(result["arms"], args.out.with_suffix(".png"))
         console.print(pilot.markdown(result))
         console.print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({result['wall_s']:.0f} s)")
         return 0
-    arms = [a for a in ARMS + ABLATIONS if (a.name in args.arms if args.arms else a in ARMS)]
+    arms = [a for a in ARMS + OPT_IN if (a.name in args.arms if args.arms else a in ARMS)]
     if args.rates:
         arms = with_rates(arms, args.rates)
     started = time.time()

@@ -346,17 +346,114 @@ def test_sequence_pilot_matches_learning_and_widens_the_grid_at_its_edge():
 
 
 def test_sequence_run_at_a_pilots_rates(tmp_path):
-    """``--rates PILOT.json``: a tuned arm takes its chosen rate, an ablation the default chain's,
-    multi-task training full FT's, an arm the pilot did not tune its own."""
+    """``--rates PILOT.json``: a tuned arm takes its chosen rate, an ablation and ``osft_general``
+    the default chain's, multi-task training full FT's, an arm the pilot did not tune its own."""
     import continual_sequence
 
     path = tmp_path / "pilot.json"
     path.write_text(json.dumps({"arms": {"full_ft": {"chosen": 3e-5}, "osft_default": {"chosen": 7.07e-5}}}))
-    arms = continual_sequence.with_rates(continual_sequence.ARMS + continual_sequence.ABLATIONS, path)
+    arms = continual_sequence.with_rates(continual_sequence.ARMS + continual_sequence.OPT_IN, path)
     rates = {a.name: a.learning_rate for a in arms}
     assert rates["full_ft"] == 3e-5 and rates["multitask"] == 3e-5 and rates["osft_default"] == 7.07e-5
-    assert all(rates[a.name] == 7.07e-5 for a in continual_sequence.ABLATIONS)
+    assert all(rates[a.name] == 7.07e-5 for a in continual_sequence.ABLATIONS) and rates["osft_general"] == 7.07e-5
     assert rates["lora"] == 2e-4 and rates["replay"] == 5e-5  # not tuned: ARMS' rates
+
+
+def test_general_basis_protects_the_inputs_of_general_data_and_a_chained_run_keeps_them(tmp_path):
+    """``osft_general``'s stage 0 (``continual_learning/general_basis.py``) on a tiny Llama: the
+    directory holds the base model's files unchanged and, per target, P of width 0 and an orthonormal
+    Q (M×p_R) spanning the top-p_R eigenspace of its inputs' Gram over the drawn rows (checked against
+    a Gram of each sample run alone through the dense base model), p_R the fewest eigenvectors holding
+    ε of the input energy unless the cap floor(cap·k_low) bound; a chained run from it (stage 1 of
+    the arm, through ``train_phase``) trains every target and leaves W·Q as stage 0 had it."""
+    import filecmp
+
+    from continual_learning.general_basis import write_general_basis
+    from continual_learning.methods import Phase, Spec, _train_config, train_phase
+    from helpers import chat, save_tiny_model, write_jsonl
+    from osft.trainer.checkpoint.subspaces import SUBSPACES_FILE, read_bases
+    from osft.trainer.data.tokenize import tokenize_chat_file
+    from osft.trainer.model.build import target_shapes
+    from osft.trainer.model.loading import load_model, load_tokenizer
+    from osft.trainer.osft.input_grams import calibration_indices
+    from osft.trainer.osft.plan import split_rank
+    from osft.trainer.osft.protect import fold_cap
+    from safetensors.torch import load_file
+
+    import continual_sequence
+
+    base = save_tiny_model(tmp_path / "base", **continual_sequence.QUICK_MODEL)
+    words = "red green blue cat dog sun moon tea cup map ink box".split()
+    rows = [chat(f"say {words[i]} and {words[(3 * i + 1) % 12]}", f"{words[i]} {words[(5 * i + 2) % 12]} ok")
+            for i in range(12)]
+    general = write_jsonl(tmp_path / "general.jsonl", rows)
+    energy, cap_ratio, samples = 0.8, 1.0, 8
+    spec = Spec("trainer", {"osft_unfreeze_rank_ratio": 0.25, "osft_protect_input_samples": samples,
+                            "osft_protect_input_energy": energy, "osft_protect_max_rank_ratio": cap_ratio}, 1e-3)
+    cfg = _train_config(spec, Phase("general", general, 1, 4, 128, 1024, "constant", 0, 0), base, tmp_path / "run",
+                        tmp_path / "cache", 1e-3)
+    stage0 = tmp_path / "stage0"
+    record = write_general_basis(cfg, stage0)
+    assert filecmp.cmp(base / "model.safetensors", stage0 / "model.safetensors", shallow=False)
+    meta = json.loads((stage0 / "osft_subspaces.json").read_text())
+    assert meta["basis"] == "auto" and meta["input_samples"] == samples and meta["source"]["step"] == 0
+    assert record["samples_drawn"] == record["samples_used"] == samples and record["modules"] == 14
+    assert record["inputs_modules"] == 14 and record["tokens"] > samples
+
+    # an independent Gram per target: the drawn rows, each sample alone through the dense base model
+    drawn = [rows[i] for i in calibration_indices([len(rows)], None, samples, 0)]
+    tokens = tokenize_chat_file(write_jsonl(tmp_path / "drawn.jsonl", drawn), load_tokenizer(base), 128, "truncate")
+    model = load_model(base)
+    bases = read_bases(stage0 / SUBSPACES_FILE, target_shapes(str(base), None))
+    grams = {name: torch.zeros(model.get_submodule(name).in_features, model.get_submodule(name).in_features,
+                               dtype=torch.float64) for name in bases}
+
+    def hook(name):
+        def record_inputs(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            grams[name] += x.t() @ x
+        return record_inputs
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name)) for name in bases]
+    with torch.no_grad():
+        for i in range(len(tokens)):
+            model(input_ids=torch.tensor([tokens[i]["input_ids"]]))
+    for h in handles:
+        h.remove()
+    assert sum(len(tokens[i]["input_ids"]) for i in range(len(tokens))) == record["tokens"]
+    capped = 0
+    for name, (P, Q) in bases.items():
+        mod = meta["modules"][name]
+        n, m = target_shapes(str(base), None)[name]
+        p = Q.shape[1]
+        assert P.shape == (n, 0) and Q.shape == (m, p) and p == mod["p_right"] and mod["p_left"] == 0, name
+        torch.testing.assert_close(Q.t() @ Q, torch.eye(p), rtol=0, atol=1e-5)
+        eig = torch.linalg.eigvalsh(grams[name]).flip(0)
+        total, held = float(eig.sum()), float((Q.double() * (grams[name] @ Q.double())).sum())
+        assert held == pytest.approx(float(eig[:p].sum()), rel=1e-4), name  # Q spans the top-p eigenspace
+        assert mod["input_energy_kept"] == pytest.approx(held / total, rel=1e-4), name
+        cap = fold_cap(split_rank(min(n, m), 0.25)[1], cap_ratio)  # k_low of a fresh run at URR 0.25
+        if mod["input_cap_bound"]:
+            capped += 1
+            assert p == cap and held < energy * total, name
+        else:
+            assert p <= cap and float(eig[: p - 1].sum()) < energy * total <= float(eig[:p].sum()) * (1 + 1e-9), name
+    assert 0 < capped < len(bases)  # both sides of the cap are exercised
+    assert record["cap_bound_share"] == capped / len(bases)
+
+    task = write_jsonl(tmp_path / "task.jsonl", [chat(f"q {w}", f"a {w} {w}") for w in words])
+    out = train_phase(Spec("trainer", {"osft_unfreeze_rank_ratio": 0.25}, 1e-3),
+                      Phase("task", task, 2, 4, 128, 1024, "constant", 0, 0), stage0, tmp_path / "stage1",
+                      tmp_path / "cache")
+    assert out["ortho_violations"] == 0
+    before, after = load_file(stage0 / "model.safetensors"), load_file(out["model_dir"] / "model.safetensors")
+    for name, (_, Q) in bases.items():
+        w0, w1 = before[f"{name}.weight"].double(), after[f"{name}.weight"].double()
+        delta = w1 - w0
+        assert delta.norm() > 1e-3 * w0.norm(), name  # trained
+        assert (delta @ Q.double()).norm() <= 1e-3 * delta.norm(), name  # but not on the general inputs' directions
+    later = json.loads((out["model_dir"] / "osft_subspaces.json").read_text())["modules"]
+    assert all(later[name]["p_right"] >= meta["modules"][name]["p_right"] for name in bases)
 
 
 def test_pilot_validation_items_are_training_rows_no_stage_trains_on_and_no_test_item(tmp_path):
@@ -398,7 +495,7 @@ def test_every_sequence_arm_sets_real_trainer_settings():
 
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     default = next(a for a in continual_sequence.ARMS if a.name == "osft_default")
-    for arm in continual_sequence.ARMS + continual_sequence.ABLATIONS:
+    for arm in continual_sequence.ARMS + continual_sequence.OPT_IN:
         if arm.kind != "peft_lora":
             assert set(arm.config) <= set(fields), arm.name
     for arm in continual_sequence.ABLATIONS:
