@@ -85,11 +85,57 @@ def _no_processes_in_the_unit_tier(monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
-#: This session's test times: nodeid -> seconds (setup + call + teardown), nodeid -> kind, and when
-#: the session started (unix s).
+#: This session's test times: nodeid -> seconds (setup + call + teardown), nodeid -> CPU seconds,
+#: nodeid -> when it ran and where, nodeid -> kind, and when the session started (unix s).
 _DURATIONS: dict[str, float] = {}
+_CPU: dict[str, float] = {}
+_SPANS: dict[str, list] = {}  # nodeid -> [first phase's start, last phase's end (unix s), xdist worker]
 _KINDS: dict[str, str] = {}
 _SESSION: dict[str, float] = {}
+_CPU_START = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of every process it started that has ended
+    and been waited for (their own reaped children included: a launcher's ranks count)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Measure the CPU seconds of a test (setup, call, teardown); they reach the controller of an
+    xdist session in the teardown report's ``user_properties`` (``cpu_s``)."""
+    item.stash[_CPU_START] = _cpu_seconds()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        item.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
+
+
+
+#: Rough seconds of one test of each kind on 2 cores, to start the costliest files first.
+KIND_COST_S = {"long": 0.0, "demo": 40.0, "torchrun": 20.0, "bench": 20.0, "tui_process": 4.0, "subprocess": 1.0, "unit": 0.1}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the test files in descending order of their tests' :data:`KIND_COST_S`, each file's tests
+    in their own order: xdist's ``--dist loadfile`` hands out files in this order, so the longest
+    start first and the session does not end on one worker alone with a long file."""
+    from durations_budget import kind_of
+
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + KIND_COST_S[
+            kind_of({m.name for m in item.iter_markers()})]
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
 
 
 def pytest_sessionstart(session):
@@ -105,6 +151,11 @@ def pytest_runtest_logreport(report):
 
     _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
     _KINDS[report.nodeid] = kind_of(set(report.keywords))
+    if report.when == "teardown":
+        _CPU[report.nodeid] = dict(report.user_properties).get("cpu_s", 0.0)
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    span = _SPANS.setdefault(report.nodeid, [report.start, report.stop, worker.id if worker else "main"])
+    span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -119,7 +170,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     data = {
         "tier": "unit" if os.environ.get(TIER_ENV) == "unit" else "full",
         "wall_s": time.time() - _SESSION["start"],
-        "tests": [{"nodeid": n, "kind": _KINDS.get(n, "unit"), "seconds": round(s, 3)} for n, s in _DURATIONS.items()],
+        "tests": [{"nodeid": n, "kind": _KINDS.get(n, "unit"), "seconds": round(s, 3),
+                   "cpu_s": round(_CPU.get(n, 0.0), 3), "start_s": round(_SPANS[n][0] - _SESSION["start"], 2),
+                   "end_s": round(_SPANS[n][1] - _SESSION["start"], 2), "worker": _SPANS[n][2]}
+                  for n, s in _DURATIONS.items()],
     }
     DEFAULT_FILE.parent.mkdir(parents=True, exist_ok=True)
     DEFAULT_FILE.write_text(json.dumps(data, indent=1))
