@@ -121,23 +121,6 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 
-#: Rough seconds of one test of each kind on 2 cores, to start the costliest files first.
-KIND_COST_S = {"long": 0.0, "demo": 40.0, "torchrun": 20.0, "bench": 20.0, "tui_process": 4.0, "subprocess": 1.0, "unit": 0.1}
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Run the test files in descending order of their tests' :data:`KIND_COST_S`, each file's tests
-    in their own order: xdist's ``--dist loadfile`` hands out files in this order, so the longest
-    start first and the session does not end on one worker alone with a long file."""
-    from durations_budget import kind_of
-
-    cost: dict[str, float] = {}
-    for item in items:
-        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + KIND_COST_S[
-            kind_of({m.name for m in item.iter_markers()})]
-    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
-
-
 def pytest_sessionstart(session):
     import time
 

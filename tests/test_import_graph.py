@@ -96,3 +96,34 @@ def test_no_import_cycles(package):
     graph = import_graph()
     found = [c for c in cycles(graph) if any(m.startswith(package + ".") for m in c)]
     assert found == [], f"import cycles: {found}"
+
+
+@pytest.mark.subprocess
+def test_a_launcher_starting_a_fresh_run_never_imports_the_checkpoint_library(tmp_path):
+    """What ``osft-train`` does before it starts a fresh worker group (check for partial checkpoints
+    and free space, validate and tokenize the data, check the subspaces and the Gram budget) loads
+    no ``torch.distributed.checkpoint`` (about 1 s of every launch): only a resume reads a checkpoint."""
+    import subprocess
+    import sys
+
+    from helpers import QA, chat, save_tiny_model, write_jsonl
+
+    model = save_tiny_model(tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(q, a) for q, a in QA])
+    script = f"""
+import sys
+from pathlib import Path
+from rich.console import Console
+from osft.trainer.config import TrainConfig
+from osft.trainer.launch.cli import _prepare_checkpoint_root
+from osft.trainer.launch.launcher import preflight
+cfg = TrainConfig({str(model)!r}, {str(data)!r}, {str(tmp_path / "run")!r}, batch_size=2, nproc_per_node=2,
+                  data_cache=False)
+console = Console(file=None, quiet=True)
+assert _prepare_checkpoint_root(cfg, Path({str(tmp_path / "run" / "full_state_checkpoints")!r}), console) is None
+preflight(cfg, console)
+print(sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint")))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

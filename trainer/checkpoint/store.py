@@ -26,7 +26,6 @@ import torch.distributed as dist
 from ..distributed import is_distributed
 from ..rundir import STEP_DIR
 from .manifest import MANIFEST, CheckpointError, Manifest, read_manifest, verify_files
-from .safe_load import SafeFileSystemReader
 
 
 def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
@@ -37,6 +36,10 @@ def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
             rank that wrote it), a DCP ``.metadata`` holding more than metadata, or frozen factors
             that are missing or not the referenced ones.
     """
+    # torch.distributed.checkpoint (about 1 s to import) only to read a checkpoint: a launcher that
+    # starts a fresh run imports this module (orphans, free space) but never loads it
+    from .safe_load import SafeFileSystemReader
+
     manifest = read_manifest(step_dir)
     verify_files(manifest, checksums)
     SafeFileSystemReader(step_dir / "model").read_metadata()  # refuses a .metadata that could run code
