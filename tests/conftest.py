@@ -114,11 +114,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
+    """Add the test's CPU seconds (since :func:`pytest_runtest_protocol` began) to the teardown report."""
     try:
         return (yield)
     finally:
         item.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
-
 
 
 def pytest_sessionstart(session):

@@ -102,7 +102,7 @@ def test_no_import_cycles(package):
 def test_a_launcher_starting_a_fresh_run_never_imports_the_checkpoint_library(tmp_path):
     """What ``osft-train`` does before it starts a fresh worker group (check for partial checkpoints
     and free space, validate and tokenize the data, check the subspaces and the Gram budget) loads
-    no ``torch.distributed.checkpoint`` (about 1 s of every launch): only a resume reads a checkpoint."""
+    no ``torch.distributed.checkpoint``: only a resume reads a checkpoint."""
     import subprocess
     import sys
 

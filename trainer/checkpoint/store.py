@@ -36,8 +36,8 @@ def verify_checkpoint(step_dir: Path, checksums: bool = True) -> Manifest:
             rank that wrote it), a DCP ``.metadata`` holding more than metadata, or frozen factors
             that are missing or not the referenced ones.
     """
-    # torch.distributed.checkpoint (about 1 s to import) only to read a checkpoint: a launcher that
-    # starts a fresh run imports this module (orphans, free space) but never loads it
+    # torch.distributed.checkpoint only to read a checkpoint: a launcher that starts a fresh run
+    # imports this module (orphans, free space) but never loads it
     from .safe_load import SafeFileSystemReader
 
     manifest = read_manifest(step_dir)
