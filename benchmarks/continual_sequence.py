@@ -245,7 +245,8 @@ def markdown(result: dict) -> str:
                                                         ("knowledge", "arithmetic", "instruction", "r1")) + " |")
     lines += ["", "| goal | value [95 % interval] | met |", "| --- | --- | --- |"]
     for g in result["summary"]["goals"]:
-        lines.append(f"| {g['check']} | {iv(g, True)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
+        digits = 3 if " r1 " in g["check"] else 1  # R1 drift in nats/token, the rest in points
+        lines.append(f"| {g['check']} | {iv(g, True, digits)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
     lines += ["", "| unit | stage | modules with input bases | cap bound | median next k_low share |", "| --- | --- | --- | --- | --- |"]
     for seed in result["seeds"]:
         for i, stage in enumerate(result["stages"][seed].get("osft_default", []), 1):
