@@ -15,10 +15,10 @@ from the earlier tasks' training files, through ``--data-path`` weights); sequen
 merged after each stage); multi-task training on every task at once for T x the steps (the upper
 bound, one row); named in ``--arms``, the ablations (:data:`ABLATIONS`: one default of the recipe
 flipped each, compared with the default chain) and ``osft_general`` (:data:`GENERAL`: the default
-chain after a stage-0 basis, ``continual_learning/general_basis.py``: before the first task the base
-model's input directions on ``--general-samples`` rows of the demo's chit-chat training file are
-protected, Q only, so every stage trains orthogonally to what general inputs use; compared with the
-default chain too). Measures (``continual_learning/matrix.py``): AA, LA,
+chain after a stage-0 basis, ``osft-train protect-base`` (``osft.trainer.tools.protect_base``): before
+the first task the base model's input directions on ``--general-samples`` rows of the demo's
+chit-chat training file are protected, Q only, so every stage trains orthogonally to what general
+inputs use; compared with the default chain too). Measures (``continual_learning/matrix.py``): AA, LA,
 BWT, FWT, F; goals are paired bootstrap differences (arm - sequential full FT, arm - unprotected
 OSFT; an ablation or ``osft_general`` - the default chain), never ratios; each stage's
 fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
@@ -115,9 +115,10 @@ ABLATION_NAMES = {a.name for a in ABLATIONS}
 #: The default chain after a stage-0 basis (run when named in ``--arms``; compared with
 #: ``osft_default``, paired, at its rate): before stage 1 the base model directory is copied with
 #: protected subspaces P = N×0, Q = the input directions of ``--general-samples`` rows of general
-#: chat data (``continual_learning/general_basis.py``); stages 1..T then chain from it with the
-#: default chain's config. Its stage 1 starts from a directory with subspaces, so, as every chained
-#: run, it freezes the non-target parameters, which the default chain's stage 1 trains.
+#: chat data (``osft-train protect-base``, :mod:`osft.trainer.tools.protect_base`); stages 1..T then
+#: chain from it with the default chain's config. Its stage 1 starts from a directory with
+#: subspaces, so, as every chained run, it freezes the non-target parameters, which the default
+#: chain's stage 1 trains.
 GENERAL = [SequenceArm("osft_general", "general_basis", {"osft_unfreeze_rank_ratio": URR}, 1e-4)]
 #: Arms run only when named in ``--arms``.
 OPT_IN = ABLATIONS + GENERAL
@@ -490,7 +491,7 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
     """Train ``arm`` through the sequence; returns its evaluations by stage (``"1"``..``"T"``; the
     multi-task arm only ``"T"``) and the stages' records (seconds, fold records; ``osft_general``'s
     list starts with its stage 0, task ``general``: the seconds it took, its fold record and
-    ``general_basis``, :func:`continual_learning.general_basis.write_general_basis`'s record). With ``probes``
+    ``general_basis``, :func:`osft.trainer.tools.protect_base.write_protected_base`'s record). With ``probes``
     (:func:`prepare_probes`) the evaluations also hold ``"probes"`` (:func:`evaluate_probes` of the
     last model) and, but for the multi-task arm, ``"recovery"``: the first task scored after
     :data:`RECOVERY_STEPS` steps of it from the last model."""
@@ -541,18 +542,20 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
 def general_basis(arm: SequenceArm, base: Path, work: Path, args, seed: int) -> dict:
     """Stage 0 of ``arm`` (``osft_general``): ``dir``, the base model with the protected input
     directions of ``--general-samples`` rows of the demo's chit-chat training file drawn with
-    ``seed``, written under ``work`` by :func:`continual_learning.general_basis.write_general_basis`
-    with the arm's config and the stages' sequence lengths and micro-batches, and its ``record``."""
+    ``seed``, written under ``work`` by :func:`osft.trainer.tools.protect_base.write_protected_base`
+    (what ``osft-train protect-base`` runs) with the arm's config and the stages' sequence lengths and
+    micro-batches, and its ``record``."""
     from assets import demo_assets
-    from continual_learning.general_basis import write_general_basis
     from continual_learning.methods import _train_config
+
+    from osft.trainer.tools.protect_base import write_protected_base
 
     spec = _spec(arm)
     spec = replace(spec, config={**spec.config, "osft_protect_input_samples": args.general_samples})
     out = work / f"{arm.name}-general"
-    cfg = _train_config(spec, _phase("general", demo_assets(args.demo_dir).train_path, 1, args, seed), base,
-                        out.with_name(out.name + "-run"), work / "cache", arm.learning_rate)
-    return {"dir": out, "record": write_general_basis(cfg, out)}
+    cfg = _train_config(spec, _phase("general", demo_assets(args.demo_dir).train_path, 1, args, seed), base, out,
+                        work / "cache", arm.learning_rate)
+    return {"dir": out, "record": write_protected_base(cfg)}
 
 
 #: Goals for the default recipe (reported, never asserted): (check, arm A, factor, arm B, bound): the

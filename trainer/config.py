@@ -375,7 +375,8 @@ def build_parser(prog: str = "osft-train", require_paths: bool = True) -> argpar
         description="Fine-tune a Hugging Face causal LM on chat data (messages jsonl) with Orthogonal "
         "Subspace Fine-Tuning (OSFT). Other commands: `osft-train fetch-demo`, `osft-train demo`, "
         "`osft-train plot RUN_DIR`, `osft-train make-retention-set` (a model's greedy replies as a retention "
-        "set), `osft-train slurm-script`, `osft-train k8s-manifest` (multi-node jobs), `osft-train estimate-memory "
+        "set), `osft-train protect-base` (a base model that protects its input directions on general data in "
+        "chained runs), `osft-train slurm-script`, `osft-train k8s-manifest` (multi-node jobs), `osft-train estimate-memory "
         "MODEL` (peak memory per rank before launching).",
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # a truncated or misspelt flag is an error, never silently another flag

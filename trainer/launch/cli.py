@@ -4,6 +4,8 @@
 data; ``osft-train demo [flags]`` prepares them and trains on them with demo-sized defaults;
 ``osft-train plot RUN_DIR [--out PNG]`` draws a run's metrics (:mod:`osft.trainer.observe.plot`);
 ``osft-train make-retention-set [flags]`` writes a model's greedy replies as chat jsonl (:mod:`osft.trainer.tools.retention_set`);
+``osft-train protect-base [flags]`` copies a base model directory with protected subspaces of its
+input directions on general data, for chained runs (:mod:`osft.trainer.tools.protect_base`);
 ``osft-train slurm-script [flags]`` and ``osft-train k8s-manifest [flags]`` print a multi-node job
 for SLURM (:mod:`osft.trainer.cluster.slurm`) or Kubernetes (:mod:`osft.trainer.cluster.kubernetes`); ``osft-train estimate-memory MODEL
 [flags]`` prints the peak memory per rank of a run (:mod:`osft.trainer.tools.memory_plan`).
@@ -42,7 +44,8 @@ from ..contract import EXIT_BAD_INPUT, EXIT_COMPLETED, EXIT_FAILED, EXIT_SIGNAL_
 from .failure_report import best_effort
 
 #: Subcommands that do not train: signals keep their default handling there.
-NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "slurm-script", "k8s-manifest", "estimate-memory")
+NOT_TRAINING = ("fetch-demo", "plot", "make-retention-set", "protect-base", "slurm-script", "k8s-manifest",
+                "estimate-memory")
 
 #: Demo run: SmolLM2-135M-Instruct on chit-chat, sized for a few minutes on two CPU cores.
 DEMO_DEFAULTS = dict(
@@ -366,6 +369,18 @@ def _main(argv: list[str]) -> int:
                 raise InputError(str(exc)) from exc
             except RetentionSetStopped as stop:
                 console.print(f"make-retention-set: {stop}", markup=False, highlight=False, soft_wrap=True)
+                return EXIT_SIGNAL_BASE + stop.signum
+            return EXIT_COMPLETED
+        if argv[:1] == ["protect-base"]:
+            from ..tools.protect_base import ProtectBaseError, ProtectBaseStopped
+            from ..tools.protect_base import main as protect_base
+
+            try:
+                protect_base(argv[1:], console)
+            except ProtectBaseError as exc:
+                raise InputError(str(exc)) from exc
+            except ProtectBaseStopped as stop:
+                console.print(f"protect-base: {stop}", markup=False, highlight=False, soft_wrap=True)
                 return EXIT_SIGNAL_BASE + stop.signum
             return EXIT_COMPLETED
         if argv[:1] == ["slurm-script"]:
