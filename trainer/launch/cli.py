@@ -293,6 +293,32 @@ def _prepare_checkpoint_root(cfg, root: Path, console: Console) -> str | None:
     return room_problem(root) if cfg.checkpointing else None
 
 
+def _write_tool(argv: list[str], console: Console) -> int:
+    """``make-retention-set`` or ``protect-base`` (:mod:`osft.trainer.tools.retention_set`,
+    :mod:`osft.trainer.tools.protect_base`): exit 0 when it wrote its output, 128 + N when signal N
+    stopped it (:class:`osft.trainer.tools.stops.ToolStopped`, nothing kept).
+
+    Raises:
+        InputError: the tool's own input error (its message names the file or flag).
+    """
+    from ..tools.stops import ToolStopped
+
+    if argv[0] == "make-retention-set":
+        from ..tools.retention_set import RetentionSetError as ToolError
+        from ..tools.retention_set import main as tool
+    else:
+        from ..tools.protect_base import ProtectBaseError as ToolError
+        from ..tools.protect_base import main as tool
+    try:
+        tool(argv[1:], console)
+    except ToolError as exc:
+        raise InputError(str(exc)) from exc
+    except ToolStopped as stop:
+        console.print(f"{argv[0]}: {stop}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_SIGNAL_BASE + stop.signum
+    return EXIT_COMPLETED
+
+
 def _failed_in_process(trainer, cfg, console: Console, run_dir, job_id: str, argv: list[str], exc: Exception) -> int:
     """A one-rank run failed in this process: as a worker group's failure is reported (the error's
     own line first when it has one, :func:`osft.trainer.launch.failure_report.headline`, then the failure paragraph; no
@@ -359,30 +385,8 @@ def _main(argv: list[str]) -> int:
 
             estimate_memory(argv[1:], console)
             return EXIT_COMPLETED
-        if argv[:1] == ["make-retention-set"]:
-            from ..tools.retention_set import RetentionSetError, RetentionSetStopped
-            from ..tools.retention_set import main as make_retention_set
-
-            try:
-                make_retention_set(argv[1:], console)
-            except RetentionSetError as exc:
-                raise InputError(str(exc)) from exc
-            except RetentionSetStopped as stop:
-                console.print(f"make-retention-set: {stop}", markup=False, highlight=False, soft_wrap=True)
-                return EXIT_SIGNAL_BASE + stop.signum
-            return EXIT_COMPLETED
-        if argv[:1] == ["protect-base"]:
-            from ..tools.protect_base import ProtectBaseError, ProtectBaseStopped
-            from ..tools.protect_base import main as protect_base
-
-            try:
-                protect_base(argv[1:], console)
-            except ProtectBaseError as exc:
-                raise InputError(str(exc)) from exc
-            except ProtectBaseStopped as stop:
-                console.print(f"protect-base: {stop}", markup=False, highlight=False, soft_wrap=True)
-                return EXIT_SIGNAL_BASE + stop.signum
-            return EXIT_COMPLETED
+        if argv[:1] in (["make-retention-set"], ["protect-base"]):
+            return _write_tool(argv, console)
         if argv[:1] == ["slurm-script"]:
             from ..cluster.slurm import main as slurm_script
 

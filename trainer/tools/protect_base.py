@@ -62,16 +62,14 @@ import gc
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import TrainConfig
+from .stops import ToolStopped, stopped_by_signals
 
 #: The ``job_id`` of the ``source`` the subspaces file names (no run wrote it); also how
 #: ``--overwrite-output-dir`` recognises a directory this command wrote.
@@ -91,28 +89,11 @@ class ProtectBaseError(ValueError):
     names the flag or the file (and line) at fault."""
 
 
-class ProtectBaseStopped(Exception):
+class ProtectBaseStopped(ToolStopped):
     """Signal ``signum`` (SIGTERM, SIGINT, SIGHUP) stopped :func:`main` before the directory was complete."""
 
     def __init__(self, signum: int, out: str) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}: nothing written ({out} as it was)")
-        self.signum = signum
-
-
-@contextmanager
-def _stopped_by_signals(out: str) -> Iterator[None]:
-    """Inside: SIGTERM, SIGINT and SIGHUP (unless ignored by the caller) raise :class:`ProtectBaseStopped`
-    in the main thread, so the hidden directory being written is removed; the previous handlers are back after."""
-    def stop(signum, _frame):
-        raise ProtectBaseStopped(signum, out)
-
-    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {s: signal.signal(s, stop) for s in stops if signal.getsignal(s) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        super().__init__(signum, f": nothing written ({out} as it was)")
 
 
 def write_protected_base(cfg: TrainConfig) -> dict:
@@ -319,7 +300,7 @@ def _folds(cfg: TrainConfig, tokenizer, data) -> tuple[dict, int]:
 def _write_in_place(out: Path, fill) -> None:
     """Make the directory ``out`` as ``fill(tmp)`` fills a hidden sibling ``tmp``, renamed into place
     once complete; a directory ``out`` already there (``--overwrite-output-dir``, checked before) is
-    removed after. When ``fill`` fails or a stop signal interrupts it (:func:`_stopped_by_signals`),
+    removed after. When ``fill`` fails or a stop signal interrupts it (:func:`.stops.stopped_by_signals`),
     ``tmp`` is removed and ``out`` left as it was; a process killed with SIGKILL may leave ``tmp``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -429,7 +410,7 @@ def main(argv: list[str], console) -> dict:
     args = build_parser().parse_args(argv)
     cfg = TrainConfig(**{name: getattr(args, name) for name in SETTINGS})
     try:
-        with _stopped_by_signals(cfg.output_dir):
+        with stopped_by_signals(lambda signum: ProtectBaseStopped(signum, cfg.output_dir)):
             record = write_protected_base(cfg)
     except ProtectBaseError:
         raise

@@ -30,48 +30,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import test_hooks
-
-#: The signals that stop the command while it loads the model and generates.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
+from .stops import ToolStopped, stopped_by_signals
 
 class RetentionSetError(ValueError):
     """A prompts or chat file that cannot be read; the message names the file and line."""
 
 
-class RetentionSetStopped(Exception):
+class RetentionSetStopped(ToolStopped):
     """Signal ``signum`` stopped :func:`make_retention_set` before it wrote ``out_path``."""
 
     def __init__(self, signum: int, out_path: Path) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name} before the replies were complete: nothing written "
-                         f"({out_path} unchanged)")
-        self.signum = signum
-
-
-@contextmanager
-def stopped_by_signals(out_path: Path) -> Iterator[None]:
-    """Inside: each of :data:`STOP_SIGNALS` not ignored by the caller (``nohup``, a background job of
-    a shell) raises :class:`RetentionSetStopped` in the main thread; the previous handlers are back
-    after."""
-    def stop(signum, _frame):
-        raise RetentionSetStopped(signum, out_path)
-
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        super().__init__(signum, f" before the replies were complete: nothing written ({out_path} unchanged)")
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -267,7 +243,7 @@ def main(argv: list[str], console) -> RetentionSet:
             raise RetentionSetError("--held-out goes with --from-chat, not --prompts")
         prompts = read_prompts(args.prompts)
     try:
-        with stopped_by_signals(args.out):
+        with stopped_by_signals(lambda signum: RetentionSetStopped(signum, args.out)):
             rows = retention_rows(args.model, prompts, args.max_new_tokens, args.batch_size, args.seed)
     except (ValueError, FileNotFoundError) as e:
         raise RetentionSetError(str(e)) from e
