@@ -113,3 +113,37 @@ def test_auto_falls_back_to_update_bases_for_modules_over_the_budget_and_names_t
     with pytest.raises(ValueError, match="mlp.down_proj"):
         input_basis_modules(modules, "inputs", budget)
     assert input_basis_modules(modules, "inputs", 1e12) == (list(modules), {})
+
+
+def test_calibrate_records_every_real_micro_batch_and_polls_before_each(llama):
+    """:func:`calibrate` (the export's and ``protect-base``'s pass) gives the bases of
+    :func:`input_bases` over the same micro-batches (None, a padding micro-batch, runs unrecorded),
+    polls ``check(m)`` before micro-batch m of the pass, and a stop raised there abandons it."""
+    from types import SimpleNamespace
+
+    from osft.trainer.osft.input_grams import calibrate
+
+    model, modules, batches = llama
+    cfg = SimpleNamespace(osft_protect_input_memory_gb=1e3, osft_protect_input_energy=0.95,
+                          osft_protect_max_rank_ratio=1.0, osft_protect_input_criterion="total")
+
+    def forward(batch):
+        return model(batches[2] if batch is None else batch)
+
+    polled = []
+    with torch.no_grad():
+        found = calibrate(modules, None, forward, [batches[0], batches[1], None], cfg, torch.device("cpu"), polled.append)
+    want = collect(model, modules, batches, budget=1e12)
+    assert polled == [0, 1, 2] and found.passes == 1
+    for name in want.directions:
+        assert torch.equal(found.directions[name][0], want.directions[name][0]), name
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_1(m):
+        if m == 1:
+            raise Stop
+
+    with torch.no_grad(), pytest.raises(Stop):
+        calibrate(modules, None, forward, [batches[0], batches[1], None], cfg, torch.device("cpu"), stop_at_1)

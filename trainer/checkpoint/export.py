@@ -27,7 +27,7 @@ from ..data.micro_batches import MicroBatches
 from ..distributed import DistEnv, barrier, map_over_ranks
 from ..observe.metrics import Reporter
 from ..osft.chain import chain_budget
-from ..osft.input_grams import InputBases, calibration_indices, input_bases, input_basis_modules
+from ..osft.input_grams import InputBases, calibrate, calibration_indices, input_basis_modules
 from ..osft.protect import ModuleFold, fold_bank, fold_module, no_bases
 from ..osft.surgery import OSFTModel, dense_state_dict, full_state_dict
 from ..rundir import RunDir
@@ -159,27 +159,12 @@ class Exporter:
         cfg = self.cfg
         idx = calibration_indices(self.sizes, self.weights, cfg.osft_protect_input_samples, self.seed)
         batches = self.batches(idx)
-
-        def probe() -> None:
-            self.loss(next(iter(batches)))
-
-        check = self.stop_check("export", step)
-
-        def run(recording) -> None:
-            for m, batch in enumerate(batches):
-                if check:
-                    check(m)
-                recording(batch is not None)
-                self.loss(batch)
-
         modules = self.input_basis_modules()[0]
         q = {name: state[f"{name}.Q"] for name, _ in modules if f"{name}.Q" in state}
         self.model.eval()
         try:
             with torch.no_grad():
-                found = input_bases(modules, q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
-                                    cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, self.device,
-                                    cfg.osft_protect_input_criterion)
+                found = calibrate(modules, q, self.loss, batches, cfg, self.device, self.stop_check("export", step))
         finally:
             self.model.train()
         shared = sum(len(c) for c in found.classes) - len(found.classes)

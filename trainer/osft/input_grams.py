@@ -300,3 +300,30 @@ def input_bases(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, 
     for group in groups:
         fold_group(group)
     return InputBases(directions=directions, classes=classes, passes=len(groups))
+
+
+def calibrate(modules: Sequence[tuple[str, nn.Module]], bases_q: Mapping[str, torch.Tensor] | None,
+              forward: Callable[[object], object], batches: Sequence, cfg, device: torch.device,
+              check: Callable[[int], None] | None = None) -> InputBases:
+    """:func:`input_bases` over this rank's micro-``batches`` (None: a padding micro-batch, run but
+    not recorded), each through ``forward`` (a run's micro-batch loss), with the
+    ``--osft-protect-input-*`` and ``--osft-protect-max-rank-ratio`` settings of ``cfg``; the
+    probe is the first micro-batch. ``check(m)``, when given, runs before micro-batch ``m`` of each
+    pass (a stop poll). The caller puts the model in eval mode and turns off gradients.
+
+    Raises:
+        ValueError: from :func:`input_bases`.
+    """
+    def probe() -> None:
+        forward(next(iter(batches)))
+
+    def run(recording: Callable[[bool], None]) -> None:
+        for m, batch in enumerate(batches):
+            if check:
+                check(m)
+            recording(batch is not None)
+            forward(batch)
+
+    return input_bases(modules, bases_q, probe, run, cfg.osft_protect_input_memory_gb * 1e9,
+                       cfg.osft_protect_input_energy, cfg.osft_protect_max_rank_ratio, device,
+                       cfg.osft_protect_input_criterion)

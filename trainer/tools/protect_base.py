@@ -24,7 +24,7 @@ under ``auto``: expert banks, frozen targets and modules whose Gram exceeds
 ``--osft-protect-input-memory-gb`` get P and Q of width 0), the samples packed as a run packs them
 (:func:`osft.trainer.run.step.rank_micro_batches`, ``--max-tokens-per-gpu``; the forward of
 :class:`osft.trainer.run.micro_batch_loss.MicroBatchLoss` with packed attention, eval mode), the
-Grams and directions (:func:`osft.trainer.osft.input_grams.input_bases`, one calibration pass per
+Grams and directions (:func:`osft.trainer.osft.input_grams.calibrate`, one calibration pass per
 Gram budget group), Q as :func:`osft.trainer.osft.protect.fold_module` extends it
 (:func:`osft.trainer.osft.protect.extend_basis`), and the chain budget records
 (:func:`osft.trainer.osft.chain.chain_budget`, under ``--osft-frozen-rank``). One rank, in this
@@ -258,7 +258,7 @@ def _folds(cfg: TrainConfig, tokenizer, data) -> tuple[dict, int]:
     from ..model.loading import model_vocab_size
     from ..model.packed_attention import use_packed_attention
     from ..osft.chain import chain_budget
-    from ..osft.input_grams import input_bases, input_basis_modules
+    from ..osft.input_grams import calibrate, input_basis_modules
     from ..osft.plan import OSFTSettings
     from ..osft.protect import EnergyRank, ModuleFold, extend_basis, no_bases
     from ..run.components import resolve_device_dtype
@@ -271,21 +271,10 @@ def _folds(cfg: TrainConfig, tokenizer, data) -> tuple[dict, int]:
                               vocab_size=max(len(tokenizer), model_vocab_size(cfg.model_name_or_path)))
     loss = MicroBatchLoss(model, device, use_packed_attention(model))
     batches = rank_micro_batches(data, np.arange(len(data)), cfg.max_tokens_per_gpu, env)
-    budget_bytes = cfg.osft_protect_input_memory_gb * 1e9
-    modules = input_basis_modules(osft.modules, cfg.osft_protect_basis, budget_bytes)[0]
-
-    def probe() -> None:
-        loss(next(iter(batches)))
-
-    def run(recording) -> None:
-        for batch in batches:
-            recording(batch is not None)
-            loss(batch)
-
+    modules = input_basis_modules(osft.modules, cfg.osft_protect_basis, cfg.osft_protect_input_memory_gb * 1e9)[0]
     model.eval()
     with torch.no_grad():
-        found = input_bases(modules, None, probe, run, budget_bytes, cfg.osft_protect_input_energy,
-                            cfg.osft_protect_max_rank_ratio, device, cfg.osft_protect_input_criterion)
+        found = calibrate(modules, None, loss, batches, cfg, device)
     folds = {}
     for name, module in osft.modules:
         P, Q = no_bases(module.plan.n, module.plan.m, experts=module.plan.experts)
