@@ -124,29 +124,32 @@ def _switch_default(env: str | None) -> bool | None:
     return {"1": True, "0": False}.get(os.environ.get(env, "")) if env else None
 
 
-def add_flag(group: argparse._ActionsContainer, field: dataclasses.Field, require_paths: bool) -> None:
-    """Add the flag (or flags, for a switch with two) of ``field`` to ``group``."""
+def add_flag(group: argparse._ActionsContainer, field: dataclasses.Field, require_paths: bool,
+             help: str | None = None, metavar: str | None = None) -> None:
+    """Add the flag (or flags, for a switch with two) of ``field`` to ``group``; ``help`` and
+    ``metavar``, when given, replace the setting's own (a command that reads it otherwise)."""
     s, flag = setting_of(field), flag_name(field.name)
+    help = s.help if help is None else help
     if s.no_help is not None:
         default = _switch_default(s.env)
-        group.add_argument(flag, action="store_true", default=default, help=s.help)
+        group.add_argument(flag, action="store_true", default=default, help=help)
         group.add_argument(_no_flag(field.name), dest=field.name, action="store_false", default=default, help=s.no_help)
         return
     if isinstance(field.default, bool):
         if field.default:
-            group.add_argument(_no_flag(field.name), dest=field.name, action="store_false", help=s.help)
+            group.add_argument(_no_flag(field.name), dest=field.name, action="store_false", help=help)
         else:
-            group.add_argument(flag, action="store_true", help=s.help)
+            group.add_argument(flag, action="store_true", help=help)
         return
     kwargs: dict[str, Any] = {"required": require_paths} if s.required else {"default": field.default}
     if s.values is not None:
         kwargs["type"] = s.values
     if s.many:
         kwargs["nargs"] = "+"
-    for key in ("choices", "metavar", "action"):
-        if getattr(s, key) is not None:
-            kwargs[key] = getattr(s, key)
-    group.add_argument(flag, help=s.help, **kwargs)
+    for key, value in (("choices", s.choices), ("metavar", metavar or s.metavar), ("action", s.action)):
+        if value is not None:
+            kwargs[key] = value
+    group.add_argument(flag, help=help, **kwargs)
 
 
 def flags_of(field: dataclasses.Field, value: Any) -> list[str]:

@@ -380,11 +380,8 @@ def build_parser():
     g = p.add_argument_group("settings (as osft-train's, same defaults; use the URR and targets of the chained runs)")
     for field in FIELDS:
         if field.name in SETTINGS:
-            add_flag(g, field, require_paths=True)
-    for action in g._group_actions:  # the flags whose osft-train help speaks of a training run
-        action.help = _HELP.get(action.dest, action.help)
-        if action.dest == "data_path":
-            action.metavar = "FILE"
+            add_flag(g, field, require_paths=True, help=_HELP.get(field.name),
+                     metavar="FILE" if field.name == "data_path" else None)
     return p
 
 
