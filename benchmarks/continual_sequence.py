@@ -14,13 +14,13 @@ pre-chain-recipe protection (update bases, non-targets trained); OSFT with the d
 from the earlier tasks' training files, through ``--data-path`` weights); sequential LoRA (PEFT,
 merged after each stage); multi-task training on every task at once for T x the steps (the upper
 bound, one row); named in ``--arms``, the ablations (:data:`ABLATIONS`: one default of the recipe
-flipped each, compared with the default chain) and ``osft_general`` (:data:`GENERAL`: the default
+flipped each, compared with the default chain) and the ``osft_general`` arms (:data:`GENERAL`: the default
 chain after a stage-0 basis, ``osft-train protect-base`` (``osft.trainer.tools.protect_base``): before
 the first task the base model's input directions on ``--general-samples`` rows of the demo's
 chit-chat training file are protected, Q only, so every stage trains orthogonally to what general
 inputs use; compared with the default chain too). Measures (``continual_learning/matrix.py``): AA, LA,
 BWT, FWT, F; goals are paired bootstrap differences (arm - sequential full FT, arm - unprotected
-OSFT; an ablation or ``osft_general`` - the default chain), never ratios; each stage's
+OSFT; an ablation or an ``osft_general`` arm - the default chain), never ratios; each stage's
 fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
 
 ``--probes``: also the probes no arm trains on (``continual_learning/probes.py``: capitals, two-digit
@@ -102,7 +102,8 @@ ARMS = [
 #: Arms that flip one default of the chain recipe each, at the default chain's rate (run when named
 #: in ``--arms``; compared with ``osft_default``, paired): update bases instead of input bases, the
 #: residual input-energy criterion instead of GPM's total, run 1's frozen count kept instead of the
-#: reduced rank's, non-target parameters trained instead of frozen.
+#: reduced rank's, non-target parameters trained instead of frozen, the fold's cap at k_low instead
+#: of floor(0.5·k_low) (``--osft-protect-max-rank-ratio 1``: the energy target ends Q, not the cap).
 ABLATIONS = [
     SequenceArm("ablate_update_bases", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_protect_basis": "update"}, 1e-4),
     SequenceArm("ablate_residual_energy", "trainer",
@@ -110,6 +111,7 @@ ABLATIONS = [
     SequenceArm("ablate_keep_frozen_rank", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_frozen_rank": "keep"}, 1e-4),
     SequenceArm("ablate_trained_non_targets", "trainer", {"osft_unfreeze_rank_ratio": URR, "freeze_non_target": False},
                 1e-4),
+    SequenceArm("ablate_cap1", "trainer", {"osft_unfreeze_rank_ratio": URR, "osft_protect_max_rank_ratio": 1.0}, 1e-4),
 ]
 ABLATION_NAMES = {a.name for a in ABLATIONS}
 #: The default chain after a stage-0 basis (run when named in ``--arms``; compared with
@@ -119,7 +121,12 @@ ABLATION_NAMES = {a.name for a in ABLATIONS}
 #: chain from it with the default chain's config. Its stage 1 starts from a directory with
 #: subspaces, so, as every chained run, it freezes the non-target parameters, which the default
 #: chain's stage 1 trains.
-GENERAL = [SequenceArm("osft_general", "general_basis", {"osft_unfreeze_rank_ratio": URR}, 1e-4)]
+#: ``osft_general_cap1``: the same with the cap of every fold (stage 0 and the stages' exports) at
+#: k_low instead of the default floor(0.5·k_low), so the energy target, not the cap, ends Q.
+GENERAL = [SequenceArm("osft_general", "general_basis", {"osft_unfreeze_rank_ratio": URR}, 1e-4),
+           SequenceArm("osft_general_cap1", "general_basis",
+                       {"osft_unfreeze_rank_ratio": URR, "osft_protect_max_rank_ratio": 1.0}, 1e-4)]
+GENERAL_NAMES = tuple(a.name for a in GENERAL)
 #: Arms run only when named in ``--arms``.
 OPT_IN = ABLATIONS + GENERAL
 #: Arms compared with the default chain (paired differences) that take its pilot rate.
@@ -143,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", nargs="+", default=None,
                    help="task names in training order, at least 2 (default: every task, in the spec's order)")
     p.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS + OPT_IN], default=None,
-                   help="arms to run (default: every arm of ARMS; the ablations and osft_general only when named)")
+                   help="arms to run (default: every arm of ARMS; the ablations and the osft_general arms only when named)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per stage")
     p.add_argument("--batch", type=int, default=8)
@@ -158,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-items", type=int, default=48, help="items per probe (R1: the user turns of this many chit-chat rows)")
     p.add_argument("--r1-max-new-tokens", type=int, default=32, help="length of the base model's R1 replies")
     p.add_argument("--general-samples", type=int, default=64,
-                   help="osft_general's stage-0 calibration rows, drawn with the seed from the demo's chit-chat "
+                   help="the osft_general arms' stage-0 calibration rows, drawn with the seed from the demo's chit-chat "
                         "training file (never its eval file, which R1 uses)")
     p.add_argument("--data-dir", type=Path, default=None, help="where the built-in tasks are built (default: user cache)")
     p.add_argument("--foldoc-dir", type=Path, default=None)
@@ -185,9 +192,9 @@ def markdown(result: dict) -> str:
     """The tables of a result, as benchmarks/README.md shows them: per arm its rate, AA, LA, BWT and
     F with their intervals, the paired differences to sequential full FT (an arm whose LA is more than
     :data:`MATCHED_LA` off full FT's is marked unmatched); per arm the matrix R on the scored tasks; the
-    paired differences of the ablations and ``osft_general`` to the default chain (their probe
-    changes' too); the goal checks; the fold records of the default chain per stage;
-    ``osft_general``'s stage-0 basis per unit."""
+    paired differences of the ablations and the ``osft_general`` arms to the default chain (their probe
+    changes' too); the goal checks; the fold records per stage of the default chain and the arms compared with it;
+    the stage-0 basis of the ``osft_general`` arms per unit."""
     def iv(v: dict, sign: bool = False, digits: int = 1) -> str:
         if v["value"] is None:
             return "–"
@@ -216,7 +223,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {arm} | " + " | ".join(", ".join("–" if x != x else f"{x:.1f}" for x in row) for row in rows) + " |")
     ablations = [arm for arm in arms if "minus_osft_default" in summary[arm]["points"]]
     if ablations:
-        lines += ["", "One default flipped (ablate_*) or a stage-0 basis added (osft_general), paired difference to the "
+        lines += ["", "One default flipped (ablate_*) or a stage-0 basis added (osft_general*), paired difference to the "
                   "default chain (osft_default):", "",
                   "| arm | AA − default | LA − default | BWT − default |", "| --- | --- | --- | --- |"]
         for arm in ablations:
@@ -248,21 +255,26 @@ def markdown(result: dict) -> str:
     for g in result["summary"]["goals"]:
         digits = 3 if " r1 " in g["check"] else 1  # R1 drift in nats/token, the rest in points
         lines.append(f"| {g['check']} | {iv(g, True, digits)} | {'yes' if g['met'] else 'no' if g['met'] is not None else '–'} |")
-    lines += ["", "| unit | stage | modules with input bases | cap bound | median next k_low share |", "| --- | --- | --- | --- | --- |"]
-    for seed in result["seeds"]:
-        for i, stage in enumerate(result["stages"][seed].get("osft_default", []), 1):
-            f = stage["fold"]
-            lines.append(f"| {seed} | {i} ({stage['task']}) | {f['inputs_modules']} of {f['modules']} | "
-                         f"{f['cap_bound_share']:.0%} | {f['median_next_k_low_share']:.2f} |")
-    stage0 = [(seed, stages[0]["general_basis"]) for seed in result["seeds"]
-              if (stages := result["stages"][seed].get("osft_general")) and "general_basis" in stages[0]]
+    lines += ["", "| arm | unit | stage | modules with input bases | cap bound | median next k_low share |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for arm in [a for a in arms if a == "osft_default" or a in LIKE_DEFAULT]:
+        for seed in result["seeds"]:
+            stages = [s for s in result["stages"][seed].get(arm, []) if "fold" in s and s["task"] != "general"]
+            for i, stage in enumerate(stages, 1):
+                f = stage["fold"]
+                lines.append(f"| {arm} | {seed} | {i} ({stage['task']}) | {f['inputs_modules']} of {f['modules']} | "
+                             f"{f['cap_bound_share']:.0%} | {f['median_next_k_low_share']:.2f} |")
+    stage0 = [(arm, seed, stages[0]["general_basis"]) for arm in GENERAL_NAMES for seed in result["seeds"]
+              if (stages := result["stages"][seed].get(arm)) and "general_basis" in stages[0]]
     if stage0:
-        lines += ["", "osft_general's stage-0 basis (the base model's input directions on general chat rows):", "",
-                  "| unit | rows used of drawn | modules with input bases | p_R median [min, max] | cap bound | "
-                  "input energy kept median (lowest) | median next k_low share |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for seed, g in stage0:
+        lines += ["", "The stage-0 basis (the base model's input directions on general chat rows):", "",
+                  "| arm | unit | rows used of drawn | modules with input bases | p_R median [min, max] | cap bound | "
+                  "input energy kept median (lowest) | median next k_low share |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for arm, seed, g in stage0:
             p, e = g["p_right"], g["input_energy_kept"]
-            lines.append(f"| {seed} | {g['samples_used']} of {g['samples_drawn']} | {g['inputs_modules']} of {g['modules']} | "
+            lines.append(f"| {arm} | {seed} | {g['samples_used']} of {g['samples_drawn']} | "
+                         f"{g['inputs_modules']} of {g['modules']} | "
                          f"{p['median']:g} [{p['min']}, {p['max']}] | {g['cap_bound_share']:.0%} | "
                          f"{e['median']:.3f} ({e['min']:.3f}) | {g['median_next_k_low_share']:.2f} |")
     return "\n".join(lines)
@@ -489,7 +501,7 @@ def _phase(name: str, data, steps: int, args, seed: int):
 def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, seed: int,
             probes: dict | None = None) -> tuple[dict, list]:
     """Train ``arm`` through the sequence; returns its evaluations by stage (``"1"``..``"T"``; the
-    multi-task arm only ``"T"``) and the stages' records (seconds, fold records; ``osft_general``'s
+    multi-task arm only ``"T"``) and the stages' records (seconds, fold records; an ``osft_general`` arm's
     list starts with its stage 0, task ``general``: the seconds it took, its fold record and
     ``general_basis``, :func:`osft.trainer.tools.protect_base.write_protected_base`'s record). With ``probes``
     (:func:`prepare_probes`) the evaluations also hold ``"probes"`` (:func:`evaluate_probes` of the
@@ -540,7 +552,7 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
 
 
 def general_basis(arm: SequenceArm, base: Path, work: Path, args, seed: int) -> dict:
-    """Stage 0 of ``arm`` (``osft_general``): ``dir``, the base model with the protected input
+    """Stage 0 of ``arm`` (an ``osft_general`` arm): ``dir``, the base model with the protected input
     directions of ``--general-samples`` rows of the demo's chit-chat training file drawn with
     ``seed``, written under ``work`` by :func:`osft.trainer.tools.protect_base.write_protected_base`
     (what ``osft-train protect-base`` runs) with the arm's config and the stages' sequence lengths and
@@ -572,7 +584,7 @@ GOALS = (("BWT", "full_ft", 0, None, None, -15), ("BWT", "osft_default", 0, None
 #: (:data:`PROBE_GOAL_ARMS`): (probe, factor, arm B, at least, at most) on the change from the base
 #: model (points; R1: its drift, nats/token, lower is better).
 PROBE_GOALS = (("r1", 0.5, "full_ft", None, 0), ("knowledge", 0, None, -3, None), ("arithmetic", 0, None, -3, None))
-PROBE_GOAL_ARMS = ("osft_default", "osft_general")
+PROBE_GOAL_ARMS = ("osft_default", *GENERAL_NAMES)
 
 
 def summarize(result: dict) -> dict:
@@ -683,7 +695,7 @@ def _probe_changes(result: dict, arm: str, at_base: dict, kinds: dict, score) ->
 
 def with_rates(arms: list[SequenceArm], path: Path) -> list[SequenceArm]:
     """``arms`` at the rates the pilot result at ``path`` chose: an arm it tuned takes its choice, an
-    ablation and ``osft_general`` (:data:`LIKE_DEFAULT`) the default chain's, multi-task training
+    ablation and the ``osft_general`` arms (:data:`LIKE_DEFAULT`) the default chain's, multi-task training
     full FT's; any other arm keeps its own."""
     chosen = {arm: row["chosen"] for arm, row in json.loads(Path(path).read_text())["arms"].items()}
 

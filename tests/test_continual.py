@@ -346,7 +346,7 @@ def test_sequence_pilot_matches_learning_and_widens_the_grid_at_its_edge():
 
 
 def test_sequence_run_at_a_pilots_rates(tmp_path):
-    """``--rates PILOT.json``: a tuned arm takes its chosen rate, an ablation and ``osft_general``
+    """``--rates PILOT.json``: a tuned arm takes its chosen rate, an ablation and each ``osft_general`` arm
     the default chain's, multi-task training full FT's, an arm the pilot did not tune its own."""
     import continual_sequence
 
@@ -355,7 +355,7 @@ def test_sequence_run_at_a_pilots_rates(tmp_path):
     arms = continual_sequence.with_rates(continual_sequence.ARMS + continual_sequence.OPT_IN, path)
     rates = {a.name: a.learning_rate for a in arms}
     assert rates["full_ft"] == 3e-5 and rates["multitask"] == 3e-5 and rates["osft_default"] == 7.07e-5
-    assert all(rates[a.name] == 7.07e-5 for a in continual_sequence.ABLATIONS) and rates["osft_general"] == 7.07e-5
+    assert all(rates[a.name] == 7.07e-5 for a in continual_sequence.ABLATIONS + continual_sequence.GENERAL)
     assert rates["lora"] == 2e-4 and rates["replay"] == 5e-5  # not tuned: ARMS' rates
 
 
@@ -596,7 +596,7 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets,
     table = continual_sequence.markdown(merged).splitlines()
     first = table.index("| arm | lr | AA | LA | BWT | F | AA − full FT | BWT − full FT |") + 2
     assert [row.split(" | ")[0][2:].split(" ")[0] for row in table[first:first + 8]] == result["arms"] + [""]
-    assert sum(row.startswith("| osft_default BWT") for row in table) == 3 and "| 0 | 4 (roman) | 14 of 14 |" in "\n".join(table)
+    assert sum(row.startswith("| osft_default BWT") for row in table) == 3 and "| osft_default | 0 | 4 (roman) | 14 of 14 |" in "\n".join(table)
     # an ablation part (here the default chain's own evaluations under an ablation's name) merges in with
     # its paired difference to the default chain: zero
     ablation = dict(result, arms=["ablate_residual_energy"],
@@ -610,8 +610,9 @@ def test_sequence_quick_runs_every_arm_through_four_tasks(tmp_path, demo_assets,
     diff = with_ablation["summary"]["arms"]["ablate_residual_energy"]["points"]["minus_osft_default"]
     assert all(diff[k]["value"] == 0 for k in ("AA", "LA", "BWT")), diff
     assert "minus_osft_default" not in with_ablation["summary"]["arms"]["lora"]["points"]
-    assert "| ablate_residual_energy | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] |" \
-        in continual_sequence.markdown(with_ablation).splitlines()
+    shown = continual_sequence.markdown(with_ablation)
+    assert "| ablate_residual_energy | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] |" in shown.splitlines()
+    assert "| ablate_residual_energy | 0 | 4 (roman) | 14 of 14 |" in shown  # its fold records beside the default's
     with pytest.raises(SystemExit, match="arm full_ft, seed 0 is in an earlier part too"):
         continual_sequence.merge([parts[0], parts[0]])
     bad = json.loads(parts[1].read_text())
