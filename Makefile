@@ -23,10 +23,11 @@ demo: setup
 
 ## The test suite (CI runs exactly this through .ci/run); tiers and the time budget: tests/README.md.
 ## Two pytest-xdist workers, a test file each at a time (module fixtures stay shared within a file):
-## one process alone keeps about one of two cores busy. TEST_WORKERS=0 runs in one process.
+## one process alone keeps about one of two cores busy. TEST_WORKERS=0 runs in one process. The files
+## go to the workers in tests/conftest.py's order, the costliest first (--no-loadscope-reorder keeps it).
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 ## The inner loop: tests that start no process (no torchrun, tmux, reader, benchmark, demo model).
 UNIT_TIER := not long and not demo and not bench and not torchrun and not tui_process and not subprocess

@@ -85,6 +85,27 @@ def _no_processes_in_the_unit_tier(monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+#: Rough wall seconds of one test of each kind on 2 cores (tests/README.md, "Profile"). They set the
+#: order in which the xdist workers take the test files: the costliest first, so the session does
+#: not end with one worker alone on a long file while the other idles (longest-processing-time-first
+#: scheduling). ``make test`` passes ``--no-loadscope-reorder``, which keeps this order; xdist's own
+#: puts the files with the most tests first.
+KIND_SECONDS = {"long": 0.0, "demo": 20.0, "bench": 15.0, "torchrun": 20.0, "tui_process": 3.0, "subprocess": 1.5,
+                "unit": 0.2}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the test files by their estimated cost (:data:`KIND_SECONDS` of their tests' kinds),
+    the costliest first; a file's tests stay together and in their order."""
+    from durations_budget import kind_of
+
+    cost: dict[str, float] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        cost[path] = cost.get(path, 0.0) + KIND_SECONDS[kind_of({m.name for m in item.iter_markers()})]
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
+
+
 #: This session's test times: nodeid -> seconds (setup + call + teardown), nodeid -> CPU seconds,
 #: nodeid -> when it ran and where, nodeid -> kind, and when the session started (unix s).
 _DURATIONS: dict[str, float] = {}
