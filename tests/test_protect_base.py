@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,7 @@ from osft.trainer.config import TrainConfig
 from osft.trainer.contract import EXIT_BAD_INPUT, EXIT_COMPLETED
 from osft.trainer.launch.cli import main
 from osft.trainer.model.build import target_shapes
+from test_stop_rule import caught
 
 WORDS = "red green blue cat dog sun moon tea cup map ink box".split()
 #: The tiny Llama's OSFT targets: 7 per block, 2 blocks.
@@ -215,3 +221,29 @@ def test_bad_input_exits_2_naming_the_flag_or_file_before_the_model_is_built(tmp
         assert not out.exists(), name
     assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.subprocess
+def test_a_stop_signal_during_the_svds_ends_it_within_seconds_and_writes_nothing(tmp_path, tiny_model_dir):
+    """SIGTERM while the command decomposes the targets (each SVD made 2 s slower by the test hook
+    OSFT_TEST_SVD_DELAY_S: 28 s in all) ends it within 5 s with exit code 128 + 15 and one line, no
+    traceback; no output directory and no hidden partial one is left."""
+    general = write_jsonl(tmp_path / "general.jsonl", general_rows())
+    out = tmp_path / "protected"
+    cmd = [sys.executable, "-m", "osft.trainer.launch.cli", "protect-base", "--model-name-or-path", str(tiny_model_dir),
+           "--data-path", str(general), "--output-dir", str(out), "--osft-protect-input-samples", "8"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OSFT_TEST_SVD_DELAY_S": "2"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not caught(proc.pid, signal.SIGTERM):  # its handler is in: the work has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.01)
+    time.sleep(3.0)  # into the SVDs (the model loads in well under a second)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 5.0
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert f"protect-base: stopped by SIGTERM: nothing written ({out} as it was)" in output
+    assert "Traceback" not in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["general.jsonl"]

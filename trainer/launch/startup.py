@@ -96,8 +96,8 @@ def choose_checkpoint(cfg: TrainConfig) -> ResumeChoice:
     """
     if not resume_requested(cfg):
         return ResumeChoice(None)
-    # torch.distributed.checkpoint (about 1 s to import) only to resume: a launcher starting a fresh
-    # worker group never loads it
+    # torch.distributed.checkpoint only to resume: a launcher starting a fresh worker group never
+    # imports it (tests/test_import_graph.py)
     from ..checkpoint.store import newest_complete, verify_checkpoint
 
     if cfg.resume_from_full_state_checkpoint:
