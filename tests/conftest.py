@@ -99,11 +99,10 @@ def pytest_collection_modifyitems(config, items):
     the costliest first; a file's tests stay together and in their order."""
     from durations_budget import kind_of
 
-    cost: dict[str, float] = {}
+    cost: dict = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
-        cost[path] = cost.get(path, 0.0) + KIND_SECONDS[kind_of({m.name for m in item.iter_markers()})]
-    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
+        cost[item.path] = cost.get(item.path, 0.0) + KIND_SECONDS[kind_of({m.name for m in item.iter_markers()})]
+    items.sort(key=lambda item: -cost[item.path])
 
 
 #: This session's test times: nodeid -> seconds (setup + call + teardown), nodeid -> CPU seconds,

@@ -200,13 +200,14 @@ def _written_here(directory: Path) -> bool:
 
 
 def _rows(general: Path) -> tuple[list[str], list[int]]:
-    """The non-blank lines of the JSON Lines file ``general`` and their line numbers (1-based).
+    """The non-blank lines of the JSON Lines file ``general`` (a leading byte-order mark dropped, as
+    a run's reader drops it) and their line numbers (1-based).
 
     Raises:
         ProtectBaseError: the file is not UTF-8 or has no row.
     """
     try:
-        text = general.read_text(encoding="utf-8")
+        text = general.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ProtectBaseError(f"{general}: not UTF-8 ({exc.reason} at byte {exc.start + 1})") from exc
     numbered = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]

@@ -39,6 +39,7 @@ import torch
 from .. import test_hooks
 from .stops import ToolStopped, stopped_by_signals
 
+
 class RetentionSetError(ValueError):
     """A prompts or chat file that cannot be read; the message names the file and line."""
 
