@@ -18,7 +18,8 @@ flipped each, compared with the default chain) and the ``osft_general`` arms (:d
 chain after a stage-0 basis, ``osft-train protect-base`` (``osft.trainer.tools.protect_base``): before
 the first task the base model's input directions on ``--general-samples`` rows of the demo's
 chit-chat training file are protected, Q only, so every stage trains orthogonally to what general
-inputs use; compared with the default chain too). Measures (``continual_learning/matrix.py``): AA, LA,
+inputs use; ``osft_general_self`` takes no data file: its rows are prompts the base model writes
+itself and its replies, ``make-retention-set --self-prompts``; compared with the default chain too). Measures (``continual_learning/matrix.py``): AA, LA,
 BWT, FWT, F; goals are paired bootstrap differences (arm - sequential full FT, arm - unprotected
 OSFT; an ablation or an ``osft_general`` arm - the default chain), never ratios; each stage's
 fold records (``osft_subspaces.json``: median next k_low share, cap binding) are kept in the JSON.
@@ -73,7 +74,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 QUICK_SIZES = {"steps": 1, "batch": 4, "eval_items": 4, "max_new_tokens": 8, "bootstrap": 100, "probe_items": 4,
-               "r1_max_new_tokens": 8, "general_samples": 16}
+               "r1_max_new_tokens": 8, "general_samples": 16,
+               "general_new_tokens": 8}
 URR = 0.25
 
 
@@ -81,12 +83,15 @@ URR = 0.25
 class SequenceArm:
     """One arm: ``name``, ``kind`` (``trainer``, ``peft_lora``; ``multitask`` and ``replay`` are
     trainer runs whose data differ, ``general_basis`` trainer runs chained from a stage-0 basis),
-    ``config`` (``TrainConfig`` fields) and ``learning_rate``."""
+    ``config`` (``TrainConfig`` fields), ``learning_rate`` and, for ``general_basis``, ``general``:
+    where its stage-0 rows come from (``chitchat``: the demo's chit-chat training file; ``self``: the
+    base model's own prompts and replies, ``make-retention-set --self-prompts``)."""
 
     name: str
     kind: str
     config: dict
     learning_rate: float
+    general: str = "chitchat"
 
 
 ARMS = [
@@ -123,9 +128,13 @@ ABLATION_NAMES = {a.name for a in ABLATIONS}
 #: chain's stage 1 trains.
 #: ``osft_general_cap1``: the same with the cap of every fold (stage 0 and the stages' exports) at
 #: k_low instead of the default floor(0.5·k_low), so the energy target, not the cap, ends Q.
+#: ``osft_general_self``: stage 0 on no data file: the rows are ``--general-samples`` prompts the base
+#: model writes itself, with its greedy replies (``osft-train make-retention-set --self-prompts``);
+#: nothing of the chit-chat source the R1 probe's prompts come from.
 GENERAL = [SequenceArm("osft_general", "general_basis", {"osft_unfreeze_rank_ratio": URR}, 1e-4),
            SequenceArm("osft_general_cap1", "general_basis",
-                       {"osft_unfreeze_rank_ratio": URR, "osft_protect_max_rank_ratio": 1.0}, 1e-4)]
+                       {"osft_unfreeze_rank_ratio": URR, "osft_protect_max_rank_ratio": 1.0}, 1e-4),
+           SequenceArm("osft_general_self", "general_basis", {"osft_unfreeze_rank_ratio": URR}, 1e-4, general="self")]
 GENERAL_NAMES = tuple(a.name for a in GENERAL)
 #: Arms run only when named in ``--arms``.
 OPT_IN = ABLATIONS + GENERAL
@@ -166,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--r1-max-new-tokens", type=int, default=32, help="length of the base model's R1 replies")
     p.add_argument("--general-samples", type=int, default=64,
                    help="the osft_general arms' stage-0 calibration rows, drawn with the seed from the demo's chit-chat "
-                        "training file (never its eval file, which R1 uses)")
+                        "training file (never its eval file, which R1 uses), or for osft_general_self the prompts the "
+                        "base model writes itself")
+    p.add_argument("--general-new-tokens", type=int, default=128,
+                   help="osft_general_self: the longest self-written prompt and the longest reply, in tokens")
     p.add_argument("--data-dir", type=Path, default=None, help="where the built-in tasks are built (default: user cache)")
     p.add_argument("--foldoc-dir", type=Path, default=None)
     p.add_argument("--demo-dir", type=Path, default=None, help="demo assets (the base model)")
@@ -268,12 +280,12 @@ def markdown(result: dict) -> str:
               if (stages := result["stages"][seed].get(arm)) and "general_basis" in stages[0]]
     if stage0:
         lines += ["", "The stage-0 basis (the base model's input directions on general chat rows):", "",
-                  "| arm | unit | rows used of drawn | modules with input bases | p_R median [min, max] | cap bound | "
+                  "| arm | unit | rows used of drawn (source) | modules with input bases | p_R median [min, max] | cap bound | "
                   "input energy kept median (lowest) | median next k_low share |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for arm, seed, g in stage0:
             p, e = g["p_right"], g["input_energy_kept"]
-            lines.append(f"| {arm} | {seed} | {g['samples_used']} of {g['samples_drawn']} | "
+            lines.append(f"| {arm} | {seed} | {g['samples_used']} of {g['samples_drawn']} ({g.get('general', 'chitchat')}) | "
                          f"{g['inputs_modules']} of {g['modules']} | "
                          f"{p['median']:g} [{p['min']}, {p['max']}] | {g['cap_bound_share']:.0%} | "
                          f"{e['median']:.3f} ({e['min']:.3f}) | {g['median_next_k_low_share']:.2f} |")
@@ -553,21 +565,32 @@ def run_arm(arm: SequenceArm, specs, files: dict, base: Path, work: Path, args, 
 
 def general_basis(arm: SequenceArm, base: Path, work: Path, args, seed: int) -> dict:
     """Stage 0 of ``arm`` (an ``osft_general`` arm): ``dir``, the base model with the protected input
-    directions of ``--general-samples`` rows of the demo's chit-chat training file drawn with
-    ``seed``, written under ``work`` by :func:`osft.trainer.tools.protect_base.write_protected_base`
-    (what ``osft-train protect-base`` runs) with the arm's config and the stages' sequence lengths and
-    micro-batches, and its ``record``."""
+    directions of ``--general-samples`` general chat rows drawn with ``seed``, written under ``work``
+    by :func:`osft.trainer.tools.protect_base.write_protected_base` (what ``osft-train protect-base``
+    runs) with the arm's config and the stages' sequence lengths and micro-batches, and its
+    ``record`` (with ``general``: the rows' source, and for ``self`` ``self_rows`` and
+    ``self_seconds``). The rows: the demo's chit-chat training file, or (``arm.general`` ``self``) a
+    file of that many prompts the base model writes itself and its greedy replies, of at most
+    ``--general-new-tokens`` tokens each (:func:`osft.trainer.tools.retention_set.retention_rows`)."""
     from assets import demo_assets
     from continual_learning.methods import _train_config
 
     from osft.trainer.tools.protect_base import write_protected_base
+    from osft.trainer.tools.retention_set import retention_rows, write_retention_set
 
     spec = _spec(arm)
     spec = replace(spec, config={**spec.config, "osft_protect_input_samples": args.general_samples})
     out = work / f"{arm.name}-general"
-    cfg = _train_config(spec, _phase("general", demo_assets(args.demo_dir).train_path, 1, args, seed), base, out,
-                        work / "cache", arm.learning_rate)
-    return {"dir": out, "record": write_protected_base(cfg)}
+    if arm.general == "self":
+        start = time.perf_counter()
+        rows = retention_rows(base, [], args.general_new_tokens, args.gen_batch, seed,
+                              self_prompts=args.general_samples)
+        data = write_retention_set(work / f"{arm.name}-general.jsonl", rows, args.general_samples).out_path
+        extra = {"self_rows": len(rows), "self_seconds": round(time.perf_counter() - start, 1)}
+    else:
+        data, extra = demo_assets(args.demo_dir).train_path, {}
+    cfg = _train_config(spec, _phase("general", data, 1, args, seed), base, out, work / "cache", arm.learning_rate)
+    return {"dir": out, "record": {**write_protected_base(cfg), "general": arm.general, **extra}}
 
 
 #: Goals for the default recipe (reported, never asserted): (check, arm A, factor, arm B, bound): the

@@ -359,6 +359,32 @@ def test_sequence_run_at_a_pilots_rates(tmp_path):
     assert rates["lora"] == 2e-4 and rates["replay"] == 5e-5  # not tuned: ARMS' rates
 
 
+def test_the_self_written_stage_0_protects_the_input_directions_of_the_base_models_own_rows(tmp_path,
+                                                                                          tiny_model_dir):
+    """``osft_general_self``'s stage 0: the rows are prompts the base model writes itself with its
+    greedy replies (the file ``make-retention-set --self-prompts`` writes, same seed and lengths),
+    and the directory protects input directions of those rows, as ``osft-train protect-base`` on
+    that file would."""
+    import argparse
+
+    import continual_sequence
+
+    from osft.trainer.tools.retention_set import retention_rows
+
+    arm = next(a for a in continual_sequence.GENERAL if a.name == "osft_general_self")
+    args = argparse.Namespace(general_samples=4, general_new_tokens=6, gen_batch=4, batch=4, max_seq_len=64,
+                              max_tokens=256, demo_dir=tmp_path / "no-demo-assets")
+    stage0 = continual_sequence.general_basis(arm, tiny_model_dir, tmp_path, args, seed=1)
+    record = stage0["record"]
+    assert record["general"] == "self" and record["self_rows"] == 4 and record["samples_drawn"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "osft_general_self-general.jsonl").read_text().splitlines()]
+    assert rows == retention_rows(tiny_model_dir, [], 6, 4, 1, self_prompts=4)
+    meta = json.loads((stage0["dir"] / "osft_subspaces.json").read_text())
+    assert meta["input_data"] == str(tmp_path / "osft_general_self-general.jsonl") and meta["input_seed"] == 1
+    assert record["inputs_modules"] == 14 and record["p_right"]["min"] >= 1
+    assert not (tmp_path / "no-demo-assets").exists()  # the demo's chit-chat file is never fetched
+
+
 def test_pilot_validation_items_are_training_rows_no_stage_trains_on_and_no_test_item(tmp_path):
     """The pilot scores training-file rows after the stages' pool in hash order: never in the pool,
     never a test item; a file too short for both, or sharing a prompt with the test file, is named."""

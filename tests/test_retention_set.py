@@ -58,6 +58,58 @@ def test_replies_are_valid_rows_equal_to_direct_greedy_generate(tmp_path, tiny_m
     assert out.read_bytes() == first  # same prompts as jsonl, other batch size: the same file
 
 
+def test_self_prompts_are_sampled_on_the_pre_query_template_and_answered_greedily(tmp_path, tiny_model_dir):
+    """``--self-prompts 6``: six distinct prompts, each the sampled continuation of the chat
+    template's start of a user turn (default system turn included) up to its first special token,
+    with the greedy reply a direct ``generate`` gives; the same seed gives the same file, another
+    seed other prompts."""
+    from osft.trainer.tools.self_prompts import pre_query_template, sample_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prefix = pre_query_template(tokenizer)
+    assert prefix == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    out = tmp_path / "self.jsonl"
+    argv = ["make-retention-set", "--model", str(tiny_model_dir), "--self-prompts", "6", "--out", str(out),
+            "--max-new-tokens", "5", "--batch-size", "4", "--seed", "3"]
+    assert main(argv) == EXIT_COMPLETED
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = [r["messages"][0]["content"] for r in rows]
+    assert validate_chat_file(out, tokenizer)[1] == []
+    assert len(prompts) == len(set(prompts)) == 6 and all(p and p == p.strip() for p in prompts)
+    assert not any(t in p for p in prompts for t in tokenizer.all_special_tokens)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert sample_prompts(model, tokenizer, 6, seed=3, max_new_tokens=5, batch_size=4) == prompts
+    torch.manual_seed(3)  # the first round by hand: the template's start continued, cut at a special token
+    ids = tokenizer(prefix, return_tensors="pt", add_special_tokens=False)["input_ids"].expand(4, -1)
+    first = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                           top_p=1.0, top_k=0, max_new_tokens=5, pad_token_id=tokenizer.pad_token_id)
+    by_hand = [re.split(r"<\|im_end\|>|<\|im_start\|>|<\|endoftext\|>", text)[0].strip()
+               for text in tokenizer.batch_decode(first[:, ids.shape[1]:])]
+    by_hand = [t for i, t in enumerate(by_hand) if t and t not in by_hand[:i]]
+    assert by_hand and prompts[: len(by_hand)] == by_hand
+    for prompt, row in zip(prompts, rows):
+        assert row["messages"][1]["content"] == _direct_greedy(tiny_model_dir, prompt, 5)
+    first_file = out.read_bytes()
+    assert main(argv) == EXIT_COMPLETED and out.read_bytes() == first_file
+    assert main(argv[:-1] + ["4"]) == EXIT_COMPLETED
+    assert [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()] != prompts
+
+
+def test_self_prompts_need_a_chat_template_that_shows_where_the_user_turn_begins(tmp_path):
+    """A template without the user's text verbatim has no place to start a prompt: exit 2, nothing written."""
+    from helpers import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n<|im_end|>{% endfor %}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    out = tmp_path / "self.jsonl"
+    assert main(["make-retention-set", "--model", str(model_dir), "--self-prompts", "2", "--out", str(out)]) \
+        == EXIT_BAD_INPUT
+    assert not out.exists()
+
+
 def test_from_chat_takes_last_user_turn_of_spread_rows(tmp_path):
     rows = [chat(f"q{i}", f"a{i}", f"q{i}b", f"a{i}b") for i in range(6)]
     rows[3] = chat("q0", "a", system="be brief")  # a repeated prompt is kept once

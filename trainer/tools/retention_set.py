@@ -6,13 +6,16 @@ loss on these rows minus the base model's (both token means over the assistant t
 computes its loss) measures how far fine-tuning moved the model on inputs it was not trained on.
 The continual-learning benchmark uses it as a forgetting probe (``benchmarks/continual.py``).
 
-Prompts come from either
+Prompts come from one of
 
 - a prompts file: one prompt per line, or jsonl rows with a string field ``prompt`` (a file whose
-  first non-blank line starts with ``{`` is read as jsonl); blank lines are skipped; or
+  first non-blank line starts with ``{`` is read as jsonl); blank lines are skipped;
 - the user turns of a chat jsonl file (``--from-chat FILE --held-out N``): N rows spread evenly
   over the file's valid rows (row ``floor(i * R / N)`` for i = 0..N-1 of R rows), and from each
-  row the last user turn before each assistant turn; repeated prompts are kept once.
+  row the last user turn before each assistant turn; repeated prompts are kept once;
+- the model itself (``--self-prompts N``): N distinct prompts it writes when given only the start
+  of a user turn, sampled with ``--seed`` (:mod:`.self_prompts`), so the file is general chat data
+  of the model's own (e.g. for ``osft-train protect-base``) where the user has none.
 
 Replies are greedy (``model.generate(do_sample=False)``), batched with left padding, on the prompt
 rendered by the tokenizer's chat template with the generation prompt; so they do not depend on the
@@ -161,21 +164,27 @@ class RetentionSet:
 
 
 def retention_rows(model_dir: Path, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 8,
-                   seed: int = 0) -> list[dict]:
+                   seed: int = 0, self_prompts: int = 0) -> list[dict]:
     """``model_dir``'s greedy replies to ``prompts`` as chat rows ``{"messages": [user, assistant]}``,
-    in prompt order, without the prompts whose reply is empty.
+    in prompt order, without the prompts whose reply is empty. With ``self_prompts`` = N > 0 the
+    prompts (``prompts`` then empty) are N the model writes itself first
+    (:func:`.self_prompts.sample_prompts` with ``seed``, at most ``max_new_tokens`` tokens each).
 
     The model is loaded in float32 on CPU (``load_model``); ``seed`` seeds torch first (greedy
     decoding draws nothing, the seed only pins any randomness of the model code).
 
     Raises:
-        ValueError / FileNotFoundError: ``model_dir`` is not a loadable model with a chat template.
+        ValueError / FileNotFoundError: ``model_dir`` is not a loadable model with a chat template,
+            or fewer than N distinct prompts were written (:func:`.self_prompts.sample_prompts`).
     """
     from ..model.loading import load_model, load_tokenizer
+    from .self_prompts import sample_prompts
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, torch.float32, "cpu")
+    if self_prompts:
+        prompts = sample_prompts(model, tokenizer, self_prompts, seed, max_new_tokens, batch_size)
     replies = greedy_replies(model, tokenizer, prompts, max_new_tokens, batch_size)
     return [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": r}]}
             for p, r in zip(prompts, replies) if r]
@@ -214,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", type=Path, help="one prompt per line, or jsonl rows with a \"prompt\" string")
     src.add_argument("--from-chat", type=Path, metavar="FILE",
                      help="chat jsonl: the last user turn before each assistant turn of --held-out rows")
+    src.add_argument("--self-prompts", type=positive_int, metavar="N",
+                     help="N prompts the model writes itself from its chat template's start of a user turn "
+                          "(sampled with --seed): general chat data without a file")
     p.add_argument("--held-out", type=positive_int, default=None, metavar="N",
                    help="with --from-chat: N rows spread evenly over the file (row floor(i*R/N) of R rows)")
     p.add_argument("--out", required=True, type=Path, help="chat jsonl to write")
@@ -239,16 +251,17 @@ def main(argv: list[str], console) -> RetentionSet:
         prompts, lines = chat_prompts(args.from_chat, args.held_out)
         console.print(f"{len(prompts)} prompts from lines {lines} of {args.from_chat}", markup=False,
                       highlight=False, soft_wrap=True)
+    elif args.held_out is not None:
+        raise RetentionSetError("--held-out goes with --from-chat, not --prompts or --self-prompts")
     else:
-        if args.held_out is not None:
-            raise RetentionSetError("--held-out goes with --from-chat, not --prompts")
-        prompts = read_prompts(args.prompts)
+        prompts = [] if args.self_prompts else read_prompts(args.prompts)
     try:
         with stopped_by_signals(lambda signum: RetentionSetStopped(signum, args.out)):
-            rows = retention_rows(args.model, prompts, args.max_new_tokens, args.batch_size, args.seed)
+            rows = retention_rows(args.model, prompts, args.max_new_tokens, args.batch_size, args.seed,
+                                  self_prompts=args.self_prompts or 0)
     except (ValueError, FileNotFoundError) as e:
         raise RetentionSetError(str(e)) from e
-    made = write_retention_set(args.out, rows, len(prompts), lines)
+    made = write_retention_set(args.out, rows, args.self_prompts or len(prompts), lines)
     console.print(f"retention set: {made.rows} rows -> {made.out_path}"
                   + (f" ({made.dropped_empty} prompts left out: empty reply)" if made.dropped_empty else ""),
                   markup=False, highlight=False, soft_wrap=True)
