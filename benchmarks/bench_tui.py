@@ -33,7 +33,7 @@ latencies next to ``others_cpu_share_of_machine``.
 Usage::
 
     python benchmarks/bench_tui.py                  # 4 ranks x 5,000 lines/s x 30 s -> results/bench_tui.json
-    python benchmarks/bench_tui.py --quick --out /tmp/t.json      # 4 ranks x 500 lines/s x 5 s, 2 per node (CI)
+    python benchmarks/bench_tui.py --quick --out /tmp/t.json      # 4 ranks x 500 lines/s x 3 s, 2 per node (CI)
     python benchmarks/bench_tui.py --ranks-per-node 1 --profile /tmp/tui.prof   # cProfile of the UI thread
     python benchmarks/bench_tui.py --baseline /work/main     # each flood again with another checkout's code, side by side
 """
@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-wait", type=float, default=60.0,
                    help="seconds to wait at most, before each flood, for the machine to go quiet")
     p.add_argument("--quiet-threshold", type=float, default=0.15, help="busy share of the CPUs counted as quiet")
-    p.add_argument("--quick", action="store_true", help="4 ranks (2 per node) x 500 lines/s x 5 s, no idle wait (CI)")
+    p.add_argument("--quick", action="store_true", help="4 ranks (2 per node) x 500 lines/s x 3 s, no idle wait (CI)")
     p.add_argument("--profile", type=Path, default=None, help="cProfile the UI thread over the flood into this file")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--baseline", type=Path, default=None,
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:
         console = Console(width=160)
     if args.quick:
-        args.lines_per_s, args.seconds, args.ranks_per_node, args.idle_wait = 500, 5.0, "2", 0.0
+        args.lines_per_s, args.seconds, args.ranks_per_node, args.idle_wait = 500, 3.0, "2", 0.0
     if args.run_json:  # one topology, in a process of its own (RSS, caches and the idle baseline start fresh)
         run = run_topology(args, int(args.ranks_per_node), console)
         args.run_json.write_text(json.dumps(run))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from osft.trainer.exit_codes import EXIT_STOPPED
-from test_resume import STEPS, assert_no_orphans, complete_checkpoints, job, records, train  # noqa: F401 (job: fixture)
+from test_resume import assert_no_orphans, complete_checkpoints, job, records, train  # noqa: F401 (job: fixture)
 from test_stop_rule import finish, one_rank, wait_for
 
 pytestmark = pytest.mark.torchrun
@@ -23,9 +23,14 @@ pytestmark = pytest.mark.torchrun
 SLOW_S = 3.0
 
 
+#: Steps of every run here, on 1 rank and on 2.
+STEPS = 2
+
+
 def launch(job, out, ranks, *flags):
-    """``osft-train`` on ``ranks`` ranks (1: in process, 2 steps; 2: torchrun, 8 steps), not waited for."""
-    return one_rank(job, out, *flags) if ranks == 1 else train(job, out, *flags, wait=False)
+    """``osft-train`` on ``ranks`` ranks (1: in process; 2: torchrun), :data:`STEPS` steps, not waited for."""
+    return one_rank(job, out, *flags) if ranks == 1 else train(job, out, "--max-steps", str(STEPS), *flags,
+                                                               wait=False)
 
 
 def signal_after(proc, out, what, ready, wait_s: float) -> float:
@@ -66,7 +71,6 @@ def test_stops_during_the_start_up_svds_and_the_export_fold_are_served_within_se
     served by a checkpoint of the last step within 5 s, no export or ``subspaces_folded`` record.
     3. The resume has no step left and writes the final export with its subspaces."""
     out = tmp_path / "run"
-    steps = 2 if ranks == 1 else STEPS
     monkeypatch.setenv("OSFT_TEST_SVD_DELAY_S", str(SLOW_S))
     proc = launch(job, out, ranks)
     sent = signal_after(proc, out, "run_started", lambda recs: any(r["event"] == "run_started" for r in recs), 2.0)
@@ -79,19 +83,19 @@ def test_stops_during_the_start_up_svds_and_the_export_fold_are_served_within_se
     monkeypatch.delenv("OSFT_TEST_SVD_DELAY_S")
     monkeypatch.setenv("OSFT_TEST_FOLD_DELAY_S", str(SLOW_S))
     proc = launch(job, out, ranks)
-    sent = signal_after(proc, out, f"step {steps}", lambda recs: any(r["event"] == "step" and r["step"] == steps
+    sent = signal_after(proc, out, f"step {STEPS}", lambda recs: any(r["event"] == "step" and r["step"] == STEPS
                                                                      for r in recs), 1.5)
-    output = stopped(out, proc, sent, steps, "fold")
-    assert [r["step"] for r in records(out, "checkpoint_saved")] == [steps]
-    assert complete_checkpoints(out) == [f"step_{steps}"]
+    output = stopped(out, proc, sent, STEPS, "fold")
+    assert [r["step"] for r in records(out, "checkpoint_saved")] == [STEPS]
+    assert complete_checkpoints(out) == [f"step_{STEPS}"]
     assert not records(out, "subspaces_folded") and not (out / "hf_format").exists()
-    assert f"stopped after step {steps} on SIGTERM" in output
+    assert f"stopped after step {STEPS} on SIGTERM" in output
 
     monkeypatch.delenv("OSFT_TEST_FOLD_DELAY_S")
     code, output = finish(launch(job, out, ranks, "--resume"))
     assert code == 0, output
     assert_no_orphans(out)
-    assert [r["from_step"] for r in records(out, "resumed")] == [steps]
-    assert [r["step"] for r in records(out, "subspaces_folded")] == [steps]
-    assert (out / "hf_format" / f"step_{steps}" / "osft_subspaces.safetensors").is_file()
+    assert [r["from_step"] for r in records(out, "resumed")] == [STEPS]
+    assert [r["step"] for r in records(out, "subspaces_folded")] == [STEPS]
+    assert (out / "hf_format" / f"step_{STEPS}" / "osft_subspaces.safetensors").is_file()
     assert records(out, "run_finished")[-1]["reason"] == "completed"

@@ -392,7 +392,7 @@ def test_stop_cut_off_by_the_grace_period_leaves_no_usable_checkpoint(job, tmp_p
     directory is never resumed from, and the previous checkpoint is still there."""
     out = tmp_path / "run"
     env = {"OSFT_TEST_SIGNAL_AT": "3:after_step:0:SIGTERM", "OSFT_TEST_SAVE_DELAY_S": "120@3"}
-    code, output = train(job, out, "--checkpoint-grace-seconds", "8", "--checkpoint-every-steps", "2",
+    code, output = train(job, out, "--checkpoint-grace-seconds", "4", "--checkpoint-every-steps", "2",
                          "--checkpoint-keep-last", "1", env=env)
     assert code == 1, output
     assert "killing the worker group" in output

@@ -69,7 +69,7 @@ def test_a_stop_during_a_checkpoint_is_served_by_it_and_no_step_is_saved_twice(j
     out = tmp_path / "run"
     root = out / "full_state_checkpoints"
     proc = train(job, out, "--checkpoint-every-steps", "4", wait=False,
-                 env={"OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGUSR1", "OSFT_TEST_SAVE_DELAY_S": "5@2"})
+                 env={"OSFT_TEST_SIGNAL_AT": "2:after_step:0:SIGUSR1", "OSFT_TEST_SAVE_DELAY_S": "3@2"})
     wait_for(lambda: list(root.glob("step_2.tmp-*")), proc, "step_2 being written")
     proc.send_signal(signal.SIGUSR2)
     code, output = finish(proc)
@@ -82,7 +82,7 @@ def test_a_stop_during_a_checkpoint_is_served_by_it_and_no_step_is_saved_twice(j
     assert (finished["reason"], finished["signal"], finished["step"]) == ("stopped", "SIGUSR2", 2)
 
     proc = train(job, out, "--resume", "--checkpoint-every-steps", "4", wait=False,
-                 env={"OSFT_TEST_SAVE_DELAY_S": "5@4"})
+                 env={"OSFT_TEST_SAVE_DELAY_S": "3@4"})
     wait_for(lambda: list(root.glob("step_4.tmp-*")), proc, "step_4 being written")
     proc.send_signal(signal.SIGTERM)
     code, output = finish(proc)
