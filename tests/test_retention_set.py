@@ -95,6 +95,30 @@ def test_self_prompts_are_sampled_on_the_pre_query_template_and_answered_greedil
     assert [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines()] != prompts
 
 
+def test_self_prompts_give_up_after_four_samples_per_prompt_without_enough_distinct_ones():
+    """A model that ends the user turn at once (or repeats itself) writes no usable prompt: after
+    4 × count continuations, a ValueError that says how many were found."""
+    from helpers import tiny_chat_tokenizer
+
+    from osft.trainer.tools.self_prompts import sample_prompts
+
+    tokenizer = tiny_chat_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    hello = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    calls = []
+
+    class Repeats:
+        def generate(self, input_ids, **kwargs):
+            calls.append(input_ids.shape[0])
+            n = input_ids.shape[0]
+            tail = [hello + [end]] + [[end] * (len(hello) + 1)] * (n - 1)  # "hello" once, then empty turns
+            return torch.cat([input_ids, torch.tensor(tail)], dim=1)
+
+    with pytest.raises(ValueError, match=r"1 distinct non-empty prompts in 12 samples, 3 asked for"):
+        sample_prompts(Repeats(), tokenizer, 3, batch_size=5)
+    assert calls == [5, 5, 2]
+
+
 def test_self_prompts_need_a_chat_template_that_shows_where_the_user_turn_begins(tmp_path):
     """A template without the user's text verbatim has no place to start a prompt: exit 2, nothing written."""
     from helpers import save_tiny_model

@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out", type=positive_int, default=None, metavar="N",
                    help="with --from-chat: N rows spread evenly over the file (row floor(i*R/N) of R rows)")
     p.add_argument("--out", required=True, type=Path, help="chat jsonl to write")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="reply length limit in tokens")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="reply length limit in tokens (and, with --self-prompts, prompt length limit)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per generate call")
     p.add_argument("--seed", type=int, default=0, help="torch seed set before loading the model")
     return p

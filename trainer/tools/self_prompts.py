@@ -23,8 +23,8 @@ import torch
 
 #: Stands for the user's text when the chat template is rendered, to find where that text begins.
 _MARK = "\x00osft-self-prompt\x00"
-#: Sampling rounds allowed per prompt asked for before :func:`sample_prompts` gives up.
-ROUNDS_PER_PROMPT = 4
+#: Continuations :func:`sample_prompts` may draw per prompt asked for before it gives up.
+SAMPLES_PER_PROMPT = 4
 
 
 def pre_query_template(tokenizer) -> str:
@@ -56,7 +56,7 @@ def sample_prompts(model, tokenizer, count: int, seed: int = 0, max_new_tokens: 
 
     Raises:
         ValueError: from :func:`pre_query_template`, or fewer than ``count`` distinct non-empty
-            prompts after ``ROUNDS_PER_PROMPT·count`` continuations.
+            prompts after ``SAMPLES_PER_PROMPT·count`` continuations.
     """
     prefix = pre_query_template(tokenizer)
     enc = tokenizer(prefix, return_tensors="pt", add_special_tokens=False)
@@ -66,8 +66,8 @@ def sample_prompts(model, tokenizer, count: int, seed: int = 0, max_new_tokens: 
     prompts: list[str] = []
     drawn = 0
     with torch.inference_mode():
-        while len(prompts) < count and drawn < ROUNDS_PER_PROMPT * count:
-            n = min(batch_size, ROUNDS_PER_PROMPT * count - drawn)
+        while len(prompts) < count and drawn < SAMPLES_PER_PROMPT * count:
+            n = min(batch_size, SAMPLES_PER_PROMPT * count - drawn)
             out = model.generate(input_ids=enc["input_ids"].expand(n, -1),
                                  attention_mask=enc["attention_mask"].expand(n, -1), do_sample=True,
                                  temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
