@@ -163,6 +163,46 @@ def test_bad_input_exits_2_naming_file_and_line(tmp_path, tiny_model_dir, capsys
     assert not out.exists()
 
 
+def test_a_stop_whose_handler_runs_inside_a_finalizer_still_stops_the_command():
+    """The stop handler of make-retention-set and protect-base (trainer/tools/stops.py) raises in
+    the main thread; raised inside a ``__del__`` (a tokenizer's regex nodes are collected while it
+    loads) Python ignores it. It is delivered again and stops the work right after the finalizer;
+    another ignored exception still reaches the previous ``sys.unraisablehook``."""
+    from osft.trainer.tools.stops import ToolStopped, stopped_by_signals
+
+    class Finalized:
+        def __init__(self, signum):
+            self.signum = signum
+
+        def __del__(self):
+            os.kill(os.getpid(), self.signum)
+            for _ in range(10_000):  # the handler runs here, inside the finalizer
+                pass
+
+    class Broken:
+        def __del__(self):
+            raise RuntimeError("not a stop")
+
+    seen, went_on, hook = [], [], sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: seen.append(type(unraisable.exc_value).__name__)
+    try:
+        with pytest.raises(ToolStopped, match="stopped by SIGTERM"):
+            with stopped_by_signals(lambda signum: ToolStopped(signum, "")):
+                Broken()
+                Finalized(signal.SIGTERM)
+                start = time.monotonic()
+                while time.monotonic() < start + 10:  # the work that would go on
+                    pass
+                went_on.append(True)
+        assert not went_on and time.monotonic() - start < 2.0 and seen == ["RuntimeError"]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+        assert sys.unraisablehook is not hook  # this test's own, put back by the context
+        Broken()
+        assert seen == ["RuntimeError", "RuntimeError"]
+    finally:
+        sys.unraisablehook = hook
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_it_within_seconds_with_one_line_and_leaves_the_output_as_it_was(tmp_path, tiny_model_dir,
