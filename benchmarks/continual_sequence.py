@@ -74,8 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 QUICK_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 QUICK_SIZES = {"steps": 1, "batch": 4, "eval_items": 4, "max_new_tokens": 8, "bootstrap": 100, "probe_items": 4,
-               "r1_max_new_tokens": 8, "general_samples": 16,
-               "general_new_tokens": 8}
+               "r1_max_new_tokens": 8, "general_samples": 16, "general_new_tokens": 8}
 URR = 0.25
 
 

@@ -44,7 +44,7 @@ def stopped_by_signals(stopped: Callable[[int], ToolStopped]) -> Iterator[None]:
         raise stopped(signum)
 
     def send(signum: int) -> None:
-        with lock:  # never once the handlers are put back
+        with lock:  # never once the context is left
             if inside[0]:
                 signal.pthread_kill(main, signum)
 
@@ -61,8 +61,11 @@ def stopped_by_signals(stopped: Callable[[int], ToolStopped]) -> Iterator[None]:
     try:
         yield
     finally:
-        with lock:
-            inside[0] = False
-        sys.unraisablehook = hook
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        inside[0] = False  # no send starts after this
+        try:
+            with lock:  # one under way has ended (its stop, raised here, still puts everything back)
+                pass
+        finally:
+            sys.unraisablehook = hook
+            for s, handler in previous.items():
+                signal.signal(s, handler)
