@@ -570,22 +570,22 @@ def general_basis(arm: SequenceArm, base: Path, work: Path, args, seed: int) -> 
     ``record`` (with ``general``: the rows' source, and for ``self`` ``self_rows`` and
     ``self_seconds``). The rows: the demo's chit-chat training file, or (``arm.general`` ``self``) a
     file of that many prompts the base model writes itself and its greedy replies, of at most
-    ``--general-new-tokens`` tokens each (:func:`osft.trainer.tools.retention_set.retention_rows`)."""
+    ``--general-new-tokens`` tokens each (:func:`osft.trainer.tools.retention_set.make_retention_set`)."""
     from assets import demo_assets
     from continual_learning.methods import _train_config
 
     from osft.trainer.tools.protect_base import write_protected_base
-    from osft.trainer.tools.retention_set import retention_rows, write_retention_set
+    from osft.trainer.tools.retention_set import make_retention_set
 
     spec = _spec(arm)
     spec = replace(spec, config={**spec.config, "osft_protect_input_samples": args.general_samples})
     out = work / f"{arm.name}-general"
     if arm.general == "self":
         start = time.perf_counter()
-        rows = retention_rows(base, [], args.general_new_tokens, args.gen_batch, seed,
-                              self_prompts=args.general_samples)
-        data = write_retention_set(work / f"{arm.name}-general.jsonl", rows, args.general_samples).out_path
-        extra = {"self_rows": len(rows), "self_seconds": round(time.perf_counter() - start, 1)}
+        made = make_retention_set(base, work / f"{arm.name}-general.jsonl", [], args.general_new_tokens,
+                                  args.gen_batch, seed, self_prompts=args.general_samples)
+        data = made.out_path
+        extra = {"self_rows": made.rows, "self_seconds": round(time.perf_counter() - start, 1)}
     else:
         data, extra = demo_assets(args.demo_dir).train_path, {}
     cfg = _train_config(spec, _phase("general", data, 1, args, seed), base, out, work / "cache", arm.learning_rate)

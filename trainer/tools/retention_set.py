@@ -200,15 +200,16 @@ def write_retention_set(out_path: Path, rows: list[dict], prompts: int, source_l
 
 
 def make_retention_set(model_dir: Path, out_path: Path, prompts: list[str], max_new_tokens: int = 64,
-                       batch_size: int = 8, seed: int = 0, source_lines: list[int] | None = None) -> RetentionSet:
-    """Write ``model_dir``'s greedy replies to ``prompts`` as chat jsonl at ``out_path``
-    (:func:`retention_rows`, then :func:`write_retention_set`).
+                       batch_size: int = 8, seed: int = 0, source_lines: list[int] | None = None,
+                       self_prompts: int = 0) -> RetentionSet:
+    """Write ``model_dir``'s greedy replies to ``prompts`` (or to ``self_prompts`` = N prompts it
+    writes itself) as chat jsonl at ``out_path`` (:func:`retention_rows`, then :func:`write_retention_set`).
 
     Raises:
-        ValueError / FileNotFoundError: ``model_dir`` is not a loadable model with a chat template.
+        ValueError / FileNotFoundError: from :func:`retention_rows`.
     """
-    rows = retention_rows(model_dir, prompts, max_new_tokens, batch_size, seed)
-    return write_retention_set(out_path, rows, len(prompts), source_lines)
+    rows = retention_rows(model_dir, prompts, max_new_tokens, batch_size, seed, self_prompts)
+    return write_retention_set(out_path, rows, self_prompts or len(prompts), source_lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,11 +259,10 @@ def main(argv: list[str], console) -> RetentionSet:
         prompts = [] if args.self_prompts else read_prompts(args.prompts)
     try:
         with stopped_by_signals(lambda signum: RetentionSetStopped(signum, args.out)):
-            rows = retention_rows(args.model, prompts, args.max_new_tokens, args.batch_size, args.seed,
-                                  self_prompts=args.self_prompts or 0)
+            made = make_retention_set(args.model, args.out, prompts, args.max_new_tokens, args.batch_size,
+                                      args.seed, lines, self_prompts=args.self_prompts or 0)
     except (ValueError, FileNotFoundError) as e:
         raise RetentionSetError(str(e)) from e
-    made = write_retention_set(args.out, rows, args.self_prompts or len(prompts), lines)
     console.print(f"retention set: {made.rows} rows -> {made.out_path}"
                   + (f" ({made.dropped_empty} prompts left out: empty reply)" if made.dropped_empty else ""),
                   markup=False, highlight=False, soft_wrap=True)

@@ -63,7 +63,7 @@ def sample_prompts(model, tokenizer, count: int, seed: int = 0, max_new_tokens: 
     specials = [t for t in tokenizer.all_special_tokens if t]
     cut = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) if specials else None
     torch.manual_seed(seed)
-    prompts: list[str] = []
+    prompts: dict[str, None] = {}  # in the order drawn
     drawn = 0
     with torch.inference_mode():
         while len(prompts) < count and drawn < SAMPLES_PER_PROMPT * count:
@@ -75,9 +75,9 @@ def sample_prompts(model, tokenizer, count: int, seed: int = 0, max_new_tokens: 
             drawn += n
             for text in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False):
                 prompt = (cut.split(text, 1)[0] if cut else text).strip()
-                if prompt and prompt not in prompts and len(prompts) < count:
-                    prompts.append(prompt)
+                if prompt and len(prompts) < count:
+                    prompts.setdefault(prompt)
     if len(prompts) < count:
         raise ValueError(f"self-written prompts: {len(prompts)} distinct non-empty prompts in {drawn} samples, "
                          f"{count} asked for")
-    return prompts
+    return list(prompts)
