@@ -86,7 +86,9 @@ def assert_no_orphans(out):
 
 
 def records(out, event=None):
-    lines = (Path(out) / "metrics" / "node0.jsonl").read_text().splitlines()
+    """The complete records of node 0's metrics file (a last line still being written, without its
+    newline, is not one yet), those of ``event`` when given."""
+    lines = (Path(out) / "metrics" / "node0.jsonl").read_text().split("\n")[:-1]
     recs = [json.loads(line) for line in lines]
     return [r for r in recs if event is None or r["event"] == event]
 
